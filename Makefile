@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.installed
+TORCH   := torch==2.13.0
+
+.PHONY: install demo test test-slow clean
+
+install: $(STAMP)
+
+# torch first, pinned: an unpinned torch would pull gigabytes of CUDA packages.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m draftwise.demo
+
+test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info
