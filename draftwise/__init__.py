@@ -1,0 +1,13 @@
+"""draftwise: faster LLM decoding with draft, companion and verifier models."""
+
+from .api import Generation, generate, stream
+from .errors import DraftwiseError, ModelNotAvailableError
+from .methods import METHODS
+from .models import LoadedModel, load_model
+from .sampling import SamplingConfig
+
+__all__ = [
+    "METHODS", "DraftwiseError", "Generation", "LoadedModel", "ModelNotAvailableError", "SamplingConfig",
+    "generate", "load_model", "stream",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,179 @@
+"""Target-distribution rules and the one speculative sampler (seed 003, Algorithm 4).
+
+Words (as in DESIGN.md): a drafted token is *accepted* when the sampler keeps it; at
+the first rejection a *recovered* token is drawn from the residual
+`norm(max(0, pi - draft_probs))`; when every drafted token is accepted a *bonus*
+token is drawn from `pi` at the position after the last one.
+
+A rule maps the step's distributions to `pi = T(draft_probs, target_probs)`. Exact
+speculative decoding is `pi = target_probs` (Algorithm 1); lossy speculative
+sampling is the max/min form of Lemma 2; later methods (cascades) add rules here,
+never a second sampler.
+
+The bonus position has no draft distribution (the draft never ran there), so its
+`pi` is the target's distribution for every rule: the choice of Leviathan et al.
+and Tran-Thien; a rule may override `bonus`.
+
+Zero residual: `max(0, pi - draft_probs)` is all zero only when `pi <= draft_probs`
+everywhere. For a normalised `pi` that means `pi == draft_probs`, where rejection
+has probability zero and happens only through rounding. When its mass is below
+`ZERO_RESIDUAL` we draw from `norm(pi)` instead: the exact answer in that case, and
+never a crash in `multinomial`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .errors import DraftwiseError
+from .sampling import sample, unwarped
+
+ZERO_RESIDUAL = 1e-5
+
+
+@dataclass(frozen=True)
+class StepDistributions:
+    """What a rule may read at one verification step with k drafted tokens."""
+
+    draft_tokens: torch.Tensor  # [k] int64
+    draft_probs: torch.Tensor  # [k, vocab] warped draft distributions the tokens were drawn from
+    target_probs: torch.Tensor  # [k + 1, vocab] warped target distributions (last = bonus position)
+    target_logits: torch.Tensor  # [k + 1, vocab] raw target logits, for rules that read unwarped probs
+
+
+class TargetRule(Protocol):
+    name: str
+
+    def __call__(self, step: StepDistributions) -> torch.Tensor:
+        """pi for the k drafted positions: [k, vocab]."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExactRule:
+    """pi = target: standard speculative decoding (seed 003 Algorithm 1)."""
+
+    name: str = "exact"
+
+    def __call__(self, step: StepDistributions) -> torch.Tensor:
+        return step.target_probs[:-1]
+
+
+@dataclass(frozen=True)
+class LossyRule:
+    """Lossy speculative sampling (Tran-Thien 2023) as a target distribution, seed 003 Lemma 2:
+
+    pi(v) = max{ min{ draft(v), target(v) / (1 - alpha) }, target(v) / beta }.
+
+    With Algorithm 4 this accepts with min(1, target / ((1 - alpha) draft)) and recovers
+    from norm(max(0, target / beta - draft)) (eq. 17, 18). beta = 1 is the heuristic of
+    Zhou et al.; then pi need not sum to 1 and the tokens follow
+    `output_distribution(draft, pi)`, which is what tests check.
+    """
+
+    alpha: float = 0.0
+    beta: float = 1.0
+    name: str = "lossy"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha < 1.0:
+            raise DraftwiseError(f"lossy: alpha must be in [0, 1), got {self.alpha!r}")
+        if self.beta < 1.0 - self.alpha or self.beta <= 0:
+            raise DraftwiseError(f"lossy: beta must be >= 1 - alpha = {1.0 - self.alpha:g}, got {self.beta!r}")
+
+    def __call__(self, step: StepDistributions) -> torch.Tensor:
+        draft, target = step.draft_probs, step.target_probs[:-1]
+        return torch.maximum(torch.minimum(draft, target / (1.0 - self.alpha)), target / self.beta)
+
+
+@dataclass(frozen=True)
+class LossyGreedyRule:
+    """SpecDecode [Lossy, Greedy] (Leviathan et al. 2023 A.5; seed 003 §C.4), temperature 0.
+
+    A greedy draft token v is kept when target(v) >= (1 - alpha) * max target, computed
+    on the *unwarped* target distribution; otherwise it is replaced by the target's
+    argmax. As a target distribution (Lemma 7's form): pi = one-hot(v) if v is in the
+    top set T_alpha, else one-hot(argmax target).
+    """
+
+    alpha: float = 0.0
+    name: str = "lossy-greedy"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise DraftwiseError(f"lossy-greedy: alpha must be in [0, 1], got {self.alpha!r}")
+
+    def __call__(self, step: StepDistributions) -> torch.Tensor:
+        raw = unwarped(step.target_logits[:-1])  # [k, vocab]
+        tokens = step.draft_tokens
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        in_top_set = raw[rows, tokens] >= (1.0 - self.alpha) * raw.max(dim=-1).values  # [k]
+        keep_draft = torch.zeros_like(raw).scatter_(-1, tokens[:, None], 1.0)
+        return torch.where(in_top_set[:, None], keep_draft, step.target_probs[:-1])
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    num_drafted: int  # k, the drafted tokens that were verified
+    num_accepted: int  # drafted tokens kept, a prefix of the draft
+    next_token: int  # recovered token (num_accepted < k) or bonus token (num_accepted == k)
+
+    @property
+    def bonus(self) -> bool:
+        return self.num_accepted == self.num_drafted
+
+
+def residual(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, pi - draft_probs)) with the zero-residual fallback norm(pi). [vocab] -> [vocab]."""
+    assert pi.ndim == 1 and draft_probs.ndim == 1
+    res = torch.clamp(pi - draft_probs, min=0.0)
+    mass = res.sum()
+    if mass.item() < ZERO_RESIDUAL:
+        return pi / pi.sum()
+    return res / mass
+
+
+def speculative_sample(
+    draft_tokens: torch.Tensor,  # [k] int64
+    draft_probs: torch.Tensor,  # [k, vocab]
+    pi: torch.Tensor,  # [k, vocab] target distribution at the drafted positions
+    bonus_probs: torch.Tensor,  # [vocab] pi at the position after the last drafted token
+    generator: torch.Generator,
+) -> Acceptance:
+    """Algorithm 4 of seed 003 (GenSpecSample): the single place where accept / recover / bonus happens.
+
+    Token j is accepted with probability min(1, pi_j(x_j) / draft_j(x_j)); the first
+    rejection j* is replaced by a draw from norm(max(0, pi_j* - draft_j*)); if none is
+    rejected, a bonus token is drawn from `bonus_probs`. k may be 0 (plain decoding).
+    """
+    assert draft_tokens.ndim == 1 and draft_probs.ndim == 2 and pi.ndim == 2 and bonus_probs.ndim == 1
+    k = draft_tokens.shape[0]
+    if k:
+        rows = torch.arange(k, device=draft_tokens.device)
+        draft_at_x = draft_probs[rows, draft_tokens]  # [k]
+        pi_at_x = pi[rows, draft_tokens]  # [k]
+        uniforms = torch.rand(k, generator=generator, device=pi.device)
+        # u < pi/q written without the division; q(x) > 0 because x was drawn from q.
+        accepted = uniforms * draft_at_x < pi_at_x
+        num_accepted = int(accepted.long().cumprod(0).sum().item())
+    else:
+        num_accepted = 0
+    if num_accepted < k:
+        probs = residual(pi[num_accepted], draft_probs[num_accepted])
+    else:
+        probs = bonus_probs
+    next_token = int(sample(probs[None], generator).item())
+    return Acceptance(num_drafted=k, num_accepted=num_accepted, next_token=next_token)
+
+
+def output_distribution(draft_probs: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:
+    """The distribution of the token Algorithm 4 commits at one position. [vocab], [vocab] -> [vocab].
+
+    min(draft, pi) + (1 - sum min(draft, pi)) * residual(pi, draft). Equals pi when pi
+    sums to 1; for lossy with beta = 1 it is that method's own distribution.
+    """
+    kept = torch.minimum(draft_probs, pi)
+    return kept + (1.0 - kept.sum()) * residual(pi, draft_probs)

@@ -1,0 +1,9 @@
+"""Errors draftwise raises for bad input; each message names the problem and the fix."""
+
+
+class DraftwiseError(ValueError):
+    """Bad input to draftwise (an option, a model pairing, a prompt)."""
+
+
+class ModelNotAvailableError(DraftwiseError):
+    """A model spec could not be resolved to weights on this machine."""

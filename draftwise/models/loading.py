@@ -1,0 +1,216 @@
+"""`load_model`: one entry point from whatever the user has to a `LoadedModel`.
+
+A spec may be a `LoadedModel`, a transformers `PreTrainedModel` (tests build tiny
+random ones in-process), a local Hugging Face directory, a GGUF file, a registry
+name of the default models, or a hub id. Hub ids work only where the hub is
+reachable; offline they fail fast, naming the offline alternatives.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..errors import DraftwiseError, ModelNotAvailableError
+from . import registry
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None = None
+    name: str = "model"
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer: the size of every distribution this model returns."""
+        head = self.model.get_output_embeddings()
+        if head is not None and hasattr(head, "out_features"):
+            return int(head.out_features)
+        return int(self.model.config.vocab_size)
+
+    @property
+    def context_window(self) -> int | None:
+        config = self.model.config
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise DraftwiseError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DraftwiseError(f"device {str(device)!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
+    return device
+
+
+def load_model(
+    spec: object,
+    *,
+    tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """Load `spec` for decoding. CPU unless `device` says otherwise ('cuda', 'auto').
+
+    dtype: None keeps an in-memory model's dtype and loads files in float32 on CPU
+    (bfloat16 on CUDA); 'bf16' / 'fp16' / 'fp32' choose explicitly.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    if isinstance(spec, LoadedModel):
+        loaded = spec
+        if tokenizer is not None:
+            loaded.tokenizer = _load_tokenizer(tokenizer)
+    elif isinstance(spec, PreTrainedModel):
+        loaded = LoadedModel(model=spec, tokenizer=_load_tokenizer(tokenizer), name=type(spec).__name__)
+    elif isinstance(spec, (str, os.PathLike)):
+        target_device = resolve_device(device)
+        if torch_dtype is None:
+            torch_dtype = torch.float32 if target_device.type == "cpu" else torch.bfloat16
+        loaded = _load_from_string(str(spec), torch_dtype)
+        if tokenizer is not None:
+            loaded.tokenizer = _load_tokenizer(tokenizer)
+    else:
+        raise DraftwiseError(
+            f"cannot load a model from {type(spec).__name__}; pass a PreTrainedModel, a local directory, "
+            "a .gguf file, a registry name or a hub id"
+        )
+    if device is not None:
+        loaded.model.to(resolve_device(device))
+    if torch_dtype is not None and loaded.dtype != torch_dtype:
+        loaded.model.to(torch_dtype)
+    loaded.model.eval()
+    loaded.eos_token_ids = _eos_ids(loaded)
+    return loaded
+
+
+def _load_tokenizer(tokenizer: object) -> PreTrainedTokenizerBase | None:
+    if tokenizer is None or isinstance(tokenizer, PreTrainedTokenizerBase):
+        return tokenizer
+    return AutoTokenizer.from_pretrained(str(tokenizer))
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _load_from_string(spec: str, dtype: torch.dtype) -> LoadedModel:
+    if spec in registry.names():
+        return _load_directory(registry.resolve(spec), dtype, name=spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise DraftwiseError(f"{spec}: a model file must be a .gguf file; for safetensors pass its directory")
+        return _load_gguf(path, dtype)
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return _load_directory(path, dtype, name=path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _load_gguf(ggufs[0], dtype)
+        raise DraftwiseError(f"{spec}: directory has no config.json (and not exactly one .gguf file)")
+    if _looks_like_hub_id(spec):
+        return _load_from_hub(spec, dtype)
+    raise DraftwiseError(
+        f"{spec!r} is not a local directory, a .gguf file, a registry name ({_registry_list()}) or a hub id (org/name)"
+    )
+
+
+def _load_directory(path: Path, dtype: torch.dtype, *, name: str) -> LoadedModel:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if _has_tokenizer(path) else None
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    # transformers dequantises GGUF weights on load (needs the `gguf` package).
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=path.stem)
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"))
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def _registry_list() -> str:
+    return ", ".join(registry.names()) or "none yet"
+
+
+def _hub_reachable(timeout_s: float = 2.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname or ""
+    try:
+        with socket.create_connection((host, 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _load_from_hub(spec: str, dtype: torch.dtype) -> LoadedModel:
+    try:  # already in the local Hugging Face cache: no network needed
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        return LoadedModel(model=model, tokenizer=tokenizer, name=spec)
+    except (OSError, ValueError):
+        pass
+    if not _hub_reachable():
+        raise ModelNotAvailableError(
+            f"{spec!r} looks like a model-hub id, but the hub cannot be reached from this machine and the model is "
+            "not in the local Hugging Face cache. Offline alternatives: a registry name "
+            f"({_registry_list()}; see `draftwise models`), a local Hugging Face directory, or a .gguf file."
+        )
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(spec)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec)

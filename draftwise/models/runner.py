@@ -1,0 +1,80 @@
+"""The model runner: one causal LM and the KV cache it owns.
+
+Invariant: the cache holds keys/values for the first `length` tokens of the
+sequence being decoded. `forward` appends tokens; `trim` drops the tail. The
+decoding loop calls `trim` from one place (its rewind phase); nothing else
+shortens a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    logits: torch.Tensor  # [num_logits, vocab] for the last num_logits tokens fed
+    hidden: torch.Tensor | None  # [num_logits, hidden] last-layer hidden states, when asked
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, *, vocab_size: int | None = None) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.vocab_size = vocab_size  # logits are cut to this many columns (padded vocabularies)
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+        self.calls = 0  # forward passes
+        self.tokens_processed = 0  # tokens fed through forward passes
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = 0
+        self.calls = 0
+        self.tokens_processed = 0
+
+    @torch.inference_mode()
+    def forward(
+        self, new_tokens: Sequence[int] | torch.Tensor, *, num_logits: int | None = None, hidden: bool = False
+    ) -> RunnerOutput:
+        """Feed tokens after the cached ones; return logits for the last `num_logits` (default: all)."""
+        ids = torch.as_tensor(new_tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("ModelRunner.forward needs at least one token")
+        num_logits = n if num_logits is None else num_logits
+        out = self.model(
+            input_ids=ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+            output_hidden_states=hidden,
+        )
+        self.length += n
+        self.calls += 1
+        self.tokens_processed += n
+        logits = out.logits[0, -num_logits:]  # [num_logits, vocab]
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        states = out.hidden_states[-1][0, -num_logits:] if hidden else None
+        return RunnerOutput(logits=logits, hidden=states)
+
+    def prefill(self, tokens: Sequence[int] | torch.Tensor, *, hidden: bool = False) -> RunnerOutput:
+        """Forward over a whole prompt, keeping only the last position's logits."""
+        return self.forward(tokens, num_logits=1, hidden=hidden)
+
+    def trim(self, keep: int) -> None:
+        """Drop cached tokens past the first `keep` (rollback of rejected tokens)."""
+        if not 0 <= keep <= self.length:
+            raise ValueError(f"cannot trim a cache of {self.length} tokens to {keep}")
+        if keep < self.length:
+            self.cache.crop(keep - self.length)  # transformers 5: a negative count removes tokens
+            self.length = keep
+
+    def pending(self, sequence: Sequence[int]) -> list[int]:
+        """The tokens of `sequence` not yet in the cache (the cache holds a prefix of it)."""
+        return list(sequence[self.length :])
