@@ -107,10 +107,11 @@ def stream(
     yield from run.pieces()
 
 
-def _plan(
-    *, target: Any, prompt: Any, draft: Any, method: str, max_new_tokens: int, temperature: float, top_k: int,
-    top_p: float, seed: int | None, gamma: int, stop: Any, ignore_eos: bool, method_options: dict[str, Any],
-) -> _Plan:
+def check_options(
+    *, method: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
+    gamma: int, stop: Any, ignore_eos: bool, draft_given: bool, **method_options: Any,
+) -> tuple[Method, dict[str, Any], SamplingConfig, tuple[str, ...]]:
+    """Every check that needs no model: runs first, so bad input fails before weights load."""
     spec = get_method(method)
     options = spec.resolve_options(method_options)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -119,16 +120,28 @@ def _plan(
         raise DraftwiseError(f"method {spec.name!r} is defined for greedy decoding only: pass temperature=0")
     if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
         raise DraftwiseError(f"gamma (draft tokens per step) must be an integer >= 1, got {gamma!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise DraftwiseError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise DraftwiseError(f"seed must be a non-negative integer or None, got {seed!r}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise DraftwiseError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    if spec.needs_draft and draft is None:
+    if spec.needs_draft and not draft_given:
         raise DraftwiseError(f"method {spec.name!r} needs a draft model: pass draft=... (or --draft)")
-    if not spec.needs_draft and draft is not None:
+    if not spec.needs_draft and draft_given:
         raise DraftwiseError(f"method {spec.name!r} does not use a draft model; drop draft=... or pick 'sd'")
+    return spec, options, sampling, stops
 
+
+def _plan(
+    *, target: Any, prompt: Any, draft: Any, method: str, max_new_tokens: int, temperature: float, top_k: int,
+    top_p: float, seed: int | None, gamma: int, stop: Any, ignore_eos: bool, method_options: dict[str, Any],
+) -> _Plan:
+    spec, options, sampling, stops = check_options(
+        method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        gamma=gamma, stop=stop, ignore_eos=ignore_eos, draft_given=draft is not None, **method_options,
+    )
     target_model = load_model(target)
     draft_model = load_model(draft) if draft is not None else None
     vocab_size = _shared_vocab(target_model, draft_model)

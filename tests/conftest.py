@@ -1,0 +1,56 @@
+"""Tiny random models and a tiny tokenizer, built in-process (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CORPUS = [
+    "the cat sat on the mat and the dog sat on the log",
+    "speculative decoding drafts tokens and the target verifies them",
+    "a small draft model proposes and a large target model accepts or rejects",
+    "once upon a time there was a tiny model that decoded very fast",
+] * 4
+
+
+def tiny_llama(seed: int, *, vocab: int = 64, layers: int = 2, width: int = 64, init: float = 0.5,
+               window: int = 256, eos: int | None = None) -> LlamaForCausalLM:
+    """A random Llama. `init` scales the weights: 0.5 gives peaked, model-specific distributions."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=None, initializer_range=init, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(seed: int, *, vocab: int = 64, layers: int = 2, width: int = 64, init: float = 0.5,
+              window: int = 256) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=width, n_layer=layers, n_head=4, n_positions=window,
+        bos_token_id=None, eos_token_id=None, initializer_range=init,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of exactly `vocab` entries (incl. one end-of-sequence token) trained on CORPUS."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40],
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    """(target, draft): two different tiny Llamas with the same 64-token vocabulary."""
+    return tiny_llama(0), tiny_llama(1, layers=1)
