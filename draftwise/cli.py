@@ -12,6 +12,7 @@ from .api import check_options, generate, stream
 from .errors import DraftwiseError
 from .methods import METHODS
 from .models.loading import load_model
+from .sampling import SamplingConfig
 
 _API_DEFAULTS = {
     name: p.default for name, p in inspect.signature(generate).parameters.items() if p.default is not inspect.Parameter.empty
@@ -98,16 +99,116 @@ def _run_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_option_values(pairs: list[str] | None) -> dict[str, dict[str, Any]]:
+    """['lossy:alpha=0.2', 'prompt-lookup:max_ngram=4'] -> {'lossy': {'alpha': '0.2'}, ...} (typed by the method)."""
+    out: dict[str, dict[str, Any]] = {}
+    for pair in pairs or []:
+        method, sep, assignment = pair.partition(":")
+        name, eq, value = assignment.partition("=")
+        if not sep or not eq or not name:
+            raise DraftwiseError(f"--option takes METHOD:NAME=VALUE, got {pair!r}")
+        spec = METHODS.get(method)
+        if spec is None:
+            raise DraftwiseError(f"--option {pair!r}: unknown method {method!r}")
+        out.setdefault(method, {})[name.replace("-", "_")] = value
+    for method, given in out.items():
+        out[method] = {k: v for k, v in METHODS[method].resolve_options(given).items() if k in given}
+    return out
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from .bench.datasets import CATEGORIES, DATASETS, GROUPS
+    from .bench.harness import BenchConfig
+
+    d = BenchConfig(target="")
+    p = sub.add_parser("bench", help="measure methods on Spec-Bench prompts (speed, target calls, acceptance)")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", default=None, help="draft for sd / lossy / ... methods")
+    p.add_argument("--hf-draft", default=None, help="independent draft for hf-assisted (default: --draft)")
+    p.add_argument("--methods", default=",".join(d.methods), help="comma-separated; see `draftwise methods`, "
+                   "plus hf-assisted and prompt-lookup-hf")
+    p.add_argument("--dataset", default=d.dataset, help=f"one of: {', '.join(DATASETS)}")
+    p.add_argument("--categories", default="", help=f"comma-separated, default all: {', '.join(CATEGORIES)}, "
+                   f"or group {', '.join(GROUPS)}")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--gamma", type=int, default=d.gamma)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="prompts per method run before timing")
+    p.add_argument("--dtype", default=d.dtype, help="bf16 (default) or fp32")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = default)")
+    p.add_argument("--option", action="append", default=None, metavar="METHOD:NAME=VALUE",
+                   help="a method option, e.g. lossy:alpha=0.2 (repeatable)")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="write the results here")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and mean accepted length per method")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .bench.datasets import expand_categories, load_prompts
+    from .bench.harness import BenchConfig, check_methods, run_bench
+    from .bench.report import format_table, write_json
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    check_methods(methods)
+    categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
+    expand_categories(list(categories))
+    config = BenchConfig(
+        target=args.target, draft=args.draft, hf_draft=args.hf_draft, methods=methods, dataset=args.dataset,
+        categories=categories, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, gamma=args.gamma, repeats=args.repeats,
+        warmup=args.warmup, dtype=args.dtype, device=args.device, seed=args.seed, threads=args.threads,
+        method_options=_parse_option_values(args.option),
+    )
+    SamplingConfig(config.temperature, config.top_k, config.top_p)
+    if config.gamma < 1 or config.repeats < 1 or config.max_new_tokens < 1:
+        raise DraftwiseError("--gamma, --repeats and --max-new-tokens must be >= 1")
+    n_prompts = len(load_prompts(config.dataset, categories=list(categories) or None, num_prompts=config.num_prompts))
+    with tqdm(total=n_prompts * len(methods) * config.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
+        results = run_bench(config, progress=bar.update)
+    print(format_table(results))
+    if args.json:
+        write_json(results, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from .bench.report import plot
+
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from .models import registry
+    from .models.cache import cache_root, list_entries
+
+    print(f"cache: {cache_root()}")
+    cached = list_entries(verify=args.verify)
+    for entry in registry.entries():
+        state = cached.get(entry.name) if args.verify else entry.cached()
+        print(f"{entry.name:<26} {entry.role:<10} {state or 'not built yet':<22} {entry.description}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftwise", description="Faster LLM decoding with draft models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     methods = sub.add_parser("methods", help="list the methods, their options and defaults")
     methods.add_argument("--json", action="store_true")
+    _add_bench(sub)
+    models = sub.add_parser("models", help="list the default models and what is cached")
+    models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
     return parser
 
 
-_COMMANDS = {"generate": _run_generate, "methods": _run_methods}
+_COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "models": _run_models}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,221 @@
+"""`draftwise bench`: every method on the same prompts, in a fixed order, after a warm-up.
+
+Methods are draftwise's own (`draftwise methods`) plus two external references run
+through transformers' `generate`: `hf-assisted` (assisted generation with an
+independent draft, `assistant_model=`) and `prompt-lookup-hf` (its prompt lookup
+decoding), with the same gamma and sampling settings. Every run is timed the same
+way: wall-clock around the whole call, after a warm-up, repeats interleaved
+method by method so drift hits every method alike.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..api import generate
+from ..errors import DraftwiseError
+from ..methods import METHODS
+from ..models.loading import LoadedModel, load_model
+from ..sampling import SamplingConfig
+from .datasets import Prompt, load_prompts
+from .metrics import RunRecord, report
+
+HF_METHODS = ("hf-assisted", "prompt-lookup-hf")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str | None = None
+    hf_draft: str | None = None
+    methods: tuple[str, ...] = ("ar", "sd", "prompt-lookup")
+    dataset: str = "spec-bench"
+    categories: tuple[str, ...] = ()
+    num_prompts: int = 32
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    gamma: int = 4
+    repeats: int = 3
+    warmup: int = 1
+    dtype: str = "bf16"
+    device: str = "cpu"
+    seed: int = 0
+    threads: int = 0  # 0 = torch's default
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def check_methods(methods: tuple[str, ...]) -> None:
+    valid = list(METHODS) + list(HF_METHODS)
+    unknown = [m for m in methods if m not in valid]
+    if unknown:
+        raise DraftwiseError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    if not methods:
+        raise DraftwiseError("no methods given")
+
+
+def machine_description(device: torch.device) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {
+        "platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+        "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _prompt_ids(model: LoadedModel, prompt: Prompt) -> list[int]:
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise DraftwiseError("the benchmark needs a target with a tokenizer")
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    return tokenizer(prompt.text)["input_ids"]
+
+
+class _CallCounter:
+    """Counts forward calls of a transformers model (for the HF reference methods)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:
+        self.calls += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _hf_run(
+    method: str, target: LoadedModel, hf_draft: LoadedModel | None, ids: list[int], config: BenchConfig, seed: int
+) -> dict[str, Any]:
+    sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
+    kwargs: dict[str, Any] = dict(max_new_tokens=config.max_new_tokens, do_sample=not sampling.greedy)
+    if sampling.greedy:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(temperature=config.temperature, top_k=config.top_k or None, top_p=config.top_p)
+    if method == "hf-assisted":
+        assert hf_draft is not None
+        kwargs.update(
+            assistant_model=hf_draft.model, num_assistant_tokens=config.gamma,
+            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
+        )
+    else:
+        kwargs.update(prompt_lookup_num_tokens=config.gamma)
+    input_ids = torch.tensor([ids], device=target.device)
+    target_counter = _CallCounter(target.model)
+    draft_counter = _CallCounter(hf_draft.model) if method == "hf-assisted" else None
+    torch.manual_seed(seed)
+    try:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), pad_token_id=_pad_id(target), **kwargs
+            )
+        wall = time.perf_counter() - start
+    finally:
+        target_counter.close()
+        if draft_counter:
+            draft_counter.close()
+    new = out[0, len(ids):].tolist()
+    return dict(
+        new_tokens=len(new), wall_time_s=wall, target_calls=target_counter.calls,
+        draft_calls=draft_counter.calls if draft_counter else 0, token_ids=new,
+    )
+
+
+def _pad_id(model: LoadedModel) -> int:
+    if model.tokenizer is not None and model.tokenizer.pad_token_id is not None:
+        return model.tokenizer.pad_token_id
+    return min(model.eos_token_ids) if model.eos_token_ids else 0
+
+
+def _draftwise_run(
+    method: str, target: LoadedModel, draft: LoadedModel | None, ids: list[int], config: BenchConfig, seed: int
+) -> dict[str, Any]:
+    spec = METHODS[method]
+    start = time.perf_counter()
+    g = generate(
+        target, ids, draft=draft if spec.needs_draft else None, method=method,
+        max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+        top_p=config.top_p, seed=seed, gamma=config.gamma, **config.method_options.get(method, {}),
+    )
+    wall = time.perf_counter() - start
+    s = g.stats
+    return dict(
+        new_tokens=s["new_tokens"], wall_time_s=wall, target_calls=s["target_calls"], draft_calls=s["draft_calls"],
+        drafted=s["drafted"], accepted=s["accepted"], accepted_per_position=s["accepted_per_position"],
+        drafted_per_position=s["drafted_per_position"], token_ids=g.token_ids,
+    )
+
+
+def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns {"config", "machine", "methods"} (see `metrics.report`)."""
+    check_methods(config.methods)
+    needs_draft = [m for m in config.methods if m in METHODS and METHODS[m].needs_draft]
+    if needs_draft and not config.draft:
+        raise DraftwiseError(f"method(s) {', '.join(needs_draft)} need --draft")
+    if "hf-assisted" in config.methods and not (config.hf_draft or config.draft):
+        raise DraftwiseError("hf-assisted needs --hf-draft (an independent draft model)")
+    prompts = load_prompts(config.dataset, categories=list(config.categories) or None, num_prompts=config.num_prompts)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+    target = load_model(config.target, device=config.device, dtype=config.dtype)
+    draft = load_model(config.draft, device=config.device, dtype=config.dtype) if config.draft else None
+    hf_draft = None
+    if "hf-assisted" in config.methods:
+        hf_draft = draft if (config.hf_draft in (None, config.draft)) else load_model(
+            config.hf_draft, device=config.device, dtype=config.dtype)
+    encoded = [(p, _prompt_ids(target, p)) for p in prompts]
+
+    def run_one(method: str, ids: list[int], seed: int) -> dict[str, Any]:
+        if method in HF_METHODS:
+            return _hf_run(method, target, hf_draft, ids, config, seed)
+        return _draftwise_run(method, target, draft, ids, config, seed)
+
+    warm = BenchConfig(**{**asdict(config), "max_new_tokens": min(16, config.max_new_tokens)})
+    for method in config.methods:  # warm-up: allocator, kernels, first-call caches
+        for _, ids in encoded[: config.warmup]:
+            (_hf_run(method, target, hf_draft, ids, warm, 0) if method in HF_METHODS
+             else _draftwise_run(method, target, draft, ids, warm, 0))
+
+    records: list[RunRecord] = []
+    for repeat in range(config.repeats):
+        for i, (prompt, ids) in enumerate(encoded):
+            for method in config.methods:
+                seed = config.seed + 1000 * repeat + i  # the same seed for every method on a prompt
+                result = run_one(method, ids, seed)
+                records.append(RunRecord(
+                    method=method, repeat=repeat, question_id=prompt.question_id, category=prompt.category, **result,
+                ))
+                if progress:
+                    progress(1)
+    methods = report(records, compare_identical=SamplingConfig(config.temperature).greedy)
+    return {
+        "config": {**asdict(config), "prompts": [p.question_id for p in prompts]},
+        "machine": machine_description(target.device) | {"dtype": str(target.dtype)},
+        "methods": methods,
+    }

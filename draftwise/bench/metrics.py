@@ -1,0 +1,105 @@
+"""Benchmark arithmetic: raw per-run records in, the reported metrics out (pure functions).
+
+Conventions (DESIGN.md, as vLLM and Spec-Bench report them):
+- tokens/s of a method = its new tokens over all prompts / its wall time over all
+  prompts, per repeat; the reported value is the median over repeats.
+- speedup_vs_ar = tokens/s of the method / tokens/s of `ar` from the same run.
+- mean_accepted_length = new tokens / target calls (bonus or recovered token included;
+  `ar` = 1.0).
+- acceptance_rate = accepted / drafted (drafted = draft tokens sent to verification).
+- accepted_per_position[i] = fraction of verification steps that drafted a token at
+  position i in which that token was accepted.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunRecord:
+    method: str
+    repeat: int
+    question_id: int
+    category: str
+    new_tokens: int
+    wall_time_s: float
+    target_calls: int
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    width = max((len(x) for x in lists), default=0)
+    return [sum(x[i] for x in lists if i < len(x)) for i in range(width)]
+
+
+def summarize(records: list[RunRecord]) -> dict:
+    """Metrics of one method over `records` (all repeats, all prompts)."""
+    if not records:
+        raise ValueError("no records to summarize")
+    repeats = sorted({r.repeat for r in records})
+    per_repeat_tps = []
+    for rep in repeats:
+        runs = [r for r in records if r.repeat == rep]
+        wall = sum(r.wall_time_s for r in runs)
+        per_repeat_tps.append(sum(r.new_tokens for r in runs) / wall if wall > 0 else 0.0)
+    new_tokens = sum(r.new_tokens for r in records)
+    target_calls = sum(r.target_calls for r in records)
+    drafted = sum(r.drafted for r in records)
+    accepted = sum(r.accepted for r in records)
+    acc_pos = _sum_lists([r.accepted_per_position for r in records])
+    dra_pos = _sum_lists([r.drafted_per_position for r in records])
+    return {
+        "tokens_per_s": statistics.median(per_repeat_tps),
+        "tokens_per_s_per_repeat": per_repeat_tps,
+        "new_tokens": new_tokens,
+        "mean_accepted_length": new_tokens / target_calls if target_calls else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "accepted_per_position": [a / d if d else 0.0 for a, d in zip(acc_pos, dra_pos)],
+        "target_calls_per_token": target_calls / new_tokens if new_tokens else 0.0,
+        "draft_calls_per_token": sum(r.draft_calls for r in records) / new_tokens if new_tokens else 0.0,
+        "drafted": drafted,
+        "accepted": accepted,
+        "target_calls": target_calls,
+    }
+
+
+def identical_fraction(records: list[RunRecord], reference: list[RunRecord]) -> float:
+    """Fraction of (repeat, prompt) outputs token-identical to the reference method's."""
+    ref = {(r.repeat, r.question_id): r.token_ids for r in reference}
+    pairs = [(r.token_ids, ref.get((r.repeat, r.question_id))) for r in records]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
+
+
+def report(records: list[RunRecord], *, baseline: str = "ar", compare_identical: bool = False) -> dict:
+    """{"<method>": metrics + speedup_vs_ar + per_category}, speedups against `baseline` in the same run."""
+    methods = list(dict.fromkeys(r.method for r in records))
+    categories = list(dict.fromkeys(r.category for r in records))
+    out: dict[str, dict] = {}
+    base = [r for r in records if r.method == baseline]
+    base_tps = summarize(base)["tokens_per_s"] if base else None
+    base_cat = {c: summarize([r for r in base if r.category == c])["tokens_per_s"] for c in categories} if base else {}
+    for method in methods:
+        mine = [r for r in records if r.method == method]
+        metrics = summarize(mine)
+        metrics["speedup_vs_ar"] = metrics["tokens_per_s"] / base_tps if base_tps else None
+        if compare_identical and base:
+            metrics["identical_to_ar"] = identical_fraction(mine, base)
+        per_category = {}
+        for c in categories:
+            cat_runs = [r for r in mine if r.category == c]
+            if cat_runs:
+                m = summarize(cat_runs)
+                m["speedup_vs_ar"] = m["tokens_per_s"] / base_cat[c] if base_cat.get(c) else None
+                m.pop("tokens_per_s_per_repeat")
+                per_category[c] = m
+        metrics["per_category"] = per_category
+        out[method] = metrics
+    return out

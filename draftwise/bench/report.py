@@ -1,0 +1,74 @@
+"""Reporting benchmark results: a console table, JSON written atomically, a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def format_table(results: dict[str, Any]) -> str:
+    rows = [("method", "tok/s", "speedup", "mean acc len", "accept rate", "target calls/tok", "identical")]
+    for name, m in results["methods"].items():
+        rows.append((
+            name, f"{m['tokens_per_s']:.1f}",
+            f"{m['speedup_vs_ar']:.2f}x" if m.get("speedup_vs_ar") is not None else "-",
+            f"{m['mean_accepted_length']:.2f}", f"{m['acceptance_rate']:.2f}" if m["drafted"] else "-",
+            f"{m['target_calls_per_token']:.3f}",
+            f"{m['identical_to_ar']:.2f}" if "identical_to_ar" in m else "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(results: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write atomically: a crash or a full disk never leaves a half-written file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
+    """Two panels: speedup vs ar and mean accepted length, per method and category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = list(results["methods"])
+    categories = list(next(iter(results["methods"].values()))["per_category"])
+    groups = categories + ["overall"]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(groups) * max(1, len(methods)) / 2), 8), sharex=True)
+    width = 0.8 / max(len(methods), 1)
+    x = np.arange(len(groups))
+    for panel, (key, label) in zip(axes, [("speedup_vs_ar", "speedup vs ar (tokens/s ratio)"),
+                                          ("mean_accepted_length", "mean accepted length (tokens / target call)")]):
+        for j, method in enumerate(methods):
+            m = results["methods"][method]
+            values = [(m["per_category"].get(c, {}).get(key) or 0.0) for c in categories] + [m.get(key) or 0.0]
+            panel.bar(x + (j - (len(methods) - 1) / 2) * width, values, width, label=method)
+        panel.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        panel.set_ylabel(label)
+        panel.grid(axis="y", alpha=0.3)
+    axes[0].legend(ncol=min(len(methods), 4), fontsize=8)
+    axes[1].set_xticks(x, groups, rotation=30, ha="right")
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['target']} | T={cfg['temperature']} gamma={cfg['gamma']} | {results['machine'].get('cpu', '')}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,217 @@
+"""The command line, through `draftwise.cli.main([...])` (and once as a real subprocess)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+import draftwise
+from conftest import tiny_llama, tiny_tokenizer
+from draftwise.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny target and a tiny draft saved as Hugging Face directories (with the tiny tokenizer)."""
+    root = tmp_path_factory.mktemp("models")
+    tok = tiny_tokenizer()
+    dirs = {}
+    for name, model in (("target", tiny_llama(0)), ("draft", tiny_llama(1, layers=1))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+def _run(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---------------------------------------------------------------- methods
+
+def test_methods_lists_every_method_and_option(capsys):
+    code, out, err = _run(capsys, ["methods"])
+    assert code == 0 and err == ""
+    for method in draftwise.METHODS.values():
+        assert method.name in out
+        assert method.summary in out
+        for option in method.options:
+            assert f"--{option.name.replace('_', '-')} (default {option.default})" in out
+    # the common options with their defaults (from the API signature)
+    assert "gamma=4" in out and "temperature=1.0" in out and "max_new_tokens=128" in out
+
+
+def test_methods_json(capsys):
+    code, out, _ = _run(capsys, ["methods", "--json"])
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == set(draftwise.METHODS)
+    for name, method in draftwise.METHODS.items():
+        entry = data[name]
+        assert entry["exact"] == method.exact
+        assert entry["greedy_only"] == method.greedy_only
+        assert entry["drafter"] == method.drafter
+        assert {k: v["default"] for k, v in entry["options"].items()} == {o.name: o.default for o in method.options}
+
+
+# ---------------------------------------------------------------- generate
+
+def test_generate_prints_text(capsys, model_dirs):
+    argv = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
+            "--max-new-tokens", "5", "--ignore-eos", "the cat"]
+    code, out, err = _run(capsys, argv)
+    assert code == 0, err
+    expected = draftwise.generate(
+        model_dirs["target"], "the cat", method="ar", temperature=0, max_new_tokens=5, ignore_eos=True
+    )
+    assert expected.text
+    assert out == expected.text + "\n"
+
+
+def test_generate_json(capsys, model_dirs):
+    argv = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
+            "--max-new-tokens", "5", "--json", "the cat"]
+    code, out, err = _run(capsys, argv)
+    assert code == 0, err
+    data = json.loads(out)
+    assert {"text", "token_ids", "stats"} <= set(data)
+    assert isinstance(data["text"], str)
+    assert 1 <= len(data["token_ids"]) <= 5
+    assert data["stats"]["new_tokens"] == len(data["token_ids"])
+    assert data["stats"]["method"] == "ar"
+    assert data["rates"]["mean_accepted_length"] == 1.0
+
+
+def test_generate_sd_with_draft(capsys, model_dirs):
+    argv = ["generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--method", "sd",
+            "--gamma", "3", "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos", "--json", "the cat"]
+    code, out, err = _run(capsys, argv)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["stats"]["method"] == "sd"
+    assert len(data["token_ids"]) == 8
+    assert len(data["stats"]["accepted_per_position"]) == 3
+    assert data["stats"]["draft_calls"] > 0
+    greedy = draftwise.generate(
+        model_dirs["target"], "the cat", method="ar", temperature=0, max_new_tokens=8, ignore_eos=True
+    )
+    assert data["token_ids"] == greedy.token_ids  # exact at temperature 0
+
+
+def test_generate_sampling_flags_and_seed(capsys, model_dirs):
+    argv = ["generate", "--target", model_dirs["target"], "--method", "prompt-lookup", "--max-ngram", "2",
+            "--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--seed", "7", "--max-new-tokens", "6",
+            "--ignore-eos", "--json", "the cat sat on the mat"]
+    first = _run(capsys, argv)
+    second = _run(capsys, argv)
+    assert first[0] == second[0] == 0
+    a, b = json.loads(first[1]), json.loads(second[1])
+    assert a["token_ids"] == b["token_ids"]
+    assert a["stats"]["seed"] == 7
+    expected = draftwise.generate(
+        model_dirs["target"], "the cat sat on the mat", method="prompt-lookup", max_ngram=2, temperature=0.8,
+        top_k=10, top_p=0.9, seed=7, max_new_tokens=6, ignore_eos=True,
+    )
+    assert a["token_ids"] == expected.token_ids
+
+
+def test_generate_prompt_from_stdin(capsys, monkeypatch, model_dirs):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the cat"))
+    argv = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
+            "--max-new-tokens", "5", "--ignore-eos", "--json", "-"]
+    code, out, err = _run(capsys, argv)
+    assert code == 0, err
+    data = json.loads(out)
+    expected = draftwise.generate(
+        model_dirs["target"], "the cat", method="ar", temperature=0, max_new_tokens=5, ignore_eos=True
+    )
+    assert data["token_ids"] == expected.token_ids
+    assert data["stats"]["prompt_tokens"] == len(draftwise.load_model(model_dirs["target"]).tokenizer("the cat")["input_ids"])
+
+
+def test_generate_stop_flag(capsys, model_dirs):
+    base = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
+            "--max-new-tokens", "20", "--ignore-eos", "--json"]
+    code, out, _ = _run(capsys, base + ["the cat"])
+    full = json.loads(out)["text"]
+    stop = next(full[i : i + 2] for i in range(2, len(full) - 1)
+                if full[i : i + 2].isascii() and full[i : i + 2].isprintable() and full.find(full[i : i + 2]) == i)
+    code, out, err = _run(capsys, base + ["--stop", "zzzz", "--stop", stop, "the cat"])
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["text"] == full[: full.find(stop)]
+    assert data["stats"]["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------- bad flags
+
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "ar", "--top-p", "1.5"], "top_p"),
+    (["--method", "ar", "--top-p", "0"], "top_p"),
+    (["--method", "ar", "--temperature", "-1"], "temperature"),
+    (["--method", "sd", "--draft", "DRAFT", "--alpha", "0.2"], "no option 'alpha'"),
+    (["--method", "ar", "--max-ngram", "2"], "no option 'max_ngram'"),
+    (["--method", "sd", "--draft", "DRAFT", "--gamma", "0"], "gamma"),
+    (["--method", "sd"], "needs a draft model"),
+    (["--method", "ar", "--draft", "DRAFT"], "does not use a draft model"),
+    (["--method", "lossy-greedy", "--draft", "DRAFT"], "greedy decoding only"),
+    (["--method", "lossy", "--draft", "DRAFT", "--alpha", "1.0"], "alpha"),
+    (["--method", "ar", "--max-new-tokens", "0"], "max_new_tokens"),
+])
+def test_bad_flags_exit_2_before_loading(capsys, model_dirs, tmp_path, flags, message):
+    # the target does not even exist: the flag check must come first and name the flag's problem
+    missing = str(tmp_path / "missing-model")
+    flags = [model_dirs["draft"] if f == "DRAFT" else f for f in flags]
+    code, out, err = _run(capsys, ["generate", "--target", missing, *flags, "the cat"])
+    assert code == 2
+    assert out == ""
+    assert err.startswith("draftwise: error:")
+    assert message in err
+    assert "missing-model" not in err
+
+
+def test_missing_model_exit_2(capsys, tmp_path):
+    code, out, err = _run(capsys, ["generate", "--target", str(tmp_path / "nope"), "--method", "ar", "the cat"])
+    assert code == 2
+    assert "draftwise: error:" in err and "nope" in err
+
+
+def test_empty_prompt_exit_2(capsys, model_dirs):
+    code, _, err = _run(capsys, ["generate", "--target", model_dirs["target"], "--method", "ar", ""])
+    assert code == 2
+    assert "prompt is empty" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--target", "x", "--method", "nope", "the cat"],  # argparse choices
+    ["generate", "--target", "x", "--gamma", "two", "the cat"],  # argparse type
+    ["generate", "the cat"],  # --target is required
+    ["frobnicate"],  # unknown subcommand
+    [],  # a subcommand is required
+])
+def test_argparse_errors_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs():
+    """`python -m draftwise methods` in a fresh process; the `draftwise` script is the same `main`."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftwise", "methods"], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for name in draftwise.METHODS:
+        assert name in proc.stdout
+    # the installed console script points at the same function (checked without a second slow start-up)
+    scripts = {ep.name: ep for ep in entry_points(group="console_scripts") if ep.name == "draftwise"}
+    if scripts:
+        assert scripts["draftwise"].load() is main

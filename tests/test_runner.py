@@ -1,0 +1,184 @@
+"""ModelRunner: the KV cache it owns survives trim-and-replay, batched and single-token
+forwards agree, counters count, and `trim` refuses lengths it cannot honour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_gpt2, tiny_llama
+from draftwise.models import ModelRunner
+
+PROMPT = [3, 17, 42, 8, 25, 11, 60]
+STEPS = 12
+
+MODELS = {
+    "llama": lambda: tiny_llama(0),
+    "gpt2": lambda: tiny_gpt2(0),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def _greedy_steps(runner: ModelRunner, first_logits: torch.Tensor, steps: int):
+    """Decode greedily one token at a time; return the tokens and the logits that chose each next one."""
+    tokens, logits = [], [first_logits]
+    current = first_logits
+    for _ in range(steps):
+        token = int(current.argmax())
+        tokens.append(token)
+        current = runner.forward([token]).logits[-1]
+        logits.append(current)
+    return tokens, torch.stack(logits)
+
+
+def _full_logits(model, ids):
+    """Reference: one uncached forward over the whole sequence, fp32 logits [len, vocab]."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def test_trim_and_replay_reproduces_generation(model):
+    """mlx-lm's test_trim_cache_with_generate: trim to the prompt, replay, same tokens and logits."""
+    runner = ModelRunner(model)
+    first = runner.prefill(PROMPT).logits[-1]
+    tokens, logits = _greedy_steps(runner, first, STEPS)
+    assert runner.length == len(PROMPT) + STEPS
+
+    runner.trim(len(PROMPT))
+    assert runner.length == len(PROMPT)
+    replayed = [first]
+    for token in tokens:
+        replayed.append(runner.forward([token]).logits[-1])
+    replayed = torch.stack(replayed)
+    assert replayed[:-1].argmax(-1).tolist() == tokens
+    assert torch.allclose(replayed, logits, atol=1e-5)
+
+    # Trim into the middle of the generated tokens and decode greedily again from there.
+    keep = len(PROMPT) + STEPS // 2
+    runner.trim(keep)
+    assert runner.length == keep
+    again, again_logits = _greedy_steps(runner, logits[STEPS // 2], STEPS - STEPS // 2)
+    assert again == tokens[STEPS // 2 :]
+    assert torch.allclose(again_logits, logits[STEPS // 2 :], atol=1e-5)
+
+    # And everything agrees with an uncached forward over the whole sequence.
+    full = _full_logits(model, PROMPT + tokens)[len(PROMPT) - 1 :]
+    assert torch.allclose(full, logits, atol=1e-4)
+
+
+def test_trim_after_rejected_tokens_then_continue(model):
+    """Feed junk (as rejected drafts would be), trim it away, continue: same as never having fed it."""
+    clean = ModelRunner(model)
+    expect = clean.forward(PROMPT + [5, 6]).logits
+
+    runner = ModelRunner(model)
+    runner.forward(PROMPT)
+    runner.forward([9, 9, 9, 9])  # four "rejected" tokens
+    runner.trim(len(PROMPT))
+    got = runner.forward([5, 6]).logits
+    assert torch.allclose(got, expect[-2:], atol=1e-4)
+
+
+def test_multi_token_forward_matches_single_token_forwards(model):
+    continuation = [7, 30, 2, 55, 19]
+    batched = ModelRunner(model)
+    batched.prefill(PROMPT)
+    many = batched.forward(continuation).logits  # [k, vocab]
+    assert many.shape == (len(continuation), model.config.vocab_size)
+
+    single = ModelRunner(model)
+    single.prefill(PROMPT)
+    one_by_one = torch.cat([single.forward([t]).logits for t in continuation])
+    assert many.dtype == torch.float32
+    # Different kernels (a [k]-row matmul vs k one-row ones): fp32 rounding only. Logits are ~10 in
+    # magnitude, so 1e-4 absolute is ~1e-5 relative; the argmax must agree exactly.
+    assert torch.allclose(many, one_by_one, atol=1e-4)
+    assert many.argmax(-1).tolist() == one_by_one.argmax(-1).tolist()
+    assert batched.length == single.length == len(PROMPT) + len(continuation)
+
+    # num_logits keeps the last rows only.
+    last2 = ModelRunner(model)
+    last2.prefill(PROMPT)
+    tail = last2.forward(continuation, num_logits=2).logits
+    assert tail.shape == (2, model.config.vocab_size)
+    assert torch.allclose(tail, many[-2:], atol=1e-4)
+
+
+def test_counts_calls_and_tokens(model):
+    runner = ModelRunner(model)
+    assert (runner.calls, runner.tokens_processed, runner.length) == (0, 0, 0)
+    out = runner.prefill(PROMPT)
+    assert out.logits.shape == (1, model.config.vocab_size)
+    assert (runner.calls, runner.tokens_processed, runner.length) == (1, len(PROMPT), len(PROMPT))
+    runner.forward([1, 2, 3])
+    runner.forward(torch.tensor([4]))
+    assert (runner.calls, runner.tokens_processed, runner.length) == (3, len(PROMPT) + 4, len(PROMPT) + 4)
+    runner.trim(2)  # trimming is not a forward pass and does not uncount processed tokens
+    assert (runner.calls, runner.tokens_processed, runner.length) == (3, len(PROMPT) + 4, 2)
+    runner.reset()
+    assert (runner.calls, runner.tokens_processed, runner.length) == (0, 0, 0)
+
+
+def test_pending_is_the_uncached_suffix(model):
+    runner = ModelRunner(model)
+    seq = PROMPT + [1, 2]
+    assert runner.pending(seq) == seq
+    runner.forward(PROMPT)
+    assert runner.pending(seq) == [1, 2]
+    runner.trim(3)
+    assert runner.pending(seq) == seq[3:]
+
+
+def test_trim_rejects_invalid_lengths(model):
+    runner = ModelRunner(model)
+    runner.forward(PROMPT)
+    for bad in (-1, len(PROMPT) + 1, 10**6):
+        with pytest.raises(ValueError, match="cannot trim"):
+            runner.trim(bad)
+    assert runner.length == len(PROMPT)  # a refused trim changes nothing
+    runner.trim(len(PROMPT))  # no-op
+    assert runner.length == len(PROMPT)
+    runner.trim(0)
+    assert runner.length == 0
+    with pytest.raises(ValueError):
+        runner.trim(1)
+    # an emptied cache decodes like a fresh one
+    again = runner.forward(PROMPT).logits
+    assert torch.allclose(again, ModelRunner(model).forward(PROMPT).logits, atol=1e-5)
+
+
+def test_forward_rejects_empty_input(model):
+    runner = ModelRunner(model)
+    with pytest.raises(ValueError):
+        runner.forward([])
+    assert (runner.calls, runner.length) == (0, 0)
+
+
+def test_hidden_states_are_last_layer(model):
+    runner = ModelRunner(model)
+    out = runner.forward(PROMPT, num_logits=3, hidden=True)
+    hidden_size = model.config.hidden_size
+    assert out.hidden is not None
+    assert out.hidden.shape == (3, hidden_size)
+    assert out.logits.shape == (3, model.config.vocab_size)
+    # the last hidden states are what the LM head reads: head(hidden) == logits
+    with torch.no_grad():
+        assert torch.allclose(model.lm_head(out.hidden.clone()), out.logits, atol=1e-5)
+    assert runner.forward([1], hidden=False).hidden is None
+    prefill = ModelRunner(model).prefill(PROMPT, hidden=True)
+    assert prefill.hidden.shape == (1, hidden_size)
+    assert torch.allclose(prefill.hidden, out.hidden[-1:], atol=1e-5)
+
+
+def test_vocab_size_cuts_padded_logits():
+    padded = tiny_llama(0, vocab=72)
+    runner = ModelRunner(padded, vocab_size=64)
+    logits = runner.forward(PROMPT, num_logits=2).logits
+    assert logits.shape == (2, 64)
+    full = ModelRunner(padded).forward(PROMPT, num_logits=2).logits
+    assert full.shape == (2, 72)
+    assert torch.equal(logits, full[:, :64])

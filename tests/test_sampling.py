@@ -1,0 +1,223 @@
+"""Warping (temperature -> top-k -> top-p) and SamplingConfig validation.
+
+`warp` is checked on hand-computed examples and against transformers' own logits
+processors, which define what `generate(do_sample=True)` samples from.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from draftwise.errors import DraftwiseError
+from draftwise.sampling import SamplingConfig, make_generator, one_hot_argmax, sample, unwarped, warp
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+# ----------------------------------------------------------------------------- temperature 0
+
+
+def test_temperature_zero_is_one_hot_at_argmax():
+    logits = torch.randn(5, 17, generator=torch.Generator().manual_seed(0))
+    probs = warp(logits, SamplingConfig(temperature=0))
+    assert probs.dtype == torch.float32
+    assert torch.equal(probs.sum(-1), torch.ones(5))
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert torch.equal((probs == 1).sum(-1), torch.ones(5, dtype=torch.long))
+    assert torch.equal((probs == 0).sum(-1), torch.full((5,), 16))
+
+
+def test_temperature_zero_ignores_top_k_and_top_p():
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.5])
+    for config in (SamplingConfig(0, top_k=2), SamplingConfig(0, top_p=0.3), SamplingConfig(0, top_k=1, top_p=0.5)):
+        assert torch.equal(warp(logits, config), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+
+
+def test_temperature_zero_ties_pick_the_first_index():
+    logits = torch.tensor([0.5, 3.0, 1.0, 3.0])
+    assert torch.equal(warp(logits, SamplingConfig(temperature=0)), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert torch.equal(one_hot_argmax(logits), torch.tensor([0.0, 1.0, 0.0, 0.0]))
+
+
+def test_greedy_flag():
+    assert SamplingConfig(temperature=0).greedy
+    assert SamplingConfig(temperature=0.0).greedy
+    assert not SamplingConfig(temperature=1e-3).greedy
+
+
+# ----------------------------------------------------------------------------- temperature, top-k, top-p
+
+
+def test_temperature_one_no_truncation_is_softmax():
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(warp(logits, SamplingConfig()), torch.softmax(logits, -1))
+    assert torch.allclose(unwarped(logits), torch.softmax(logits, -1))
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, 4.0])
+    for temperature in (0.5, 2.0):
+        expected = torch.softmax(logits / temperature, -1)
+        assert torch.allclose(warp(logits, SamplingConfig(temperature=temperature)), expected)
+
+
+def test_half_precision_logits_give_float32_probabilities():
+    logits = torch.tensor([1.0, 2.0, 4.0], dtype=torch.bfloat16)
+    probs = warp(logits, SamplingConfig(top_k=2))
+    assert probs.dtype == torch.float32
+    assert torch.allclose(probs, torch.softmax(torch.tensor([-math.inf, 2.0, 4.0]), -1))
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 9])
+def test_top_k_keeps_exactly_k(k: int):
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(2))  # continuous: no ties
+    probs = warp(logits, SamplingConfig(top_k=k))
+    assert torch.equal((probs > 0).sum(-1), torch.full((4,), k))
+    # the kept ones are the k largest logits, in softmax proportion
+    top = torch.topk(logits, k, dim=-1)
+    kept = torch.zeros_like(probs).scatter(-1, top.indices, torch.softmax(top.values, -1))
+    assert torch.allclose(probs, kept)
+
+
+def test_top_k_of_vocab_size_or_more_is_off():
+    logits = torch.randn(10, generator=torch.Generator().manual_seed(3))
+    for k in (10, 50):
+        assert torch.allclose(warp(logits, SamplingConfig(top_k=k)), torch.softmax(logits, -1))
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    # probabilities 0.5, 0.3, 0.15, 0.05 (scrambled order); cumulative 0.5, 0.8, 0.95, 1.0
+    logits = logits_of([0.15, 0.5, 0.05, 0.3])
+    cases = {
+        0.4: [0.0, 1.0, 0.0, 0.0],  # 0.5 already reaches 0.4
+        0.6: [0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8],  # 0.5 < 0.6 <= 0.8
+        0.75: [0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8],
+        0.9: [0.15 / 0.95, 0.5 / 0.95, 0.0, 0.3 / 0.95],  # 0.8 < 0.9 <= 0.95
+        0.97: [0.15, 0.5, 0.05, 0.3],  # needs everything
+        1.0: [0.15, 0.5, 0.05, 0.3],  # off
+    }
+    for top_p, expected in cases.items():
+        probs = warp(logits, SamplingConfig(top_p=top_p))
+        assert torch.allclose(probs, torch.tensor(expected), atol=1e-6), (top_p, probs)
+
+
+def test_top_p_always_keeps_the_most_likely_token():
+    logits = logits_of([0.2, 0.7, 0.1])
+    assert torch.equal(warp(logits, SamplingConfig(top_p=1e-6)), torch.tensor([0.0, 1.0, 0.0]))
+
+
+def test_top_p_applies_after_temperature_and_top_k():
+    # temperature 1, top-k 3 -> [0.5, 0.3, 0.15] / 0.95 = [0.526, 0.316, 0.158]; top-p 0.8 keeps the first two
+    logits = logits_of([0.5, 0.3, 0.15, 0.05])
+    probs = warp(logits, SamplingConfig(top_k=3, top_p=0.8))
+    assert torch.allclose(probs, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]), atol=1e-6)
+    # top-p reads the distribution renormalised after top-k: at p = 0.82 the two orders differ
+    with_k = warp(logits, SamplingConfig(top_k=3, top_p=0.82))  # 0.842 >= 0.82 after top-k: two tokens
+    without_k = warp(logits, SamplingConfig(top_p=0.82))  # 0.8 < 0.82: three tokens
+    assert int((with_k > 0).sum()) == 2
+    assert int((without_k > 0).sum()) == 3
+
+
+def hf_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' sampling distribution: the same processors, in the same order, as `generate`."""
+    processors = LogitsProcessorList()
+    if temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        processors.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    input_ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    return torch.softmax(processors(input_ids, logits.clone()), dim=-1)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [
+        (1.0, 0, 1.0),
+        (0.7, 0, 1.0),
+        (1.3, 0, 1.0),
+        (1.0, 5, 1.0),
+        (1.0, 0, 0.9),
+        (0.8, 5, 0.9),
+        (0.6, 20, 0.5),
+        (1.5, 40, 0.95),
+        (0.3, 1, 0.9),
+        (2.0, 0, 0.3),
+    ],
+)
+def test_warp_matches_transformers_logits_processors(temperature: float, top_k: int, top_p: float):
+    logits = 3.0 * torch.randn(64, 50, generator=torch.Generator().manual_seed(4))
+    ours = warp(logits, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+    theirs = hf_warp(logits, temperature, top_k, top_p)
+    assert torch.equal(ours > 0, theirs > 0), "different supports"
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    assert torch.allclose(ours.sum(-1), torch.ones(64))
+
+
+# ----------------------------------------------------------------------------- sample / generator
+
+
+def test_sample_is_reproducible_with_a_seeded_generator_and_respects_support():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    a = [sample(probs, g).tolist() for g in [make_generator(7)] for _ in range(50)]
+    b = [sample(probs, g).tolist() for g in [make_generator(7)] for _ in range(50)]
+    assert a == b
+    assert all(row[0] in (1, 2) and row[1] == 0 for row in a)
+    assert {row[0] for row in a} == {1, 2}  # the generator advances between draws
+
+
+def test_make_generator_without_seed_draws_a_fresh_seed():
+    assert make_generator(None).initial_seed() != make_generator(None).initial_seed()
+    assert make_generator(123).initial_seed() == 123
+
+
+# ----------------------------------------------------------------------------- SamplingConfig validation
+
+
+@pytest.mark.parametrize("temperature", [-1.0, -1e-9, -5])
+def test_config_rejects_negative_temperature(temperature):
+    with pytest.raises(DraftwiseError, match="temperature"):
+        SamplingConfig(temperature=temperature)
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.0001, 2, float("nan")])
+def test_config_rejects_top_p_outside_unit_interval(top_p):
+    with pytest.raises(DraftwiseError, match="top_p"):
+        SamplingConfig(top_p=top_p)
+
+
+@pytest.mark.parametrize("top_k", [-1, -10, 2.5, True])
+def test_config_rejects_bad_top_k(top_k):
+    with pytest.raises(DraftwiseError, match="top_k"):
+        SamplingConfig(top_k=top_k)
+
+
+def test_config_rejects_non_numbers():
+    with pytest.raises(DraftwiseError):
+        SamplingConfig(temperature="1")
+    with pytest.raises(DraftwiseError):
+        SamplingConfig(top_p="0.9")
+
+
+def test_config_accepts_boundaries():
+    SamplingConfig(temperature=0, top_k=0, top_p=1.0)
+    SamplingConfig(temperature=0.0, top_k=1, top_p=1e-9)
+    SamplingConfig(temperature=100.0, top_k=10**6, top_p=1)
+
+
+def test_config_rejects_nan_temperature():
+    # NaN is neither < 0 nor a usable temperature: warp would divide every logit by NaN.
+    with pytest.raises(DraftwiseError, match="temperature"):
+        SamplingConfig(temperature=float("nan"))
