@@ -11,6 +11,15 @@ import draftwise
 from conftest import tiny_gpt2, tiny_llama, tiny_tokenizer
 from draftwise import DraftwiseError, ModelNotAvailableError, generate, load_model, stream
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads; on 2 shared cores extra threads cost 10-20x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 PROMPT = [3, 17, 42, 8, 25]
 REPETITIVE = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]
 
@@ -173,6 +182,19 @@ def test_eos_ends_generation_exactly(temperature):
         ignored = generate(with_eos, prompt, ignore_eos=True, **kwargs(with_eos))
         assert ignored.token_ids == full, (method, draft_of)
         assert ignored.stats["finish_reason"] == "length"
+
+
+def test_loaded_model_eos_token_ids_are_respected():
+    """`LoadedModel.eos_token_ids` is a public field, but `load_model` (called by `generate` on every
+    spec) overwrites it with ids read from the config/tokenizer, so ids set by the caller are dropped."""
+    model = tiny_llama(0)
+    full = generate(model, PROMPT, method="ar", temperature=0, max_new_tokens=10).token_ids
+    j = _first_new_token_at(full)
+    loaded = draftwise.LoadedModel(model=model, eos_token_ids=frozenset({full[j]}))
+    result = generate(loaded, PROMPT, method="ar", temperature=0, max_new_tokens=10)
+    assert loaded.eos_token_ids == frozenset({full[j]}), "generate() rewrote the caller's eos_token_ids"
+    assert result.token_ids == full[: j + 1]
+    assert result.stats["finish_reason"] == "eos"
 
 
 def test_eos_from_tokenizer_is_dropped_from_text(tok):
@@ -352,6 +374,26 @@ def test_bad_input_fails_before_any_model_runs(bomb, api, target_key, prompt, kw
             list(stream(bomb[target_key], prompt, **kwargs))
 
 
+# Values of the right type that the checks let through; each then crashes (or silently
+# misbehaves) only after a model has run, with a RuntimeError/ValueError, not DraftwiseError.
+UNCHECKED_VALUES = [
+    ("temperature-nan", dict(method="ar", temperature=float("nan")), r"temperature"),
+    ("lossy-beta-nan", dict(method="lossy", draft="draft", beta=float("nan")), r"beta"),
+    ("seed-too-large", dict(method="ar", seed=2**64), r"seed"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern", [case[1:] for case in UNCHECKED_VALUES], ids=[case[0] for case in UNCHECKED_VALUES]
+)
+def test_non_finite_and_out_of_range_values_fail_before_any_model_runs(bomb, kwargs, pattern):
+    kwargs = dict(kwargs)
+    if isinstance(kwargs.get("draft"), str):
+        kwargs["draft"] = bomb[kwargs["draft"]]
+    with pytest.raises(DraftwiseError, match=pattern):
+        generate(bomb["target"], "the cat", **kwargs)
+
+
 def test_bad_model_spec_fails_clearly():
     with pytest.raises(DraftwiseError, match="cannot load a model from int"):
         generate(42, [1, 2], method="ar")
@@ -389,6 +431,19 @@ def test_padded_target_vocabulary_is_tolerated(tok):
     )
     assert len(result.token_ids) == 16
     assert all(0 <= t < 64 for t in result.token_ids)
+
+
+def test_padded_target_lossless_methods_agree_with_ar(tok):
+    """A padded target (72 rows, 64-token tokenizer): `sd` cuts the target's logits to 64 columns
+    (`_shared_vocab`), `ar` and `prompt-lookup` do not, so at temperature 0 the "lossless" sd
+    output differs from ar's on the same target, and ar emits ids the tokenizer does not have."""
+    padded_target = load_model(tiny_llama(0, vocab=72), tokenizer=tok)
+    kwargs = dict(temperature=0, max_new_tokens=16, ignore_eos=True)
+    ar = generate(padded_target, "the cat", method="ar", **kwargs)
+    lookup = generate(padded_target, "the cat", method="prompt-lookup", **kwargs)
+    sd = generate(padded_target, "the cat", method="sd", draft=tiny_llama(1, layers=1), **kwargs)
+    assert all(t < len(tok) for t in ar.token_ids), f"ar emitted padding ids: {ar.token_ids}"
+    assert sd.token_ids == ar.token_ids == lookup.token_ids
 
 
 # ---------------------------------------------------------------- load_model

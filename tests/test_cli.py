@@ -9,10 +9,20 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
+import torch
 
 import draftwise
 from conftest import tiny_llama, tiny_tokenizer
 from draftwise.cli import main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads; on 2 shared cores extra threads cost 10-20x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +73,17 @@ def test_methods_json(capsys):
 
 # ---------------------------------------------------------------- generate
 
-def test_generate_prints_text(capsys, model_dirs):
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_generate_prints_text(capsys, model_dirs, ignore_eos):
     argv = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
-            "--max-new-tokens", "5", "--ignore-eos", "the cat"]
+            "--max-new-tokens", "5", *(["--ignore-eos"] if ignore_eos else []), "the cat"]
     code, out, err = _run(capsys, argv)
     assert code == 0, err
     expected = draftwise.generate(
-        model_dirs["target"], "the cat", method="ar", temperature=0, max_new_tokens=5, ignore_eos=True
+        model_dirs["target"], "the cat", method="ar", temperature=0, max_new_tokens=5, ignore_eos=ignore_eos
     )
-    assert expected.text
+    if ignore_eos:
+        assert expected.text
     assert out == expected.text + "\n"
 
 
@@ -156,6 +168,7 @@ def test_generate_stop_flag(capsys, model_dirs):
     (["--method", "ar", "--top-p", "1.5"], "top_p"),
     (["--method", "ar", "--top-p", "0"], "top_p"),
     (["--method", "ar", "--temperature", "-1"], "temperature"),
+    (["--method", "ar", "--temperature", "nan"], "temperature"),
     (["--method", "sd", "--draft", "DRAFT", "--alpha", "0.2"], "no option 'alpha'"),
     (["--method", "ar", "--max-ngram", "2"], "no option 'max_ngram'"),
     (["--method", "sd", "--draft", "DRAFT", "--gamma", "0"], "gamma"),
@@ -164,6 +177,9 @@ def test_generate_stop_flag(capsys, model_dirs):
     (["--method", "lossy-greedy", "--draft", "DRAFT"], "greedy decoding only"),
     (["--method", "lossy", "--draft", "DRAFT", "--alpha", "1.0"], "alpha"),
     (["--method", "ar", "--max-new-tokens", "0"], "max_new_tokens"),
+], ids=[
+    "top-p=1.5", "top-p=0", "temperature=-1", "temperature=nan", "alpha-on-sd", "max-ngram-on-ar", "gamma=0",
+    "sd-without-draft", "ar-with-draft", "lossy-greedy-at-t1", "lossy-alpha=1", "max-new-tokens=0",
 ])
 def test_bad_flags_exit_2_before_loading(capsys, model_dirs, tmp_path, flags, message):
     # the target does not even exist: the flag check must come first and name the flag's problem
