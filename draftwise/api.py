@@ -102,9 +102,11 @@ def stream(
     ignore_eos: bool = False,
     **method_options: Any,
 ) -> Iterator[str]:
-    """Like `generate`, but yields text pieces as tokens are committed; they join to `generate(...).text`."""
-    run = _Run(_plan(**locals()))
-    yield from run.pieces()
+    """Like `generate`, but yields text pieces as tokens are committed; they join to `generate(...).text`.
+
+    Arguments are checked (and models loaded) here, before the first piece is asked for.
+    """
+    return _Run(_plan(**locals())).pieces()
 
 
 def check_options(
@@ -122,8 +124,8 @@ def check_options(
         raise DraftwiseError(f"gamma (draft tokens per step) must be an integer >= 1, got {gamma!r}")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise DraftwiseError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise DraftwiseError(f"seed must be a non-negative integer or None, got {seed!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):
+        raise DraftwiseError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise DraftwiseError(f"stop must be a non-empty string or a list of them, got {stop!r}")
@@ -164,17 +166,20 @@ def _plan(
 
 
 def _shared_vocab(target: LoadedModel, draft: LoadedModel | None) -> int:
-    """The distribution size both models share. Padding-only differences are tolerated.
+    """The distribution size every method uses for this pair. Padding-only differences are tolerated.
 
     Some checkpoints pad the embedding matrix past the tokenizer (Qwen: 151,936 rows
-    for 151,665 tokens). When the sizes differ but both cover the tokenizer, logits
-    are cut to the smaller size; the extra rows hold no real token.
+    for 151,665 tokens). Logits are cut to the tokenizer's size when it is smaller than
+    every model's: the rows past it hold no real token, and cutting them for every
+    method (with or without a draft) keeps `ar`, `sd` and the others on one distribution.
+    Without a tokenizer the models must agree exactly.
     """
-    if draft is None or draft.vocab_size == target.vocab_size:
-        return target.vocab_size
-    smaller = min(draft.vocab_size, target.vocab_size)
-    tokenizer = target.tokenizer or draft.tokenizer
+    sizes = [target.vocab_size] + ([draft.vocab_size] if draft is not None else [])
+    smaller = min(sizes)
+    tokenizer = target.tokenizer or (draft.tokenizer if draft is not None else None)
     if tokenizer is not None and len(tokenizer) <= smaller:
+        return len(tokenizer)
+    if len(set(sizes)) == 1:
         return smaller
     raise DraftwiseError(
         f"draft vocabulary size {draft.vocab_size} differs from target vocabulary size {target.vocab_size}: "

@@ -5,6 +5,7 @@ Every default is defined here once; the API, the CLI and `draftwise methods` rea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -50,11 +51,15 @@ class Method:
             if option.name in given and given[option.name] is not None:
                 value = given[option.name]
                 try:
-                    options[option.name] = option.type(value)
+                    typed = option.type(value)
                 except (TypeError, ValueError):
+                    typed = None
+                if typed is None or (isinstance(typed, float) and not math.isfinite(typed)):
                     raise DraftwiseError(
-                        f"option {option.name!r} of method {self.name!r} must be {option.type.__name__}, got {value!r}"
-                    ) from None
+                        f"option {option.name!r} of method {self.name!r} must be a finite {option.type.__name__}, "
+                        f"got {value!r}"
+                    )
+                options[option.name] = typed
         return options
 
 

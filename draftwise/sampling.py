@@ -8,6 +8,7 @@ Temperature 0 means greedy: the warped distribution is one-hot at the argmax
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +23,11 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0 = off
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise DraftwiseError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise DraftwiseError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:  # also False for NaN
             raise DraftwiseError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
 
     @property

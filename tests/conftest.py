@@ -7,6 +7,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+# Tiny models gain nothing from threads, and on a 2-core machine two processes with
+# 2 threads each slow each other down many times over.
+torch.set_num_threads(1)
+
 CORPUS = [
     "the cat sat on the mat and the dog sat on the log",
     "speculative decoding drafts tokens and the target verifies them",

@@ -116,7 +116,7 @@ def load_model(
     if torch_dtype is not None and loaded.dtype != torch_dtype:
         loaded.model.to(torch_dtype)
     loaded.model.eval()
-    loaded.eos_token_ids = _eos_ids(loaded)
+    loaded.eos_token_ids = frozenset(loaded.eos_token_ids) | _eos_ids(loaded)  # keep ids a caller set
     return loaded
 
 

@@ -47,6 +47,8 @@ class ModelRunner:
         if n == 0:
             raise ValueError("ModelRunner.forward needs at least one token")
         num_logits = n if num_logits is None else num_logits
+        if not 1 <= num_logits <= n:  # transformers reads logits_to_keep=0 as "all": never pass it
+            raise ValueError(f"num_logits must be in [1, {n}], got {num_logits}")
         out = self.model(
             input_ids=ids,
             past_key_values=self.cache,
