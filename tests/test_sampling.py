@@ -217,7 +217,9 @@ def test_config_accepts_boundaries():
     SamplingConfig(temperature=100.0, top_k=10**6, top_p=1)
 
 
-def test_config_rejects_nan_temperature():
-    # NaN is neither < 0 nor a usable temperature: warp would divide every logit by NaN.
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_config_rejects_non_finite_temperature(temperature):
+    # NaN is not < 0, so a plain range check lets it through; warp would then divide every logit by NaN
+    # and multinomial would crash mid-decoding instead of failing before any model runs.
     with pytest.raises(DraftwiseError, match="temperature"):
-        SamplingConfig(temperature=float("nan"))
+        SamplingConfig(temperature=temperature)
