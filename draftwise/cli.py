@@ -196,6 +196,78 @@ def _run_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-data", help="answer the training prompt mix with the target (the drafts' data recipe)")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--out", required=True, help="JSONL file; re-running resumes")
+    p.add_argument("--num-fortunes", type=int, default=3000)
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--tag", default=None, help="record tag (default: greedy or t<temperature>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts (0 = all)")
+
+
+def _run_train_data(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .training.data import build_prompts, generate_answers
+
+    prompts = build_prompts(num_fortunes=args.num_fortunes, seed=args.seed)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    tag = args.tag or ("greedy" if args.temperature == 0 else f"t{args.temperature:g}")
+    target = load_model(args.target, dtype=args.dtype)
+    with tqdm(total=len(prompts), desc="answers", unit="prompt", file=sys.stderr, mininterval=10) as bar:
+        generate_answers(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens,
+                         batch_size=args.batch_size, temperature=args.temperature, tag=tag, seed=args.seed,
+                         progress=bar.update)
+    return 0
+
+
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    from .training.distill import DistillConfig
+
+    d = DistillConfig(data="", out="")
+    p = sub.add_parser("distill", help="train an independent draft model on the target's answers")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--data", required=True, help="JSONL from `draftwise train-data`")
+    p.add_argument("--out", required=True, help="output directory (re-running resumes from its checkpoint)")
+    for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len", "batch_size", "steps",
+                 "warmup", "seed", "checkpoint_every"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    for name in ("lr", "weight_decay", "val_fraction"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
+    p.add_argument("--save-dtype", default=d.save_dtype, choices=["fp16", "bf16", "fp32"])
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from .training.distill import DistillConfig, distill
+
+    config = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
+    target = load_model(args.target, dtype="fp32")
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None \
+        else 0
+    with tqdm(total=config.steps, desc="distill", unit="step", file=sys.stderr, mininterval=5) as bar:
+        def progress(step: int, info: dict) -> None:
+            bar.n = step
+            bar.set_postfix(loss=f"{info['loss']:.3f}", refresh=False)
+            bar.refresh()
+
+        report = distill(config, target.model.config, target.model.get_input_embeddings().weight.detach(), pad=pad,
+                         progress=progress)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftwise", description="Faster LLM decoding with draft models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,12 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     methods = sub.add_parser("methods", help="list the methods, their options and defaults")
     methods.add_argument("--json", action="store_true")
     _add_bench(sub)
+    _add_train_data(sub)
+    _add_distill(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
     models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
     return parser
 
 
-_COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "models": _run_models}
+_COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "models": _run_models,
+             "train-data": _run_train_data, "distill": _run_distill}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

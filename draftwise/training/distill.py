@@ -1,0 +1,220 @@
+"""`draftwise distill`: train an independent draft model for a target.
+
+The draft is a small Llama sharing the target's tokenizer. Its embedding starts
+as a principal-component projection of the target's embedding (so token
+geometry is not relearned from scratch) and is tied to its output layer. It is
+trained on the target's own chat answers (`draftwise train-data`) with
+cross-entropy on the answer tokens only: for greedy answers each label is the
+target's argmax, the token the draft must propose for its drafts to be accepted.
+
+Checkpoints (model, optimizer, step, data order) are written atomically every
+`checkpoint_every` steps; re-running with the same output directory resumes from
+the last one. Runs are deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..errors import DraftwiseError
+from .data import read_answers
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    data: str  # JSONL from `draftwise train-data`
+    out: str  # output directory: checkpoint.pt while training, then an HF directory
+    hidden_size: int = 160
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 480
+    max_len: int = 448
+    batch_size: int = 8
+    steps: int = 2000
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    checkpoint_every: int = 200
+    save_dtype: str = "fp16"
+    val_fraction: float = 0.05
+
+
+def _examples(path: Path, max_len: int) -> list[tuple[list[int], int]]:
+    """(ids, answer_start) per record, truncated to max_len from the left of the prompt."""
+    out = []
+    for r in read_answers(path):
+        prompt, answer = r["prompt_ids"], r["answer_ids"]
+        if not answer:
+            continue
+        ids = (prompt + answer)[-max_len:]
+        start = max(1, len(ids) - len(answer))
+        out.append((ids, start))
+    if not out:
+        raise DraftwiseError(f"{path}: no training records (run `draftwise train-data` first)")
+    return out
+
+
+def _split(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, int(len(order) * fraction)) if len(order) > 1 else 0
+    val = [examples[i] for i in order[:n_val]]
+    train = [examples[i] for i in order[n_val:]] or val
+    return train, val
+
+
+def _batch(examples: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (seq, start) in enumerate(examples):  # right padding; labels only on answer tokens
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+        labels[row, start : len(seq)] = torch.tensor(seq[start:])
+    return ids, mask, labels
+
+
+def draft_config(target_config, config: DistillConfig) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=getattr(target_config, "rope_parameters", None),
+        rms_norm_eps=target_config.rms_norm_eps, tie_word_embeddings=True,
+        bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id,
+        pad_token_id=getattr(target_config, "pad_token_id", None),
+    )
+
+
+def init_from_target(draft: LlamaForCausalLM, target_embedding: torch.Tensor, seed: int) -> None:
+    """Embedding = the target's embedding projected on its top principal components (scaled)."""
+    emb = target_embedding.float()
+    centered = emb - emb.mean(0, keepdim=True)
+    generator = torch.Generator().manual_seed(seed)
+    # Randomised SVD on a fixed generator: deterministic and fast for 49k x 576.
+    width = draft.config.hidden_size
+    probe = torch.randn(emb.shape[1], width + 16, generator=generator)
+    q, _ = torch.linalg.qr(centered @ probe)
+    _, _, vh = torch.linalg.svd(q.T @ centered, full_matrices=False)
+    projected = centered @ vh[:width].T  # [vocab, width]
+    projected = projected / projected.std() * draft.config.initializer_range * 10
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(projected)
+
+
+def _lr(step: int, config: DistillConfig) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _atomic_save(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@torch.no_grad()
+def evaluate(model: LlamaForCausalLM, examples: list, pad: int, batch_size: int = 8) -> dict[str, float]:
+    """Top-1 agreement with the labels (the target's tokens) and mean loss, answer tokens only."""
+    model.eval()
+    correct = total = 0
+    loss_sum = 0.0
+    for i in range(0, len(examples), batch_size):
+        ids, mask, labels = _batch(examples[i : i + batch_size], pad)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        target = labels[:, 1:]
+        valid = target != -100
+        correct += int((logits.argmax(-1)[valid] == target[valid]).sum())
+        total += int(valid.sum())
+        loss_sum += float(F.cross_entropy(logits[valid], target[valid], reduction="sum"))
+    model.train()
+    return {"top1_agreement": correct / max(total, 1), "loss": loss_sum / max(total, 1), "tokens": total}
+
+
+def distill(
+    config: DistillConfig, target_config, target_embedding: torch.Tensor, *, pad: int,
+    progress: Callable[[int, dict], None] | None = None, stop_at: int | None = None,
+) -> dict:
+    """Train (or resume) and write `config.out` as a Hugging Face directory; returns the final report.
+
+    stop_at: end this run after that step (checkpointed), as an interruption would; the
+    next call with the same config resumes.
+    """
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out / "checkpoint.pt"
+    examples = _examples(Path(config.data), config.max_len)
+    train, val = _split(examples, config.val_fraction, config.seed)
+
+    torch.manual_seed(config.seed)
+    model = LlamaForCausalLM(draft_config(target_config, config))
+    init_from_target(model, target_embedding, config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(0.9, 0.98))
+    step = 0
+    order_rng = random.Random(config.seed)
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        if state["config"] != asdict(config):
+            raise DraftwiseError(f"{checkpoint_path} was written with a different configuration; "
+                                 "use a new --out or the same options")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        order_rng.setstate(state["order_rng"])
+    model.train()
+    order: list[int] = []
+    start = time.perf_counter()
+    end = min(config.steps, stop_at) if stop_at is not None else config.steps
+    while step < end:
+        if len(order) < config.batch_size:
+            fresh = list(range(len(train)))
+            order_rng.shuffle(fresh)
+            order += fresh
+        picked, order = order[: config.batch_size], order[config.batch_size :]
+        ids, mask, labels = _batch([train[i] for i in picked], pad)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, config)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if progress:
+            progress(step, {"loss": float(loss)})
+        if step % config.checkpoint_every == 0 or step == end:
+            # The data order resumes exactly: the rng state is saved with the unconsumed order rebuilt each epoch.
+            _atomic_save({"config": asdict(config), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "step": step, "order_rng": order_rng.getstate()}, checkpoint_path)
+            order = []  # resume and continuous runs both restart the epoch order after a checkpoint
+    if step < config.steps:
+        return {"steps": step, "stopped_early": True}
+    report = {"steps": step, "train_examples": len(train), "val_examples": len(val),
+              "train_seconds_this_run": time.perf_counter() - start, "validation": evaluate(model, val, pad)}
+    save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.save_dtype]
+    model.to(save_dtype).save_pretrained(out)
+    (out / "distill-report.json").write_text(json.dumps({"config": asdict(config), **report}, indent=2))
+    return report

@@ -1,0 +1,85 @@
+"""The draft recipe at tiny scale: data records in, a trained HF draft out; resume; determinism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftwise.errors import DraftwiseError
+from draftwise.training.distill import DistillConfig, distill
+from draftwise.training.data import read_answers
+
+from conftest import tiny_llama
+
+
+def _write_records(path, n=24, vocab=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            prompt = torch.randint(1, vocab, (6,), generator=g).tolist()
+            # A learnable rule: the answer counts up from the last prompt token.
+            answer = [(prompt[-1] + j) % vocab for j in range(1, 9)]
+            f.write(json.dumps({"uid": f"u{i}", "tag": "greedy", "source": "test", "category": "qa",
+                                "prompt_ids": prompt, "answer_ids": answer}) + "\n")
+        f.write('{"uid": "cut-by-a-crash", "tag"')  # an interrupted write: skipped, not fatal
+
+
+def _config(tmp_path, **kw):
+    base = dict(data=str(tmp_path / "data.jsonl"), out=str(tmp_path / "draft"), hidden_size=32, num_layers=1,
+                num_heads=2, intermediate_size=64, max_len=32, batch_size=8, steps=60, warmup=5, lr=1e-2,
+                checkpoint_every=20, save_dtype="fp32")
+    base.update(kw)
+    return DistillConfig(**base)
+
+
+def test_interrupted_jsonl_line_is_skipped(tmp_path):
+    _write_records(tmp_path / "data.jsonl")
+    assert len(list(read_answers(tmp_path / "data.jsonl"))) == 24
+
+
+def test_distill_learns_and_writes_a_loadable_draft(tmp_path):
+    _write_records(tmp_path / "data.jsonl")
+    target = tiny_llama(0)
+    before = distill(_config(tmp_path, steps=1, out=str(tmp_path / "d0")), target.config,
+                     target.get_input_embeddings().weight.detach(), pad=0)
+    after = distill(_config(tmp_path), target.config, target.get_input_embeddings().weight.detach(), pad=0)
+    assert after["validation"]["loss"] < before["validation"]["loss"] - 0.5
+    import draftwise
+
+    draft = draftwise.load_model(str(tmp_path / "draft"))
+    assert draft.vocab_size == target.config.vocab_size
+    out = draftwise.generate(target, [1, 2, 3], draft=draft, method="sd", temperature=0, max_new_tokens=6)
+    assert len(out.token_ids) == 6
+
+
+def test_resume_gives_the_same_weights_as_one_run(tmp_path):
+    _write_records(tmp_path / "data.jsonl")
+    target = tiny_llama(0)
+    emb = target.get_input_embeddings().weight.detach()
+    distill(_config(tmp_path, out=str(tmp_path / "one")), target.config, emb, pad=0)
+    # "Interrupted" run: stop at step 40 (a checkpoint), then resume to 60 with the same config.
+    cfg = _config(tmp_path, out=str(tmp_path / "two"))
+    assert distill(cfg, target.config, emb, pad=0, stop_at=40)["stopped_early"]  # "interrupted" at step 40
+    distill(cfg, target.config, emb, pad=0)  # resumes from the step-40 checkpoint
+    a = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["model"]
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+
+
+def test_resume_with_other_options_is_refused(tmp_path):
+    _write_records(tmp_path / "data.jsonl")
+    target = tiny_llama(0)
+    emb = target.get_input_embeddings().weight.detach()
+    distill(_config(tmp_path, steps=20), target.config, emb, pad=0)
+    with pytest.raises(DraftwiseError, match="different configuration"):
+        distill(_config(tmp_path, steps=20, lr=5e-3), target.config, emb, pad=0)
+
+
+def test_no_data_is_a_clear_error(tmp_path):
+    (tmp_path / "data.jsonl").write_text("")
+    target = tiny_llama(0)
+    with pytest.raises(DraftwiseError, match="no training records"):
+        distill(_config(tmp_path), target.config, target.get_input_embeddings().weight.detach(), pad=0)
