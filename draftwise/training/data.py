@@ -76,7 +76,7 @@ def read_human_eval() -> list[dict]:
 
 
 def build_prompts(*, num_fortunes: int = 3000, seed: int = 0) -> list[TrainPrompt]:
-    """The prompt mix, deterministic for `seed`."""
+    """The prompt mix, deterministic for `seed` (fortunes need Debian's `fortunes` package)."""
     rng = random.Random(seed)
     prompts = [
         TrainPrompt(f"spec-bench-{p.question_id}", "spec-bench", p.category, p.text)
@@ -87,7 +87,7 @@ def build_prompts(*, num_fortunes: int = 3000, seed: int = 0) -> list[TrainPromp
             f"human-eval-{row['task_id'].split('/')[-1]}", "human-eval", "coding",
             f"Complete the following Python function.\n\n```python\n{row['prompt']}```",
         ))
-    fortunes = read_fortunes()
+    fortunes = read_fortunes() if num_fortunes else []
     rng.shuffle(fortunes)
     for i, text in enumerate(fortunes[:num_fortunes]):
         category, template = FORTUNE_TEMPLATES[i % len(FORTUNE_TEMPLATES)]

@@ -1,0 +1,82 @@
+"""Benchmark arithmetic on hand-computed cases, and the Spec-Bench split."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise.bench.datasets import CATEGORIES, expand_categories, load_prompts
+from draftwise.bench.metrics import RunRecord, identical_fraction, report, summarize
+from draftwise.errors import DraftwiseError
+
+
+def rec(method, repeat, qid, cat, new, wall, calls, drafted=0, accepted=0, acc_pos=(), dra_pos=(), ids=()):
+    return RunRecord(method=method, repeat=repeat, question_id=qid, category=cat, new_tokens=new, wall_time_s=wall,
+                     target_calls=calls, drafted=drafted, accepted=accepted, accepted_per_position=list(acc_pos),
+                     drafted_per_position=list(dra_pos), token_ids=list(ids))
+
+
+def test_summarize_hand_computed():
+    records = [
+        # repeat 0: 30 tokens in 3 s -> 10 tok/s; repeat 1: 30 in 2 s -> 15; repeat 2: 30 in 6 s -> 5
+        rec("sd", 0, 1, "qa", 10, 1.0, 4, drafted=12, accepted=6, acc_pos=(3, 2, 1), dra_pos=(4, 4, 4)),
+        rec("sd", 0, 2, "qa", 20, 2.0, 6, drafted=18, accepted=14, acc_pos=(6, 5, 3), dra_pos=(6, 6, 6)),
+        rec("sd", 1, 1, "qa", 30, 2.0, 10, drafted=30, accepted=20, acc_pos=(10, 6, 4), dra_pos=(10, 10, 10)),
+        rec("sd", 2, 1, "qa", 30, 6.0, 10, drafted=30, accepted=20, acc_pos=(10, 6, 4), dra_pos=(10, 10, 10)),
+    ]
+    m = summarize(records)
+    assert m["tokens_per_s_per_repeat"] == [10.0, 15.0, 5.0]
+    assert m["tokens_per_s"] == 10.0  # median
+    assert m["mean_accepted_length"] == pytest.approx(90 / 30)
+    assert m["acceptance_rate"] == pytest.approx(60 / 90)
+    assert m["accepted_per_position"] == pytest.approx([29 / 30, 19 / 30, 12 / 30])
+    assert m["target_calls_per_token"] == pytest.approx(30 / 90)
+
+
+def test_report_speedup_against_ar_from_the_same_run():
+    records = [
+        rec("ar", 0, 1, "qa", 10, 1.0, 10, ids=[1, 2]), rec("ar", 0, 2, "rag", 10, 1.0, 10, ids=[3]),
+        rec("sd", 0, 1, "qa", 10, 0.5, 4, drafted=8, accepted=6, ids=[1, 2]),
+        rec("sd", 0, 2, "rag", 10, 1.0, 5, drafted=8, accepted=5, ids=[9]),
+    ]
+    out = report(records, compare_identical=True)
+    assert out["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert out["ar"]["mean_accepted_length"] == pytest.approx(1.0)
+    assert out["sd"]["tokens_per_s"] == pytest.approx(20 / 1.5)
+    assert out["sd"]["speedup_vs_ar"] == pytest.approx((20 / 1.5) / 10)
+    assert out["sd"]["per_category"]["qa"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert out["sd"]["per_category"]["rag"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert out["sd"]["identical_to_ar"] == 0.5
+    assert identical_fraction(records[2:], records[:2]) == 0.5
+
+
+def test_eval_and_train_splits_are_disjoint_and_fixed():
+    ev, tr = load_prompts(split="eval"), load_prompts(split="train")
+    assert len(ev) + len(tr) == 480 and not {p.question_id for p in ev} & {p.question_id for p in tr}
+    assert {p.category for p in ev} == set(CATEGORIES)
+    assert [p.question_id for p in load_prompts(num_prompts=32)] == [p.question_id for p in load_prompts(num_prompts=32)]
+
+
+def test_training_prompts_never_include_evaluation_prompts():
+    from draftwise.training.data import build_prompts
+
+    eval_texts = {p.text for p in load_prompts(split="eval")}
+    prompts = build_prompts(num_fortunes=0)  # fortunes are not Spec-Bench text; the rest is checked here
+    assert {p.source for p in prompts} == {"spec-bench", "human-eval"} and len(prompts) == 384 + 164
+    assert not eval_texts & {p.text for p in prompts}
+
+
+def test_round_robin_covers_every_task():
+    chosen = load_prompts(num_prompts=12)
+    tasks = {"mt_bench" if p.category in expand_categories(["mt_bench"]) else p.category for p in chosen}
+    assert tasks == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+def test_bad_dataset_category_method_give_clear_errors():
+    with pytest.raises(DraftwiseError, match="unknown dataset 'nope'.*spec-bench"):
+        load_prompts("nope")
+    with pytest.raises(DraftwiseError, match="unknown Spec-Bench category 'poetry'.*translation"):
+        load_prompts(categories=["poetry"])
+    from draftwise.bench.harness import check_methods
+
+    with pytest.raises(DraftwiseError, match="unknown method.*hf-assisted"):
+        check_methods(("warp-speed",))

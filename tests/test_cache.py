@@ -1,0 +1,92 @@
+"""The model cache: atomic builds, corruption detected and rebuilt, failures leave the cache as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftwise.models import cache
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+
+
+def _build(content: bytes = b"weights" * 100):
+    calls = []
+
+    def build(out):
+        calls.append(out)
+        (out / "model.safetensors").write_bytes(content)
+        (out / "config.json").write_text("{}")
+
+    return build, calls
+
+
+def test_builds_once_then_reuses():
+    build, calls = _build()
+    first = cache.ensure_entry("m", build, source_sha256="abc", log=lambda m: None)
+    second = cache.ensure_entry("m", build, source_sha256="abc", log=lambda m: None)
+    assert first == second and len(calls) == 1
+    manifest = json.loads((first / cache.MANIFEST).read_text())
+    assert manifest["files"]["model.safetensors"]["size"] == 700
+    assert cache.entry_problem(first, "abc", verify=True) is None
+    assert cache.list_entries() == {"m": "ready"}
+
+
+def test_truncated_file_is_detected_and_rebuilt():
+    build, calls = _build()
+    path = cache.ensure_entry("m", build, log=lambda m: None)
+    (path / "model.safetensors").write_bytes(b"half")
+    messages = []
+    cache.ensure_entry("m", build, log=messages.append)
+    assert len(calls) == 2 and "rebuilding" in messages[0] and "bytes" in messages[0]
+    assert (path / "model.safetensors").stat().st_size == 700
+
+
+def test_same_size_corruption_is_found_by_verify():
+    build, _ = _build()
+    path = cache.ensure_entry("m", build, log=lambda m: None)
+    (path / "model.safetensors").write_bytes(b"x" * 700)
+    assert cache.entry_problem(path) is None  # sizes match: the fast check passes
+    assert "SHA-256" in cache.entry_problem(path, verify=True)
+
+
+def test_missing_manifest_means_incomplete():
+    build, calls = _build()
+    path = cache.ensure_entry("m", build, log=lambda m: None)
+    (path / cache.MANIFEST).unlink()
+    assert cache.entry_problem(path) == "incomplete (no manifest)"
+    cache.ensure_entry("m", build, log=lambda m: None)
+    assert len(calls) == 2
+
+
+def test_other_source_hash_triggers_rebuild():
+    build, calls = _build()
+    cache.ensure_entry("m", build, source_sha256="old", log=lambda m: None)
+    cache.ensure_entry("m", build, source_sha256="new", log=lambda m: None)
+    assert len(calls) == 2
+
+
+def test_failed_build_leaves_cache_as_it_was():
+    build, _ = _build(b"good" * 10)
+    path = cache.ensure_entry("m", build, source_sha256="v1", log=lambda m: None)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def full_disk(out):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        cache.ensure_entry("m", full_disk, source_sha256="v2", log=lambda m: None)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # old entry intact
+    leftovers = [p.name for p in path.parent.iterdir() if p.name != "m"]
+    assert leftovers == []  # no temporary directory left behind
+
+
+def test_registry_lists_smollm2():
+    from draftwise.models import registry
+
+    assert "smollm2-135m" in registry.names()
