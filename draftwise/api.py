@@ -80,7 +80,7 @@ def generate(
     **method_options: Any,
 ) -> Generation:
     """Decode `prompt` with `method`; returns the new tokens, their text and the step counters."""
-    run = _Run(_plan(**locals()))
+    run = _Run(_plan(**locals()), streaming=False)
     for _ in run.pieces():
         pass
     return run.result()
@@ -106,7 +106,7 @@ def stream(
 
     Arguments are checked (and models loaded) here, before the first piece is asked for.
     """
-    return _Run(_plan(**locals())).pieces()
+    return _Run(_plan(**locals()), streaming=True).pieces()
 
 
 def check_options(
@@ -210,8 +210,9 @@ def _prompt_ids(prompt: Any, target: LoadedModel, vocab_size: int) -> list[int]:
 class _Run:
     """One request in flight: runs `decode`, applies stop strings, keeps text and stats."""
 
-    def __init__(self, plan: _Plan) -> None:
+    def __init__(self, plan: _Plan, *, streaming: bool) -> None:
         self.plan = plan
+        self.streaming = streaming
         self.token_ids: list[int] = []
         self.text = ""
         self.stats: dict[str, Any] = {}
@@ -247,20 +248,26 @@ class _Run:
         )
         try:
             for committed in steps:
-                for token in committed:
-                    self.token_ids.append(token)
-                    if tokenizer is None:
-                        continue
-                    self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-                    cut = _find_stop(self.text, plan.stop)
-                    if cut is not None:
-                        self.text = self.text[:cut]
-                        finish = "stop"
+                if plan.stop and tokenizer is not None:
+                    # Stop strings are checked token by token, so the cut is exact.
+                    for token in committed:
+                        self.token_ids.append(token)
+                        self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
+                        cut = _find_stop(self.text, plan.stop)
+                        if cut is not None:
+                            self.text = self.text[:cut]
+                            finish = "stop"
+                            break
+                    if finish == "stop":
                         break
-                if finish == "stop":
-                    break
+                else:
+                    self.token_ids.extend(committed)
                 if self.token_ids[-1] in plan.eos_token_ids:
                     finish = "eos"
+                if not self.streaming or tokenizer is None:
+                    continue  # `generate` decodes once at the end: no text work in the loop
+                if not plan.stop:
+                    self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
                 ready = _safe_prefix(self.text, plan.stop)
                 if ready > emitted:
                     yield self.text[emitted:ready]
@@ -284,7 +291,9 @@ class _Run:
                 "seed": generator.initial_seed(),
                 "wall_time_s": wall,
             }
-        if len(self.text) > emitted:
+        if tokenizer is not None and finish != "stop":
+            self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self.streaming and len(self.text) > emitted:
             yield self.text[emitted:]
 
     def result(self) -> Generation:
