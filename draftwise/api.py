@@ -5,6 +5,7 @@ Both take the same arguments; every check on them runs before any model does.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Sequence
@@ -15,7 +16,8 @@ from .decoding import Counters, Limits, decode
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
 from .errors import DraftwiseError
 from .methods import Method, get_method
-from .models.loading import LoadedModel, load_model
+from .eagle import EagleDrafter, EagleHead, is_eagle_dir
+from .models.loading import LoadedModel, load_model, resolve_path
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig, make_generator
 
@@ -50,7 +52,7 @@ class _Plan:
     """A validated request: everything `decode` needs, checked before any model runs."""
 
     target: LoadedModel
-    draft: LoadedModel | None
+    draft: LoadedModel | EagleHead | None
     method: Method
     options: dict[str, Any]
     sampling: SamplingConfig
@@ -145,15 +147,21 @@ def _plan(
         gamma=gamma, stop=stop, ignore_eos=ignore_eos, draft_given=draft is not None, **method_options,
     )
     target_model = load_model(target)
-    draft_model = load_model(draft) if draft is not None else None
-    vocab_size = _shared_vocab(target_model, draft_model)
-    if draft_model is not None and draft_model.device != target_model.device:
+    draft_model = _load_draft(draft, target_model) if draft is not None else None
+    if isinstance(draft_model, EagleHead):
+        if spec.name not in ("sd", "lossy", "lossy-greedy"):
+            raise DraftwiseError(f"an EAGLE draft head drafts for sd, lossy and lossy-greedy, not {spec.name!r}")
+        vocab_size = _shared_vocab(target_model, None)
+    else:
+        vocab_size = _shared_vocab(target_model, draft_model)
+    if isinstance(draft_model, LoadedModel) and draft_model.device != target_model.device:
         raise DraftwiseError(f"draft is on {draft_model.device} but target on {target_model.device}; use one device")
     if stops and target_model.tokenizer is None:
         raise DraftwiseError("stop strings need a tokenizer; load the target with tokenizer=...")
 
     prompt_ids = _prompt_ids(prompt, target_model, vocab_size)
-    window = min(w for w in (target_model.context_window, draft_model and draft_model.context_window, 10**12) if w)
+    draft_window = draft_model.context_window if isinstance(draft_model, LoadedModel) else None
+    window = min(w for w in (target_model.context_window, draft_window, 10**12) if w)
     if len(prompt_ids) >= window:
         raise DraftwiseError(
             f"prompt has {len(prompt_ids)} tokens but the context window is {window}: shorten the prompt"
@@ -163,6 +171,18 @@ def _plan(
         prompt_ids=prompt_ids, max_new_tokens=min(max_new_tokens, window - len(prompt_ids)), stop=stops,
         eos_token_ids=frozenset() if ignore_eos else target_model.eos_token_ids, vocab_size=vocab_size, seed=seed,
     )
+
+
+def _load_draft(draft: Any, target: LoadedModel) -> LoadedModel | EagleHead:
+    """A draft model, or an EAGLE head (a directory with eagle.json, or a registry name of one)."""
+    if isinstance(draft, EagleHead):
+        head = draft
+    else:
+        path = resolve_path(draft) if isinstance(draft, (str, os.PathLike)) else None
+        if path is None or not is_eagle_dir(path):
+            return load_model(draft)
+        head = EagleHead.load(path)
+    return head.attach(target.model).to(target.device)
 
 
 def _shared_vocab(target: LoadedModel, draft: LoadedModel | None) -> int:
@@ -219,6 +239,8 @@ class _Run:
 
     def _drafter(self, generator_device: torch.device) -> Drafter:
         plan = self.plan
+        if isinstance(plan.draft, EagleHead):
+            return EagleDrafter(plan.draft, plan.sampling, plan.vocab_size, generator_device)
         if plan.method.drafter == "model":
             runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
             return ModelDrafter(runner, plan.sampling, plan.vocab_size)

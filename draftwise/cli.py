@@ -243,6 +243,10 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     for name in ("lr", "weight_decay", "val_fraction"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
     p.add_argument("--save-dtype", default=d.save_dtype, choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--kind", default="model", choices=["model", "eagle"],
+                   help="model: an independent draft LM; eagle: a feature-level head on the target's features")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="eagle: draft vocabulary size")
+    p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
 
 
 def _run_distill(args: argparse.Namespace) -> int:
@@ -252,18 +256,27 @@ def _run_distill(args: argparse.Namespace) -> int:
 
     from .training.distill import DistillConfig, distill
 
-    config = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
     target = load_model(args.target, dtype="fp32")
     pad = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None \
         else 0
-    with tqdm(total=config.steps, desc="distill", unit="step", file=sys.stderr, mininterval=5) as bar:
+    with tqdm(total=args.steps, desc="distill", unit="step", file=sys.stderr, mininterval=5) as bar:
         def progress(step: int, info: dict) -> None:
             bar.n = step
-            bar.set_postfix(loss=f"{info['loss']:.3f}", refresh=False)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in info.items()}, refresh=False)
             bar.refresh()
 
-        report = distill(config, target.model.config, target.model.get_input_embeddings().weight.detach(), pad=pad,
-                         progress=progress)
+        if args.kind == "eagle":
+            from .training.eagle_train import EagleTrainConfig, train_eagle
+
+            names = {f.name for f in dataclasses.fields(EagleTrainConfig)}
+            values = {k: v for k, v in vars(args).items() if k in names and k != "target_name"}
+            config = EagleTrainConfig(**values, target_name=args.target)
+            report = train_eagle(config, target.model, pad=pad, eos_ids=set(target.eos_token_ids),
+                                 progress=progress, stop_at=args.stop_at)
+        else:
+            config = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
+            report = distill(config, target.model.config, target.model.get_input_embeddings().weight.detach(),
+                             pad=pad, progress=progress, stop_at=args.stop_at)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -69,6 +69,7 @@ def decode(
     least its last token (fed with the next forward pass).
     """
     sequence = list(prompt_ids)
+    wants_features = getattr(drafter, "needs_target_hidden", False)  # feature-level drafters (EAGLE)
     while counters.new_tokens < limits.max_new_tokens:
         budget = limits.max_new_tokens - counters.new_tokens
         # draft: at most budget - 1 tokens, so accepted + recovered/bonus never overshoots.
@@ -79,7 +80,10 @@ def decode(
         feed = target.pending(sequence)
         if k:
             feed = feed + draft.tokens.tolist()
-        target_logits = target.forward(feed, num_logits=k + 1).logits  # [k + 1, vocab]
+        verified = target.forward(feed, num_logits=k + 1, hidden_all=wants_features)
+        target_logits = verified.logits  # [k + 1, vocab]
+        if wants_features:
+            drafter.observe(verified.hidden)  # [len(feed), hidden]; rewind below drops the rejected ones
         target_probs = warp(target_logits, sampling)  # [k + 1, vocab]
 
         # accept: speculative sampling towards pi = rule(draft, target).

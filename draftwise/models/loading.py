@@ -120,6 +120,15 @@ def load_model(
     return loaded
 
 
+def resolve_path(spec: str | os.PathLike) -> Path | None:
+    """A registry name or an existing path -> its local directory/file (None for anything else)."""
+    spec = str(spec)
+    if spec in registry.names():
+        return registry.resolve(spec)
+    path = Path(spec).expanduser()
+    return path if path.exists() else None
+
+
 def _load_tokenizer(tokenizer: object) -> PreTrainedTokenizerBase | None:
     if tokenizer is None or isinstance(tokenizer, PreTrainedTokenizerBase):
         return tokenizer

@@ -18,7 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 @dataclass(frozen=True)
 class RunnerOutput:
     logits: torch.Tensor  # [num_logits, vocab] for the last num_logits tokens fed
-    hidden: torch.Tensor | None  # [num_logits, hidden] last-layer hidden states, when asked
+    hidden: torch.Tensor | None  # [num_logits or n fed, hidden] last-layer hidden states, when asked
 
 
 class ModelRunner:
@@ -39,9 +39,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, new_tokens: Sequence[int] | torch.Tensor, *, num_logits: int | None = None, hidden: bool = False
+        self, new_tokens: Sequence[int] | torch.Tensor, *, num_logits: int | None = None, hidden: bool = False,
+        hidden_all: bool = False,
     ) -> RunnerOutput:
-        """Feed tokens after the cached ones; return logits for the last `num_logits` (default: all)."""
+        """Feed tokens after the cached ones; return logits for the last `num_logits` (default: all).
+
+        hidden: also return the last layer's hidden states for those positions;
+        hidden_all: for every fed token instead (feature drafters need them all).
+        """
         ids = torch.as_tensor(new_tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if n == 0:
@@ -54,7 +59,7 @@ class ModelRunner:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=num_logits,
-            output_hidden_states=hidden,
+            output_hidden_states=hidden or hidden_all,
         )
         self.length += n
         self.calls += 1
@@ -62,7 +67,11 @@ class ModelRunner:
         logits = out.logits[0, -num_logits:]  # [num_logits, vocab]
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        states = out.hidden_states[-1][0, -num_logits:] if hidden else None
+        states = None
+        if hidden_all:
+            states = out.hidden_states[-1][0]
+        elif hidden:
+            states = out.hidden_states[-1][0, -num_logits:]
         return RunnerOutput(logits=logits, hidden=states)
 
     def prefill(self, tokens: Sequence[int] | torch.Tensor, *, hidden: bool = False) -> RunnerOutput:

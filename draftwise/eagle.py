@@ -1,0 +1,191 @@
+"""A feature-level draft head (EAGLE, Li et al. 2024) and its drafter.
+
+The head predicts the target's next last-layer feature from the target's own
+feature at position t and the embedding of token t+1 (fc over the concatenation,
+one Llama decoder layer with its own KV cache). The target's frozen LM head,
+restricted to a frequency-ranked draft vocabulary, turns predicted features into
+draft distributions: zero outside that vocabulary, so speculative sampling stays
+exact. The target's embedding and LM head are shared, not stored: a head file
+holds only its own layers and the draft vocabulary (a few MB).
+
+Alignment: head position i reads (feature_i, token_{i+1}) and predicts
+feature_{i+1}, whose LM-head logits score token_{i+2}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaModel
+
+from .drafters import Draft, empty_draft
+from .errors import DraftwiseError
+from .sampling import SamplingConfig, sample, warp
+
+CONFIG_FILE = "eagle.json"
+WEIGHTS_FILE = "eagle.safetensors"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    target_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    target: str = ""  # the target it was trained for (registry name or path), for error messages
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig, vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        body = LlamaConfig(
+            vocab_size=1, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=1, num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+            rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )
+        self.body = LlamaModel(body)
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [draft_vocab] target token ids
+        # The target's embedding and LM-head rows: shared and frozen, so kept out of
+        # this module's parameters and state dict (a plain dict is not registered).
+        self._shared: dict[str, object] = {}
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.vocab_ids.shape[0])
+
+    def attach(self, target_model) -> "EagleHead":
+        """Share the target's embedding and LM head (restricted to the draft vocabulary)."""
+        hidden = target_model.config.hidden_size
+        vocab = target_model.get_output_embeddings().weight.shape[0]
+        if hidden != self.config.hidden_size or vocab != self.config.target_vocab_size:
+            raise DraftwiseError(
+                f"this EAGLE head was trained for a target with hidden size {self.config.hidden_size} and vocabulary "
+                f"{self.config.target_vocab_size} ({self.config.target or 'unknown'}); the target has {hidden} and {vocab}"
+            )
+        self._shared["embed"] = target_model.get_input_embeddings()
+        weight = target_model.get_output_embeddings().weight.detach()
+        self._shared["head_weight"] = weight[self.vocab_ids.to(weight.device)].to(self.fc.weight.dtype)
+        return self
+
+    @property
+    def head_weight(self) -> torch.Tensor:  # [draft_vocab, hidden]
+        if "head_weight" not in self._shared:
+            raise DraftwiseError("EAGLE head used before attach(target_model)")
+        return self._shared["head_weight"]
+
+    def to(self, *args, **kwargs):  # keep the shared head rows on the same device/dtype
+        moved = super().to(*args, **kwargs)
+        if "head_weight" in self._shared:
+            self._shared["head_weight"] = self._shared["head_weight"].to(self.fc.weight.device, self.fc.weight.dtype)
+        return moved
+
+    def forward(
+        self, features: torch.Tensor, next_tokens: torch.Tensor, *, cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """features: [B, T, H] target features; next_tokens: [B, T] the token after each. Returns predicted [B, T, H]."""
+        assert features.ndim == 3 and next_tokens.ndim == 2
+        embedded = self._shared["embed"](next_tokens).to(features.dtype)  # [B, T, H]
+        fused = self.fc(torch.cat([features, embedded], dim=-1))  # [B, T, H]
+        out = self.body(inputs_embeds=fused, past_key_values=cache, use_cache=cache is not None,
+                        attention_mask=attention_mask)
+        return out.last_hidden_state
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., draft_vocab]."""
+        return predicted @ self.head_weight.T
+
+    def save(self, directory: str | Path, *, dtype: torch.dtype = torch.float16) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.state_dict().items()}
+        save_file({k: v.contiguous() for k, v in state.items()}, str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "EagleHead":
+        directory = Path(directory)
+        config = EagleConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+        state = load_file(str(directory / WEIGHTS_FILE))
+        head = cls(config, state["vocab_ids"])
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return head.eval()
+
+
+def is_eagle_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE head from the target's features (the decoding loop passes them in `observe`)."""
+
+    needs_target_hidden = True
+
+    def __init__(self, head: EagleHead, sampling: SamplingConfig, vocab_size: int, device: torch.device) -> None:
+        self.head = head
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+        self.device = device
+        self.cache = DynamicCache()
+        self.cached = 0  # head positions in its cache (all computed from true target features)
+        self.features: list[torch.Tensor] = []  # [n, H] chunks: true target features for sequence positions
+        self.num_features = 0
+        self.calls = 0
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """Features of the tokens the target just processed: [n_fed, H], in sequence order."""
+        self.features.append(hidden)
+        self.num_features += hidden.shape[0]
+
+    @torch.inference_mode()
+    def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
+        if max_tokens <= 0 or self.num_features == 0:
+            return empty_draft(self.vocab_size, self.device)
+        features = torch.cat(self.features) if len(self.features) > 1 else self.features[0]  # [L-1, H]
+        self.features = [features]
+        # Catch up: head positions cached .. num_features-1 read (feature_i, token_{i+1}).
+        start, end = self.cached, self.num_features
+        tokens = torch.as_tensor(sequence[start + 1 : end + 1], device=self.device)
+        feats = features[start:end].to(self.head.fc.weight.dtype)
+        predicted = self.head(feats[None], tokens[None], cache=self.cache)[0, -1:]  # [1, H]
+        self.calls += 1
+        self.cached = end
+        draft_tokens, draft_probs = [], []
+        for step in range(max_tokens):
+            probs_small = warp(self.head.logits(predicted), self.sampling)  # [1, draft_vocab]
+            index = probs_small.argmax(-1) if self.sampling.greedy else sample(probs_small, generator)  # [1]
+            token = self.head.vocab_ids[index]  # [1]
+            probs = torch.zeros(1, self.vocab_size, device=self.device)
+            probs[0, self.head.vocab_ids[self.head.vocab_ids < self.vocab_size]] = probs_small[0, self.head.vocab_ids < self.vocab_size]
+            draft_tokens.append(token)
+            draft_probs.append(probs)
+            if step + 1 < max_tokens:
+                predicted = self.head(predicted[None], token[None], cache=self.cache)[0]  # [1, H]
+                self.calls += 1
+        return Draft(torch.cat(draft_tokens), torch.cat(draft_probs))
+
+    def rewind(self, keep: int) -> None:
+        """The sequence keeps `keep` positions with true features; drop predicted ones from the head cache."""
+        self.num_features = min(self.num_features, keep)
+        if self.features:
+            features = torch.cat(self.features)[: self.num_features]
+            self.features = [features]
+        # Head positions 0..cached-1 used true features; positions past it were drafting steps.
+        drop = self.cache.get_seq_length() - min(self.cached, self.num_features)
+        if drop > 0:
+            self.cache.crop(-drop)
+        self.cached = min(self.cached, self.num_features)

@@ -1,0 +1,165 @@
+"""`draftwise distill --kind eagle`: train an EAGLE draft head on a target's own features.
+
+Per batch the frozen target runs once over the target's chat answers
+(`draftwise train-data`) and yields its last-layer features. The head learns to
+predict feature t+1 from (feature t, token t+1): KL to the target's distribution
+(over the draft vocabulary) plus a feature regression. A second pass feeds the
+head its own predicted features in place of the target's (a training-time test,
+as in EAGLE-3), so multi-token drafts do not collapse after the first step.
+Loss covers answer positions only. Checkpoints are atomic; re-running resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..eagle import EagleConfig, EagleHead
+from ..errors import DraftwiseError
+from .data import read_answers
+from .distill import _atomic_save, _batch, _examples, _split
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    data: str
+    out: str
+    target_name: str = ""
+    draft_vocab: int = 8192
+    intermediate_size: int = 1536
+    max_len: int = 384
+    batch_size: int = 8
+    steps: int = 1000
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    regression_weight: float = 1.0
+    second_pass_weight: float = 0.7
+    seed: int = 0
+    checkpoint_every: int = 50
+    val_fraction: float = 0.05
+
+
+def draft_vocabulary(path: Path, size: int, always: set[int]) -> torch.Tensor:
+    """The `size` tokens the target emits most often in its answers (plus `always`), sorted by id."""
+    counts: Counter[int] = Counter()
+    for r in read_answers(path):
+        counts.update(r["answer_ids"])
+    chosen = set(always) | {t for t, _ in counts.most_common(max(0, size - len(always)))}
+    return torch.tensor(sorted(chosen)[:size], dtype=torch.long)
+
+
+def _lr(step: int, config: EagleTrainConfig) -> float:
+    import math
+
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _losses(head: EagleHead, target, batch, config: EagleTrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    ids, mask, labels = batch
+    with torch.no_grad():
+        features = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]  # [B,T,H]
+        full_argmax = target.get_output_embeddings()(features[:, 1:-1]).argmax(-1)  # [B,T-2] target's greedy tokens
+    feats_in, tokens_in, feats_out = features[:, :-1], ids[:, 1:], features[:, 1:]  # head position i -> feature i+1
+    valid = (labels[:, 2:] != -100).float()  # [B, T-2]: positions whose predicted token is an answer token
+    denom = valid.sum().clamp(min=1)
+    with torch.no_grad():
+        teacher = F.softmax(head.logits(feats_out[:, :-1]), dim=-1)  # [B, T-2, Vd]
+    total = torch.zeros(())
+    stats: dict[str, float] = {}
+    predicted = None
+    for pass_index, weight in ((1, 1.0), (2, config.second_pass_weight)):
+        if pass_index == 2:  # training-time test: the head reads its own predicted features
+            feats_in = torch.cat([features[:, :1], predicted[:, :-1].detach()], dim=1)
+        predicted = head(feats_in, tokens_in)  # [B, T-1, H]
+        logits = head.logits(predicted[:, :-1])  # [B, T-2, Vd]
+        cls = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1)
+        reg = F.smooth_l1_loss(predicted[:, :-1], feats_out[:, :-1], reduction="none").mean(-1)
+        loss = ((cls + config.regression_weight * reg) * valid).sum() / denom
+        total = total + weight * loss
+        agree = (head.vocab_ids[logits.argmax(-1)] == full_argmax).float()
+        stats[f"agree_pass{pass_index}"] = float((agree * valid).sum() / denom)
+    stats["loss"] = float(total.detach())
+    return total, stats
+
+
+def train_eagle(
+    config: EagleTrainConfig, target, *, pad: int, eos_ids: set[int],
+    progress: Callable[[int, dict], None] | None = None, stop_at: int | None = None,
+) -> dict:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out / "checkpoint.pt"
+    examples = _examples(Path(config.data), config.max_len)
+    train, val = _split(examples, config.val_fraction, config.seed)
+    tc = target.config
+    torch.manual_seed(config.seed)
+    vocab_ids = draft_vocabulary(Path(config.data), config.draft_vocab, eos_ids)
+    head = EagleHead(EagleConfig(
+        hidden_size=tc.hidden_size, num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads,
+        intermediate_size=config.intermediate_size, target_vocab_size=target.get_output_embeddings().weight.shape[0],
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        max_position_embeddings=tc.max_position_embeddings, target=config.target_name,
+    ), vocab_ids).attach(target)
+    trainable = [p for n, p in head.named_parameters()]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    step = 0
+    order_rng = random.Random(config.seed)
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        if state["config"] != asdict(config):
+            raise DraftwiseError(f"{checkpoint_path} was written with a different configuration")
+        head.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        order_rng.setstate(state["order_rng"])
+    target.eval()
+    head.train()
+    order: list[int] = []
+    end = min(config.steps, stop_at) if stop_at is not None else config.steps
+    start = time.perf_counter()
+    while step < end:
+        if len(order) < config.batch_size:
+            fresh = list(range(len(train)))
+            order_rng.shuffle(fresh)
+            order += fresh
+        picked, order = order[: config.batch_size], order[config.batch_size :]
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, config)
+        loss, stats = _losses(head, target, _batch([train[i] for i in picked], pad), config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        step += 1
+        if progress:
+            progress(step, stats)
+        if step % config.checkpoint_every == 0 or step == end:
+            _atomic_save({"config": asdict(config), "model": head.state_dict(), "optimizer": optimizer.state_dict(),
+                          "step": step, "order_rng": order_rng.getstate()}, checkpoint_path)
+            order = []
+    head.eval()
+    with torch.no_grad():
+        sums: Counter[str] = Counter()
+        n = 0
+        for i in range(0, len(val), config.batch_size):
+            _, stats = _losses(head, target, _batch(val[i : i + config.batch_size], pad), config)
+            sums.update(stats)
+            n += 1
+    report = {"steps": step, "train_examples": len(train), "val_examples": len(val),
+              "train_seconds_this_run": time.perf_counter() - start,
+              "validation": {k: v / max(n, 1) for k, v in sums.items()}}
+    head.save(out)
+    (out / "distill-report.json").write_text(json.dumps({"config": asdict(config), **report}, indent=2))
+    return report
