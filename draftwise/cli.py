@@ -208,6 +208,8 @@ def _add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts (0 = all)")
+    p.add_argument("--sources", default="spec-bench,human-eval,fortunes",
+                   help="comma-separated subset of spec-bench, human-eval, fortunes")
 
 
 def _run_train_data(args: argparse.Namespace) -> int:
@@ -217,7 +219,8 @@ def _run_train_data(args: argparse.Namespace) -> int:
 
     from .training.data import build_prompts, generate_answers
 
-    prompts = build_prompts(num_fortunes=args.num_fortunes, seed=args.seed)
+    sources = {x.strip() for x in args.sources.split(",") if x.strip()}
+    prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes, seed=args.seed) if p.source in sources]
     if args.limit:
         prompts = prompts[: args.limit]
     tag = args.tag or ("greedy" if args.temperature == 0 else f"t{args.temperature:g}")

