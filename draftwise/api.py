@@ -182,7 +182,8 @@ def _load_draft(draft: Any, target: LoadedModel) -> LoadedModel | EagleHead:
         if path is None or not is_eagle_dir(path):
             return load_model(draft)
         head = EagleHead.load(path)
-    return head.attach(target.model).to(target.device)
+    head.attach(target.model)
+    return head if head.fc.weight.device == target.device else head.to(target.device)
 
 
 def _shared_vocab(target: LoadedModel, draft: LoadedModel | None) -> int:

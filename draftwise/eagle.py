@@ -69,6 +69,8 @@ class EagleHead(nn.Module):
 
     def attach(self, target_model) -> "EagleHead":
         """Share the target's embedding and LM head (restricted to the draft vocabulary)."""
+        if self._shared.get("target") is target_model:
+            return self
         hidden = target_model.config.hidden_size
         vocab = target_model.get_output_embeddings().weight.shape[0]
         if hidden != self.config.hidden_size or vocab != self.config.target_vocab_size:
@@ -76,6 +78,7 @@ class EagleHead(nn.Module):
                 f"this EAGLE head was trained for a target with hidden size {self.config.hidden_size} and vocabulary "
                 f"{self.config.target_vocab_size} ({self.config.target or 'unknown'}); the target has {hidden} and {vocab}"
             )
+        self._shared["target"] = target_model
         self._shared["embed"] = target_model.get_input_embeddings()
         weight = target_model.get_output_embeddings().weight.detach()
         self._shared["head_weight"] = weight[self.vocab_ids.to(weight.device)].to(self.fc.weight.dtype)

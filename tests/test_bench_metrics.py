@@ -80,3 +80,33 @@ def test_bad_dataset_category_method_give_clear_errors():
 
     with pytest.raises(DraftwiseError, match="unknown method.*hf-assisted"):
         check_methods(("warp-speed",))
+
+
+def test_run_bench_end_to_end_on_tiny_models(tmp_path):
+    """The harness on tiny saved models: JSON layout, and exact methods identical to ar in fp32."""
+    from conftest import tiny_llama, tiny_tokenizer
+
+    from draftwise.bench.harness import BenchConfig, run_bench
+    from draftwise.bench.report import format_table, write_json
+
+    tok = tiny_tokenizer(64)
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        model = tiny_llama(seed, layers=layers, window=2048)
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    config = BenchConfig(
+        target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), num_prompts=3, max_new_tokens=8,
+        methods=("ar", "sd", "prompt-lookup", "hf-assisted", "prompt-lookup-hf"), repeats=2, dtype="fp32",
+        categories=("qa", "translation"),
+    )
+    results = run_bench(config)
+    assert set(results) == {"config", "machine", "methods"}
+    assert results["config"]["draft"] == str(tmp_path / "draft")
+    for name, m in results["methods"].items():
+        assert m["tokens_per_s"] > 0 and len(m["tokens_per_s_per_repeat"]) == 2
+        assert set(m["per_category"]) == {"qa", "translation"}
+        assert m["identical_to_ar"] == 1.0, name  # fp32, temperature 0: every exact method reproduces ar
+    assert results["methods"]["ar"]["mean_accepted_length"] == 1.0
+    assert results["methods"]["sd"]["draft_calls_per_token"] > 0
+    write_json(results, tmp_path / "out" / "bench.json")
+    assert "prompt-lookup-hf" in format_table(results)

@@ -21,7 +21,8 @@ import torch
 from ..api import generate
 from ..errors import DraftwiseError
 from ..methods import METHODS
-from ..models.loading import LoadedModel, load_model
+from ..eagle import EagleHead, is_eagle_dir
+from ..models.loading import LoadedModel, load_model, resolve_path
 from ..sampling import SamplingConfig
 from .datasets import Prompt, load_prompts
 from .metrics import RunRecord, report
@@ -171,24 +172,45 @@ def _draftwise_run(
     )
 
 
+def _load_bench_draft(spec: str, target: LoadedModel, config: BenchConfig) -> LoadedModel | EagleHead:
+    path = resolve_path(spec)
+    if path is not None and is_eagle_dir(path):
+        return EagleHead.load(path).attach(target.model).to(target.device, target.dtype)
+    return load_model(spec, device=config.device, dtype=config.dtype)
+
+
+def resolve_drafts(config: BenchConfig) -> BenchConfig:
+    """Fill in the registry's default drafts for a registry target when none were given."""
+    from ..models import registry
+
+    draft = config.draft or registry.default_draft(config.target)
+    hf_draft = config.hf_draft or registry.default_independent_draft(config.target)
+    if draft == config.draft and hf_draft == config.hf_draft:
+        return config
+    return BenchConfig(**{**asdict(config), "draft": draft, "hf_draft": hf_draft})
+
+
 def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns {"config", "machine", "methods"} (see `metrics.report`)."""
     check_methods(config.methods)
+    config = resolve_drafts(config)
     needs_draft = [m for m in config.methods if m in METHODS and METHODS[m].needs_draft]
     if needs_draft and not config.draft:
         raise DraftwiseError(f"method(s) {', '.join(needs_draft)} need --draft")
-    if "hf-assisted" in config.methods and not (config.hf_draft or config.draft):
+    if "hf-assisted" in config.methods and not (config.hf_draft or config.draft):  # noqa: SIM102
         raise DraftwiseError("hf-assisted needs --hf-draft (an independent draft model)")
     prompts = load_prompts(config.dataset, categories=list(config.categories) or None, num_prompts=config.num_prompts)
     if config.threads:
         torch.set_num_threads(config.threads)
 
     target = load_model(config.target, device=config.device, dtype=config.dtype)
-    draft = load_model(config.draft, device=config.device, dtype=config.dtype) if config.draft else None
+    draft = _load_bench_draft(config.draft, target, config) if config.draft else None
     hf_draft = None
     if "hf-assisted" in config.methods:
-        hf_draft = draft if (config.hf_draft in (None, config.draft)) else load_model(
+        hf_draft = draft if config.hf_draft in (None, config.draft) else load_model(
             config.hf_draft, device=config.device, dtype=config.dtype)
+        if not isinstance(hf_draft, LoadedModel):
+            raise DraftwiseError("hf-assisted needs an independent draft model (--hf-draft), not an EAGLE head")
     encoded = [(p, _prompt_ids(target, p)) for p in prompts]
 
     def run_one(method: str, ids: list[int], seed: int) -> dict[str, Any]:
