@@ -55,13 +55,6 @@ def chi2_pvalue(counts, probs) -> float:
     return float(chisquare(counts[support], expected).pvalue)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Thousands of calls on tiny tensors: one intra-op thread avoids thread handoff costs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def draw_from(probs: torch.Tensor, generator: torch.Generator) -> int:

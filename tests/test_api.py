@@ -12,13 +12,6 @@ from conftest import tiny_gpt2, tiny_llama, tiny_tokenizer
 from draftwise import DraftwiseError, ModelNotAvailableError, generate, load_model, stream
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads; on 2 shared cores extra threads cost 10-20x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 PROMPT = [3, 17, 42, 8, 25]
 REPETITIVE = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]

@@ -9,20 +9,12 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
-import torch
 
 import draftwise
 from conftest import tiny_llama, tiny_tokenizer
 from draftwise.cli import main
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads; on 2 shared cores extra threads cost 10-20x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -81,13 +81,6 @@ SD_PROMPTS = {6: [1, 2, 3], 12: [3, 1, 4, 1, 5]}
 LOOKUP_PROMPTS = {6: [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], 12: [5, 7, 9, 2, 5, 7, 9, 2, 5, 7]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~5-10x faster on one intra-op thread than on two (thread handoff dominates)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @lru_cache(maxsize=None)

@@ -18,13 +18,6 @@ import draftwise
 from conftest import tiny_gpt2, tiny_llama
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads; on 2 shared cores extra threads cost 10-20x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 N = 20  # new tokens per generation
 PROMPTS = [

@@ -133,7 +133,8 @@ def _hf_run(
         start = time.perf_counter()
         with torch.inference_mode():
             out = target.model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), pad_token_id=_pad_id(target), **kwargs
+                input_ids, attention_mask=torch.ones_like(input_ids), pad_token_id=_pad_id(target),
+                eos_token_id=sorted(target.eos_token_ids) or None, **kwargs,  # the same stop tokens as draftwise
             )
         wall = time.perf_counter() - start
     finally:
