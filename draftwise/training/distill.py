@@ -15,10 +15,7 @@ the last one. Runs are deterministic for a seed.
 from __future__ import annotations
 
 import json
-import math
-import os
 import random
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..errors import DraftwiseError
 from .data import read_answers
+from .loop import cosine_lr, train_loop
 
 
 @dataclass(frozen=True)
@@ -117,24 +115,6 @@ def init_from_target(draft: LlamaForCausalLM, target_embedding: torch.Tensor, se
         draft.get_input_embeddings().weight.copy_(projected)
 
 
-def _lr(step: int, config: DistillConfig) -> float:
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _atomic_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @torch.no_grad()
 def evaluate(model: LlamaForCausalLM, examples: list, pad: int, batch_size: int = 8) -> dict[str, float]:
     """Top-1 agreement with the labels (the target's tokens) and mean loss, answer tokens only."""
@@ -173,43 +153,19 @@ def distill(
     init_from_target(model, target_embedding, config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.98))
-    step = 0
-    order_rng = random.Random(config.seed)
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        if state["config"] != asdict(config):
-            raise DraftwiseError(f"{checkpoint_path} was written with a different configuration; "
-                                 "use a new --out or the same options")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-        order_rng.setstate(state["order_rng"])
-    model.train()
-    order: list[int] = []
-    start = time.perf_counter()
-    end = min(config.steps, stop_at) if stop_at is not None else config.steps
-    while step < end:
-        if len(order) < config.batch_size:
-            fresh = list(range(len(train)))
-            order_rng.shuffle(fresh)
-            order += fresh
-        picked, order = order[: config.batch_size], order[config.batch_size :]
+
+    def step_fn(picked: list[int]):
         ids, mask, labels = _batch([train[i] for i in picked], pad)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(step, config)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        if progress:
-            progress(step, {"loss": float(loss)})
-        if step % config.checkpoint_every == 0 or step == end:
-            # The data order resumes exactly: the rng state is saved with the unconsumed order rebuilt each epoch.
-            _atomic_save({"config": asdict(config), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                          "step": step, "order_rng": order_rng.getstate()}, checkpoint_path)
-            order = []  # resume and continuous runs both restart the epoch order after a checkpoint
+        return loss, {"loss": float(loss.detach())}
+
+    start = time.perf_counter()
+    step = train_loop(
+        model=model, optimizer=optimizer, num_examples=len(train), batch_size=config.batch_size,
+        total_steps=config.steps, lr=lambda s: cosine_lr(s, peak=config.lr, warmup=config.warmup, total=config.steps),
+        step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
+        config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at,
+    )
     if step < config.steps:
         return {"steps": step, "stopped_early": True}
     report = {"steps": step, "train_examples": len(train), "val_examples": len(val),

@@ -12,7 +12,6 @@ Loss covers answer positions only. Checkpoints are atomic; re-running resumes.
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -23,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from ..eagle import EagleConfig, EagleHead
-from ..errors import DraftwiseError
 from .data import read_answers
-from .distill import _atomic_save, _batch, _examples, _split
+from .distill import _batch, _examples, _split
+from .loop import cosine_lr, train_loop
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,7 @@ class EagleTrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     val_fraction: float = 0.05
+    loss_on: str = "all"  # "all" positions (prompt text too: the target's features are valid anywhere) or "answer"
 
 
 def draft_vocabulary(path: Path, size: int, always: set[int]) -> torch.Tensor:
@@ -55,15 +55,6 @@ def draft_vocabulary(path: Path, size: int, always: set[int]) -> torch.Tensor:
         counts.update(r["answer_ids"])
     chosen = set(always) | {t for t, _ in counts.most_common(max(0, size - len(always)))}
     return torch.tensor(sorted(chosen)[:size], dtype=torch.long)
-
-
-def _lr(step: int, config: EagleTrainConfig) -> float:
-    import math
-
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 @torch.no_grad()
@@ -130,6 +121,8 @@ def train_eagle(
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "checkpoint.pt"
     examples = _examples(Path(config.data), config.max_len)
+    if config.loss_on == "all":
+        examples = [(ids, 1) for ids, _ in examples]
     train, val = _split(examples, config.val_fraction, config.seed)
     tc = target.config
     torch.manual_seed(config.seed)
@@ -140,46 +133,24 @@ def train_eagle(
         rms_norm_eps=tc.rms_norm_eps, rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
         max_position_embeddings=tc.max_position_embeddings, target=config.target_name,
     ), vocab_ids).attach(target)
-    trainable = [p for n, p in head.named_parameters()]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    step = 0
-    order_rng = random.Random(config.seed)
-    if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        if state["config"] != asdict(config):
-            raise DraftwiseError(f"{checkpoint_path} was written with a different configuration")
-        head.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-        order_rng.setstate(state["order_rng"])
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(0.9, 0.95))
     target.eval()
     features = target_features(target, train + val, pad)
     train_features, val_features = features[: len(train)], features[len(train) :]
-    head.train()
-    order: list[int] = []
-    end = min(config.steps, stop_at) if stop_at is not None else config.steps
+
+    def step_fn(picked: list[int]):
+        return _losses(head, _batch([train[i] for i in picked], pad), [train_features[i] for i in picked], config)
+
     start = time.perf_counter()
-    while step < end:
-        if len(order) < config.batch_size:
-            fresh = list(range(len(train)))
-            order_rng.shuffle(fresh)
-            order += fresh
-        picked, order = order[: config.batch_size], order[config.batch_size :]
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(step, config)
-        loss, stats = _losses(head, _batch([train[i] for i in picked], pad), [train_features[i] for i in picked],
-                              config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        step += 1
-        if progress:
-            progress(step, stats)
-        if step % config.checkpoint_every == 0 or step == end:
-            _atomic_save({"config": asdict(config), "model": head.state_dict(), "optimizer": optimizer.state_dict(),
-                          "step": step, "order_rng": order_rng.getstate()}, checkpoint_path)
-            order = []
+    step = train_loop(
+        model=head, optimizer=optimizer, num_examples=len(train), batch_size=config.batch_size,
+        total_steps=config.steps, lr=lambda s: cosine_lr(s, peak=config.lr, warmup=config.warmup, total=config.steps),
+        step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
+        config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at,
+    )
+    if step < config.steps:
+        return {"steps": step, "stopped_early": True}
     head.eval()
     with torch.no_grad():
         sums: Counter[str] = Counter()

@@ -1,0 +1,96 @@
+"""The training loop both draft recipes share: shuffled batches, warm-up + cosine learning rate,
+gradient clipping, atomic checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import DraftwiseError
+
+
+def cosine_lr(step: int, *, peak: float, warmup: int, total: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file, then rename: an interruption never leaves half a checkpoint."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def train_loop(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    num_examples: int,
+    batch_size: int,
+    total_steps: int,
+    lr: Callable[[int], float],
+    step_fn: Callable[[list[int]], tuple[torch.Tensor, dict]],
+    checkpoint: Path,
+    checkpoint_every: int,
+    config: dict,
+    seed: int,
+    progress: Callable[[int, dict], None] | None = None,
+    stop_at: int | None = None,
+) -> int:
+    """Run (or resume) training to `total_steps` (or `stop_at`); returns the step reached.
+
+    step_fn(indices) -> (loss, stats) for a batch of example indices. The checkpoint holds
+    model, optimizer, step and the data-order generator; it is refused if `config` differs.
+    After every checkpoint the epoch order restarts from the saved generator, so a resumed
+    run sees exactly the batches an uninterrupted one would.
+    """
+    step = 0
+    order_rng = random.Random(seed)
+    if checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != config:
+            raise DraftwiseError(f"{checkpoint} was written with a different configuration; "
+                                 "use a new --out or the same options")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        order_rng.setstate(state["order_rng"])
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    end = min(total_steps, stop_at) if stop_at is not None else total_steps
+    order: list[int] = []
+    model.train()
+    while step < end:
+        if len(order) < batch_size:
+            fresh = list(range(num_examples))
+            order_rng.shuffle(fresh)
+            order += fresh
+        picked, order = order[:batch_size], order[batch_size:]
+        for group in optimizer.param_groups:
+            group["lr"] = lr(step)
+        loss, stats = step_fn(picked)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        if progress:
+            progress(step, stats)
+        if step % checkpoint_every == 0 or step == end:
+            atomic_save({"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": step, "order_rng": order_rng.getstate()}, checkpoint)
+            order = []
+    model.eval()
+    return step
