@@ -208,6 +208,8 @@ def _add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts (0 = all)")
+    p.add_argument("--prompts-only", action="store_true",
+                   help="write the chat-formatted prompts without answers (text for a feature head)")
     p.add_argument("--sources", default="spec-bench,human-eval,fortunes",
                    help="comma-separated subset of spec-bench, human-eval, fortunes")
 
@@ -223,7 +225,9 @@ def _run_train_data(args: argparse.Namespace) -> int:
     prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes, seed=args.seed) if p.source in sources]
     if args.limit:
         prompts = prompts[: args.limit]
-    tag = args.tag or ("greedy" if args.temperature == 0 else f"t{args.temperature:g}")
+    tag = args.tag or ("prompt" if args.prompts_only else "greedy" if args.temperature == 0 else f"t{args.temperature:g}")
+    if args.prompts_only:
+        args.max_new_tokens = 0
     target = load_model(args.target, dtype=args.dtype)
     with tqdm(total=len(prompts), desc="answers", unit="prompt", file=sys.stderr, mininterval=10) as bar:
         generate_answers(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens,
@@ -238,7 +242,7 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     d = DistillConfig(data="", out="")
     p = sub.add_parser("distill", help="train an independent draft model on the target's answers")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--data", required=True, help="JSONL from `draftwise train-data`")
+    p.add_argument("--data", required=True, help="JSONL from `draftwise train-data` (comma-separated for several)")
     p.add_argument("--out", required=True, help="output directory (re-running resumes from its checkpoint)")
     for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len", "batch_size", "steps",
                  "warmup", "seed", "checkpoint_every"):

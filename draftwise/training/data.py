@@ -131,6 +131,14 @@ def generate_answers(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(target.eos_token_ids)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
+    if max_new_tokens == 0:  # prompts only: text on which a feature head can still learn the target's features
+        with open(out, "a") as f:
+            for p, ids in encoded:
+                f.write(json.dumps({"uid": p.uid, "tag": tag, "source": p.source, "category": p.category,
+                                    "prompt_ids": ids, "answer_ids": []}) + "\n")
+        if progress:
+            progress(len(encoded))
+        return
     with open(out, "a") as f:
         for start in range(0, len(encoded), batch_size):
             batch = encoded[start : start + batch_size]

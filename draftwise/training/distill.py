@@ -50,18 +50,19 @@ class DistillConfig:
     val_fraction: float = 0.05
 
 
-def _examples(path: Path, max_len: int) -> list[tuple[list[int], int]]:
-    """(ids, answer_start) per record, truncated to max_len from the left of the prompt."""
+def _examples(paths: str | Path, max_len: int, *, keep_prompt_only: bool = False) -> list[tuple[list[int], int]]:
+    """(ids, answer_start) per record of one or more comma-separated JSONL files, cut to the last max_len tokens."""
     out = []
-    for r in read_answers(path):
-        prompt, answer = r["prompt_ids"], r["answer_ids"]
-        if not answer:
-            continue
-        ids = (prompt + answer)[-max_len:]
-        start = max(1, len(ids) - len(answer))
-        out.append((ids, start))
+    for path in [Path(p) for p in str(paths).split(",") if p]:
+        for r in read_answers(path):
+            prompt, answer = r["prompt_ids"], r["answer_ids"]
+            if not answer and not keep_prompt_only:
+                continue
+            ids = (prompt + answer)[-max_len:]
+            start = max(1, len(ids) - len(answer)) if answer else len(ids)
+            out.append((ids, start))
     if not out:
-        raise DraftwiseError(f"{path}: no training records (run `draftwise train-data` first)")
+        raise DraftwiseError(f"{paths}: no training records (run `draftwise train-data` first)")
     return out
 
 
@@ -145,7 +146,7 @@ def distill(
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "checkpoint.pt"
-    examples = _examples(Path(config.data), config.max_len)
+    examples = _examples(config.data, config.max_len)
     train, val = _split(examples, config.val_fraction, config.seed)
 
     torch.manual_seed(config.seed)

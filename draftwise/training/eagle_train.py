@@ -51,8 +51,9 @@ class EagleTrainConfig:
 def draft_vocabulary(path: Path, size: int, always: set[int]) -> torch.Tensor:
     """The `size` tokens the target emits most often in its answers (plus `always`), sorted by id."""
     counts: Counter[int] = Counter()
-    for r in read_answers(path):
-        counts.update(r["answer_ids"])
+    for file in [Path(p) for p in str(path).split(",") if p]:
+        for r in read_answers(file):
+            counts.update(r["answer_ids"] or r["prompt_ids"])
     chosen = set(always) | {t for t, _ in counts.most_common(max(0, size - len(always)))}
     return torch.tensor(sorted(chosen)[:size], dtype=torch.long)
 
@@ -120,13 +121,13 @@ def train_eagle(
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "checkpoint.pt"
-    examples = _examples(Path(config.data), config.max_len)
+    examples = _examples(config.data, config.max_len, keep_prompt_only=config.loss_on == "all")
     if config.loss_on == "all":
         examples = [(ids, 1) for ids, _ in examples]
     train, val = _split(examples, config.val_fraction, config.seed)
     tc = target.config
     torch.manual_seed(config.seed)
-    vocab_ids = draft_vocabulary(Path(config.data), config.draft_vocab, eos_ids)
+    vocab_ids = draft_vocabulary(config.data, config.draft_vocab, eos_ids)
     head = EagleHead(EagleConfig(
         hidden_size=tc.hidden_size, num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads,
         intermediate_size=config.intermediate_size, target_vocab_size=target.get_output_embeddings().weight.shape[0],
