@@ -49,7 +49,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
             help=f"{option.help} (methods: {methods}; default {option.default})",
         )
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: fp32 on CPU)")
+    p.add_argument("--dtype", default=None, help="auto, fp32, bf16 or fp16 (default: fp32 on CPU)")
     p.add_argument("--json", action="store_true", help="print the Generation (text, token ids, stats) as JSON")
 
 
@@ -138,7 +138,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma", type=int, default=d.gamma)
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--warmup", type=int, default=d.warmup, help="prompts per method run before timing")
-    p.add_argument("--dtype", default=d.dtype, help="bf16 (default) or fp32")
+    p.add_argument("--dtype", default=d.dtype, help="auto (default: bf16 where the CPU has native bf16, else fp32), "
+                   "bf16, fp32")
     p.add_argument("--device", default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = default)")

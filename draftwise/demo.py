@@ -32,7 +32,7 @@ def main() -> int:
     methods = ("ar", "prompt-lookup") + (("sd",) if drafts else ())
     config = BenchConfig(
         target=TARGET, draft=drafts, methods=methods, num_prompts=6, max_new_tokens=96, temperature=0.0,
-        gamma=4, repeats=1, warmup=1, dtype="bf16", threads=torch.get_num_threads(),
+        gamma=4, repeats=1, warmup=1, dtype="auto", threads=torch.get_num_threads(),
     )
     print(f"benchmark: {', '.join(methods)} on {config.num_prompts} Spec-Bench evaluation prompts, "
           f"{config.max_new_tokens} new tokens, greedy, {config.dtype}", flush=True)

@@ -46,7 +46,7 @@ class BenchConfig:
     gamma: int = 4
     repeats: int = 3
     warmup: int = 1
-    dtype: str = "bf16"
+    dtype: str = "auto"  # bf16 where the CPU runs it natively (or CUDA), else fp32
     device: str = "cpu"
     seed: int = 0
     threads: int = 0  # 0 = torch's default

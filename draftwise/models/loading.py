@@ -60,13 +60,27 @@ class LoadedModel:
         return None
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (otherwise they are converted and slower than fp32)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None = None) -> torch.dtype | None:
+    """'auto' is bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if str(dtype) == "auto":
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        return torch.bfloat16 if on_cuda or cpu_has_native_bf16() else torch.float32
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
-        raise DraftwiseError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
+        raise DraftwiseError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(sorted(_DTYPES))}") from None
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -92,7 +106,7 @@ def load_model(
     dtype: None keeps an in-memory model's dtype and loads files in float32 on CPU
     (bfloat16 on CUDA); 'bf16' / 'fp16' / 'fp32' choose explicitly.
     """
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     if isinstance(spec, LoadedModel):
         loaded = spec
         if tokenizer is not None:

@@ -8,11 +8,18 @@ shortens a cache.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+# Grouped-query attention inside SDPA instead of repeating keys/values per head: transformers
+# only does so without a mask, but a verification pass over k tokens has one. On CPU this cut
+# verifying 3 tokens from 1.24x to 1.11x the cost of one (SmolLM2-135M, fp32). Outputs are
+# unchanged (tests compare with transformers' own generate). Set to 0 to opt out.
+os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
 
 @dataclass(frozen=True)
