@@ -167,9 +167,8 @@ def distill(
         step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
         config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at,
     )
-    if step < config.steps:
-        return {"steps": step, "stopped_early": True}
-    report = {"steps": step, "train_examples": len(train), "val_examples": len(val),
+    stopped_early = step < config.steps  # an interrupted run still exports what it has (and can resume)
+    report = {"steps": step, "stopped_early": stopped_early, "train_examples": len(train), "val_examples": len(val),
               "train_seconds_this_run": time.perf_counter() - start, "validation": evaluate(model, val, pad)}
     save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.save_dtype]
     model.to(save_dtype).save_pretrained(out)

@@ -150,8 +150,7 @@ def train_eagle(
         step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
         config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at,
     )
-    if step < config.steps:
-        return {"steps": step, "stopped_early": True}
+    stopped_early = step < config.steps  # an interrupted run still exports what it has (and can resume)
     head.eval()
     with torch.no_grad():
         sums: Counter[str] = Counter()
@@ -161,7 +160,7 @@ def train_eagle(
                                val_features[i : i + config.batch_size], config)
             sums.update(stats)
             n += 1
-    report = {"steps": step, "train_examples": len(train), "val_examples": len(val),
+    report = {"steps": step, "stopped_early": stopped_early, "train_examples": len(train), "val_examples": len(val),
               "train_seconds_this_run": time.perf_counter() - start,
               "validation": {k: v / max(n, 1) for k, v in sums.items()}}
     head.save(out)

@@ -3,9 +3,11 @@ gradient clipping, atomic checkpoints and exact resume."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
+import signal
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -72,6 +74,40 @@ def train_loop(
     end = min(total_steps, stop_at) if stop_at is not None else total_steps
     order: list[int] = []
     model.train()
+    with _stop_on_signal() as stop:
+        step = _run(step, end, stop, model, optimizer, params, num_examples, batch_size, lr, step_fn, checkpoint,
+                    checkpoint_every, config, order_rng, order, progress)
+    model.eval()
+    return step
+
+
+@contextlib.contextmanager
+def _stop_on_signal():
+    """SIGINT / SIGTERM end training after the current step, with a checkpoint (resume later)."""
+    stop = {"requested": False}
+
+    def handler(signum, frame):
+        stop["requested"] = True
+
+    if threading_main():
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    else:
+        previous = {}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _run(step, end, stop, model, optimizer, params, num_examples, batch_size, lr, step_fn, checkpoint,
+         checkpoint_every, config, order_rng, order, progress) -> int:
     while step < end:
         if len(order) < batch_size:
             fresh = list(range(num_examples))
@@ -88,9 +124,10 @@ def train_loop(
         step += 1
         if progress:
             progress(step, stats)
-        if step % checkpoint_every == 0 or step == end:
+        if step % checkpoint_every == 0 or step == end or stop["requested"]:
             atomic_save({"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "step": step, "order_rng": order_rng.getstate()}, checkpoint)
             order = []
-    model.eval()
+        if stop["requested"]:
+            break
     return step
