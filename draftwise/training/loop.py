@@ -75,59 +75,48 @@ def train_loop(
     order: list[int] = []
     model.train()
     with _stop_on_signal() as stop:
-        step = _run(step, end, stop, model, optimizer, params, num_examples, batch_size, lr, step_fn, checkpoint,
-                    checkpoint_every, config, order_rng, order, progress)
+        while step < end:
+            if len(order) < batch_size:
+                fresh = list(range(num_examples))
+                order_rng.shuffle(fresh)
+                order += fresh
+            picked, order = order[:batch_size], order[batch_size:]
+            for group in optimizer.param_groups:
+                group["lr"] = lr(step)
+            loss, stats = step_fn(picked)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            step += 1
+            if progress:
+                progress(step, stats)
+            if step % checkpoint_every == 0 or step == end or stop["requested"]:
+                atomic_save({"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "step": step, "order_rng": order_rng.getstate()}, checkpoint)
+                order = []
+            if stop["requested"]:
+                break
     model.eval()
     return step
 
 
 @contextlib.contextmanager
 def _stop_on_signal():
-    """SIGINT / SIGTERM end training after the current step, with a checkpoint (resume later)."""
+    """SIGINT / SIGTERM end training after the current step, with a checkpoint (resume later;
+    the resumed run starts a fresh epoch order from the saved generator)."""
+    import threading
+
     stop = {"requested": False}
 
     def handler(signum, frame):
         stop["requested"] = True
 
-    if threading_main():
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers only install there
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    else:
-        previous = {}
     try:
         yield stop
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _run(step, end, stop, model, optimizer, params, num_examples, batch_size, lr, step_fn, checkpoint,
-         checkpoint_every, config, order_rng, order, progress) -> int:
-    while step < end:
-        if len(order) < batch_size:
-            fresh = list(range(num_examples))
-            order_rng.shuffle(fresh)
-            order += fresh
-        picked, order = order[:batch_size], order[batch_size:]
-        for group in optimizer.param_groups:
-            group["lr"] = lr(step)
-        loss, stats = step_fn(picked)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        step += 1
-        if progress:
-            progress(step, stats)
-        if step % checkpoint_every == 0 or step == end or stop["requested"]:
-            atomic_save({"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "step": step, "order_rng": order_rng.getstate()}, checkpoint)
-            order = []
-        if stop["requested"]:
-            break
-    return step
