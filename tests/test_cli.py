@@ -223,3 +223,26 @@ def test_console_entry_point_runs():
     scripts = {ep.name: ep for ep in entry_points(group="console_scripts") if ep.name == "draftwise"}
     if scripts:
         assert scripts["draftwise"].load() is main
+
+
+def test_bench_rejects_unknown_method_category_and_dataset(capsys):
+    from draftwise.cli import main
+
+    for argv, expected in (
+        (["--methods", "ar,warp"], "unknown method"),
+        (["--categories", "poetry"], "unknown Spec-Bench category"),
+        (["--dataset", "mmlu"], "unknown dataset"),
+        (["--option", "lossy:alpha"], "METHOD:NAME=VALUE"),
+        (["--option", "lossy:gamma=3"], "has no option 'gamma'"),
+    ):
+        assert main(["bench", "--target", "/nonexistent", *argv]) == 2
+        assert expected in capsys.readouterr().err
+
+
+def test_models_lists_the_registry(capsys, tmp_path, monkeypatch):
+    from draftwise.cli import main
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m " in out and "smollm2-135m-eagle" in out and str(tmp_path) in out
