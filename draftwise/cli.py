@@ -312,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars would interleave with the output
+    hf_logging.set_verbosity_error()  # per-call deprecation notices from generate() would flood the bench
     try:
         return _COMMANDS[args.command](args)
     except DraftwiseError as error:

