@@ -62,18 +62,21 @@ def draft_vocabulary(path: Path, size: int, always: set[int]) -> torch.Tensor:
 def target_features(target, examples: list, pad: int, batch_size: int = 8, progress=None) -> list[tuple]:
     """One frozen-target pass per example: (features [T, H] fp16, greedy tokens [T]) per example.
 
-    Computed once and reused every epoch: the target's forward costs far more than the head's step.
+    Computed once and reused every epoch: the target's forward costs far more than the head's
+    step. Batches are formed in length order so little compute goes to padding.
     """
-    out = []
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        ids, mask, _ = _batch(chunk, pad)
+    out: list[tuple | None] = [None] * len(examples)
+    by_length = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
+    for start in range(0, len(by_length), batch_size):
+        indices = by_length[start : start + batch_size]
+        ids, mask, _ = _batch([examples[i] for i in indices], pad)
         hidden = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]  # [B,T,H]
         greedy = target.get_output_embeddings()(hidden).argmax(-1)  # [B, T]
-        for row, (seq, _) in enumerate(chunk):
-            out.append((hidden[row, : len(seq)].half(), greedy[row, : len(seq)]))
+        for row, i in enumerate(indices):
+            length = len(examples[i][0])
+            out[i] = (hidden[row, :length].half(), greedy[row, :length])
         if progress:
-            progress(len(chunk))
+            progress(len(indices))
     return out
 
 
