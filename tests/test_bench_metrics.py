@@ -110,3 +110,20 @@ def test_run_bench_end_to_end_on_tiny_models(tmp_path):
     assert results["methods"]["sd"]["draft_calls_per_token"] > 0
     write_json(results, tmp_path / "out" / "bench.json")
     assert "prompt-lookup-hf" in format_table(results)
+
+
+def test_hf_assisted_drafts_exactly_gamma_tokens_per_step(tmp_path):
+    """The external reference must run at the same gamma: transformers reads it from the assistant's config."""
+    import torch
+    from conftest import tiny_llama
+
+    import draftwise
+    from draftwise.bench.harness import BenchConfig, _hf_run
+
+    target = draftwise.load_model(tiny_llama(0, layers=2))
+    draft = draftwise.load_model(tiny_llama(0, layers=2))  # drafting for itself: every draft token is accepted
+    config = BenchConfig(target="t", gamma=3, max_new_tokens=12, temperature=0.0)
+    out = _hf_run("hf-assisted", target, draft, [1, 2, 3, 4], config, 0)
+    assert out["new_tokens"] == 12
+    # 12 tokens at 4 per step (3 accepted + 1 bonus) = 3 target calls, 3 draft calls each.
+    assert out["target_calls"] == 3 and out["draft_calls"] == 9

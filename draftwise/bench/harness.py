@@ -119,10 +119,14 @@ def _hf_run(
         kwargs.update(temperature=config.temperature, top_k=config.top_k or None, top_p=config.top_p)
     if method == "hf-assisted":
         assert hf_draft is not None
-        kwargs.update(
-            assistant_model=hf_draft.model, num_assistant_tokens=config.gamma,
-            num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
-        )
+        # transformers reads the draft length and early-exit threshold from the *assistant's*
+        # generation config (defaults: 20 tokens, heuristic schedule, confidence 0.4); kwargs
+        # to generate() do not reach it. Set them there: exactly gamma tokens every step.
+        assistant_config = hf_draft.model.generation_config
+        assistant_config.num_assistant_tokens = config.gamma
+        assistant_config.num_assistant_tokens_schedule = "constant"
+        assistant_config.assistant_confidence_threshold = 0.0
+        kwargs.update(assistant_model=hf_draft.model)
     else:
         kwargs.update(prompt_lookup_num_tokens=config.gamma)
     input_ids = torch.tensor([ids], device=target.device)
