@@ -41,25 +41,18 @@ def main() -> None:
     prompts = [_prompt_ids(target, p) for p in load_prompts(num_prompts=args.num_prompts)]
 
     spent = {"forward": 0.0}
-    original = runner_module.ModelRunner.forward
-    head_forward = EagleHead.forward
 
-    def timed(self, *a, **k):
-        start = time.perf_counter()
-        try:
-            return original(self, *a, **k)
-        finally:
-            spent["forward"] += time.perf_counter() - start
+    def timed(fn):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent["forward"] += time.perf_counter() - start
+        return wrapper
 
-    def timed_head(self, *a, **k):
-        start = time.perf_counter()
-        try:
-            return head_forward(self, *a, **k)
-        finally:
-            spent["forward"] += time.perf_counter() - start
-
-    runner_module.ModelRunner.forward = timed
-    EagleHead.forward = timed_head
+    runner_module.ModelRunner.forward = timed(runner_module.ModelRunner.forward)
+    EagleHead.forward = timed(EagleHead.forward)
     results = {}
     for method in args.methods.split(","):
         spec = draftwise.METHODS[method]

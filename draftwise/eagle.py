@@ -145,35 +145,39 @@ class EagleDrafter:
         self.device = device
         self.cache = DynamicCache()
         self.cached = 0  # head positions in its cache (all computed from true target features)
-        self.features: list[torch.Tensor] = []  # [n, H] chunks: true target features for sequence positions
+        # True target features not yet read by the head: sequence positions cached .. num_features-1.
+        # Positions before `cached` live in the head's KV cache and are never read again.
+        self.pending = torch.empty(0, head.config.hidden_size, device=device)
         self.num_features = 0
         self.calls = 0
+        usable = head.vocab_ids < vocab_size  # padded vocabularies: draft ids past the shared size are dropped
+        self.scatter_ids = head.vocab_ids[usable]  # [usable] full-vocabulary ids
+        self.usable = usable
 
     def observe(self, hidden: torch.Tensor) -> None:
         """Features of the tokens the target just processed: [n_fed, H], in sequence order."""
-        self.features.append(hidden)
+        self.pending = torch.cat([self.pending, hidden.to(self.pending.dtype)])
         self.num_features += hidden.shape[0]
 
     @torch.inference_mode()
     def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
         if max_tokens <= 0 or self.num_features == 0:
             return empty_draft(self.vocab_size, self.device)
-        features = torch.cat(self.features) if len(self.features) > 1 else self.features[0]  # [L-1, H]
-        self.features = [features]
         # Catch up: head positions cached .. num_features-1 read (feature_i, token_{i+1}).
         start, end = self.cached, self.num_features
         tokens = torch.as_tensor(sequence[start + 1 : end + 1], device=self.device)
-        feats = features[start:end].to(self.head.fc.weight.dtype)
+        feats = self.pending.to(self.head.fc.weight.dtype)  # [end - start, H]
         predicted = self.head(feats[None], tokens[None], cache=self.cache)[0, -1:]  # [1, H]
         self.calls += 1
         self.cached = end
+        self.pending = self.pending[:0]
         draft_tokens, draft_probs = [], []
         for step in range(max_tokens):
             probs_small = warp(self.head.logits(predicted), self.sampling)  # [1, draft_vocab]
             index = probs_small.argmax(-1) if self.sampling.greedy else sample(probs_small, generator)  # [1]
             token = self.head.vocab_ids[index]  # [1]
             probs = torch.zeros(1, self.vocab_size, device=self.device)
-            probs[0, self.head.vocab_ids[self.head.vocab_ids < self.vocab_size]] = probs_small[0, self.head.vocab_ids < self.vocab_size]
+            probs[0, self.scatter_ids] = probs_small[0, self.usable]
             draft_tokens.append(token)
             draft_probs.append(probs)
             if step + 1 < max_tokens:
@@ -184,9 +188,7 @@ class EagleDrafter:
     def rewind(self, keep: int) -> None:
         """The sequence keeps `keep` positions with true features; drop predicted ones from the head cache."""
         self.num_features = min(self.num_features, keep)
-        if self.features:
-            features = torch.cat(self.features)[: self.num_features]
-            self.features = [features]
+        self.pending = self.pending[: max(0, self.num_features - self.cached)]
         # Head positions 0..cached-1 used true features; positions past it were drafting steps.
         drop = self.cache.get_seq_length() - min(self.cached, self.num_features)
         if drop > 0:
