@@ -10,9 +10,12 @@ speculative decoding is `pi = target_probs` (Algorithm 1); lossy speculative
 sampling is the max/min form of Lemma 2; later methods (cascades) add rules here,
 never a second sampler.
 
-The bonus position has no draft distribution (the draft never ran there), so its
-`pi` is the target's distribution for every rule: the choice of Leviathan et al.
-and Tran-Thien; a rule may override `bonus`.
+The bonus position has no draft token. Its `pi` is the target's distribution for
+exact, lossy and the sequential rules (the choice of Leviathan et al. and Tran-Thien).
+A rule with `bonus_from_pi` set and a `bonus(q, q_warped, p, p_warped, greedy)` method
+(the speculative cascades: Algorithm 4 samples the bonus from pi_{t+gamma} =
+T(q_{t+gamma}, p_{t+gamma})) gets the draft's distribution there from one more draft
+forward, run only when every drafted token was accepted.
 
 Zero residual: `max(0, pi - draft_probs)` is all zero only when `pi <= draft_probs`
 everywhere. For a normalised `pi` that means `pi == draft_probs`, where rejection
@@ -24,7 +27,7 @@ never a crash in `multinomial`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -42,6 +45,8 @@ class StepDistributions:
     draft_probs: torch.Tensor  # [k, vocab] warped draft distributions the tokens were drawn from
     target_probs: torch.Tensor  # [k + 1, vocab] warped target distributions (last = bonus position)
     target_logits: torch.Tensor  # [k + 1, vocab] raw target logits, for rules that read unwarped probs
+    draft_raw: torch.Tensor | None = None  # [k, vocab] unwarped draft distributions (cascade rules), if kept
+    greedy: bool = False  # temperature 0
 
 
 class TargetRule(Protocol):
@@ -140,8 +145,8 @@ def speculative_sample(
     draft_tokens: torch.Tensor,  # [k] int64
     draft_probs: torch.Tensor,  # [k, vocab]
     pi: torch.Tensor,  # [k, vocab] target distribution at the drafted positions
-    bonus_probs: torch.Tensor,  # [vocab] pi at the position after the last drafted token
-    generator: torch.Generator,
+    bonus_probs: torch.Tensor | Callable[[], torch.Tensor],  # [vocab] pi after the last drafted token (or a
+    generator: torch.Generator,                             # callable computing it, run only if it is needed)
 ) -> Acceptance:
     """Algorithm 4 of seed 003 (GenSpecSample): the single place where accept / recover / bonus happens.
 
@@ -149,7 +154,7 @@ def speculative_sample(
     rejection j* is replaced by a draw from norm(max(0, pi_j* - draft_j*)); if none is
     rejected, a bonus token is drawn from `bonus_probs`. k may be 0 (plain decoding).
     """
-    assert draft_tokens.ndim == 1 and draft_probs.ndim == 2 and pi.ndim == 2 and bonus_probs.ndim == 1
+    assert draft_tokens.ndim == 1 and draft_probs.ndim == 2 and pi.ndim == 2
     k = draft_tokens.shape[0]
     if k:
         rows = torch.arange(k, device=draft_tokens.device)
@@ -164,7 +169,8 @@ def speculative_sample(
     if num_accepted < k:
         probs = residual(pi[num_accepted], draft_probs[num_accepted])
     else:
-        probs = bonus_probs
+        probs = bonus_probs() if callable(bonus_probs) else bonus_probs
+        assert probs.ndim == 1
     next_token = int(sample(probs[None], generator).item())
     return Acceptance(num_drafted=k, num_accepted=num_accepted, next_token=next_token)
 

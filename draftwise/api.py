@@ -12,7 +12,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .decoding import Counters, Limits, decode
+from .cascades import deferral, sequence_confidence
+from .decoding import Counters, Limits, decode, decode_oracle, decode_sequence_cascade
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
 from .errors import DraftwiseError
 from .methods import Method, get_method
@@ -149,8 +150,8 @@ def _plan(
     target_model = load_model(target)
     draft_model = _load_draft(draft, target_model) if draft is not None else None
     if isinstance(draft_model, EagleHead):
-        if spec.name not in ("sd", "lossy", "lossy-greedy"):
-            raise DraftwiseError(f"an EAGLE draft head drafts for sd, lossy and lossy-greedy, not {spec.name!r}")
+        if spec.name not in ("sd", "lossy", "lossy-greedy", "fly"):
+            raise DraftwiseError(f"an EAGLE draft head drafts for sd, lossy, lossy-greedy and fly, not {spec.name!r}")
         vocab_size = _shared_vocab(target_model, None)
     else:
         vocab_size = _shared_vocab(target_model, draft_model)
@@ -244,7 +245,12 @@ class _Run:
             return EagleDrafter(plan.draft, plan.sampling, plan.vocab_size, generator_device)
         if plan.method.drafter == "model":
             runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
-            return ModelDrafter(runner, plan.sampling, plan.vocab_size)
+            spec = plan.method
+            return ModelDrafter(
+                runner, plan.sampling, plan.vocab_size,
+                keep_raw=getattr(spec.make_rule(plan.options), "needs_draft_raw", False),
+                stop_when=spec.make_stop(plan.options) if spec.make_stop else None,
+            )
         if plan.method.drafter == "ngram":
             return PromptLookupDrafter(
                 plan.vocab_size, generator_device,
@@ -258,17 +264,36 @@ class _Run:
         generator = make_generator(plan.seed, device)
         target = ModelRunner(plan.target.model, vocab_size=plan.vocab_size)
         drafter = self._drafter(device)
-        gamma = plan.gamma if plan.method.uses_gamma else 0
+        spec = plan.method
+        gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
         counters = Counters(gamma=gamma)
         tokenizer = plan.target.tokenizer
         emitted = 0  # characters of self.text already yielded
         finish = "length"
         start = time.perf_counter()
-        steps = decode(
-            plan.prompt_ids, target=target, drafter=drafter, rule=plan.method.make_rule(plan.options),
-            sampling=plan.sampling, gamma=gamma,
-            limits=Limits(plan.max_new_tokens, plan.eos_token_ids), generator=generator, counters=counters,
-        )
+        limits = Limits(plan.max_new_tokens, plan.eos_token_ids)
+        if spec.loop == "oracle":
+            rule = spec.make_rule(plan.options)
+            greedy = plan.sampling.greedy
+
+            def defer(q, p, q_warped, p_warped) -> bool:
+                return bool(deferral(rule.rule, rule.alpha, q, p, q_warped, p_warped, greedy=greedy))
+
+            steps = decode_oracle(plan.prompt_ids, target=target, draft=drafter.runner, defer=defer,
+                                  sampling=plan.sampling, limits=limits, generator=generator, counters=counters)
+        elif spec.loop == "sequence":
+            aggregate = plan.options["aggregate"]
+            steps = decode_sequence_cascade(
+                plan.prompt_ids, target=target, draft=drafter.runner,
+                confidence=lambda log_probs: sequence_confidence(log_probs, aggregate),
+                threshold=1.0 - plan.options["alpha"], sampling=plan.sampling, limits=limits, generator=generator,
+                counters=counters,
+            )
+        else:
+            steps = decode(
+                plan.prompt_ids, target=target, drafter=drafter, rule=spec.make_rule(plan.options),
+                sampling=plan.sampling, gamma=gamma, limits=limits, generator=generator, counters=counters,
+            )
         try:
             for committed in steps:
                 if plan.stop and tokenizer is not None:

@@ -8,14 +8,14 @@ One step = draft -> verify -> accept -> rewind, then record (counters only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .acceptance import StepDistributions, TargetRule, speculative_sample
-from .drafters import Drafter
+from .acceptance import ExactRule, StepDistributions, TargetRule, speculative_sample
+from .drafters import Drafter, NoDrafter, empty_draft
 from .models.runner import ModelRunner
-from .sampling import SamplingConfig, warp
+from .sampling import SamplingConfig, sample, unwarped, warp
 
 
 @dataclass
@@ -87,9 +87,15 @@ def decode(
         target_probs = warp(target_logits, sampling)  # [k + 1, vocab]
 
         # accept: speculative sampling towards pi = rule(draft, target).
-        step = StepDistributions(draft.tokens, draft.probs, target_probs, target_logits)
+        step = StepDistributions(draft.tokens, draft.probs, target_probs, target_logits, draft.raw_probs,
+                                 sampling.greedy)
         pi = rule(step) if k else target_probs[:0]
-        outcome = speculative_sample(draft.tokens, draft.probs, pi, target_probs[k], generator)
+        bonus: torch.Tensor | Callable[[], torch.Tensor] = target_probs[k]
+        if getattr(rule, "bonus_from_pi", False):  # pi at the bonus position reads the draft: one more forward
+            def bonus() -> torch.Tensor:
+                q_raw, q_warped = drafter.next_distribution(sequence + draft.tokens.tolist())
+                return rule.bonus(q_raw, q_warped, unwarped(target_logits[k]), target_probs[k], sampling.greedy)
+        outcome = speculative_sample(draft.tokens, draft.probs, pi, bonus, generator)
         committed = draft.tokens[: outcome.num_accepted].tolist() + [outcome.next_token]
         counters.record(k, outcome.num_accepted)
 
@@ -107,3 +113,81 @@ def decode(
         yield committed
         if committed[-1] in limits.eos_token_ids:
             return
+
+
+def decode_oracle(
+    prompt_ids: Sequence[int],
+    *,
+    target: ModelRunner,
+    draft: ModelRunner,
+    defer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], bool],
+    sampling: SamplingConfig,
+    limits: Limits,
+    generator: torch.Generator,
+    counters: Counters,
+) -> Iterator[list[int]]:
+    """OracleCascade (seed 003 Algorithm 3): both models run at every position, one token per step.
+
+    defer(q, p, S(q), S(p)) -> bool on the unwarped and warped distributions; the token is
+    drawn from S(p) when it defers, else from S(q) (through Algorithm 4 with no draft, so the
+    one sampler draws it). Counters: drafted = steps, accepted = tokens taken from q.
+    """
+    sequence = list(prompt_ids)
+    while counters.new_tokens < limits.max_new_tokens:
+        q_logits = draft.forward(draft.pending(sequence), num_logits=1).logits  # [1, vocab]
+        p_logits = target.forward(target.pending(sequence), num_logits=1).logits  # [1, vocab]
+        q_warped, p_warped = warp(q_logits, sampling)[0], warp(p_logits, sampling)[0]
+        deferred = defer(unwarped(q_logits)[0], unwarped(p_logits)[0], q_warped, p_warped)
+        pi = p_warped if deferred else q_warped
+        none = empty_draft(pi.shape[-1], pi.device)
+        token = speculative_sample(none.tokens, none.probs, none.probs, pi, generator).next_token
+        counters.steps += 1
+        counters.drafted += 1
+        counters.accepted += 0 if deferred else 1
+        sequence.append(token)
+        counters.new_tokens += 1
+        yield [token]
+        if token in limits.eos_token_ids:
+            return
+
+
+def decode_sequence_cascade(
+    prompt_ids: Sequence[int],
+    *,
+    target: ModelRunner,
+    draft: ModelRunner,
+    confidence: Callable[[list[float]], float],
+    threshold: float,
+    sampling: SamplingConfig,
+    limits: Limits,
+    generator: torch.Generator,
+    counters: Counters,
+) -> Iterator[list[int]]:
+    """SeqCascade [Chow] (seed 003 eq. 1): the draft writes the whole response; if its confidence
+    (from the unwarped log-probabilities of the tokens it chose) is below `threshold` = 1 - alpha,
+    the response is discarded and the target writes one from the prompt.
+
+    Nothing is yielded until the decision. Counters: drafted = draft tokens, accepted = the same
+    when kept, else 0; target calls happen only on deferral.
+    """
+    drafted: list[int] = []
+    log_probs: list[float] = []
+    sequence = list(prompt_ids)
+    while len(drafted) < limits.max_new_tokens:
+        logits = draft.forward(draft.pending(sequence), num_logits=1).logits  # [1, vocab]
+        probs = warp(logits, sampling)
+        token = int(probs.argmax(-1)) if sampling.greedy else int(sample(probs, generator))
+        log_probs.append(float(torch.log_softmax(logits.float(), dim=-1)[0, token]))
+        drafted.append(token)
+        sequence.append(token)
+        if token in limits.eos_token_ids:
+            break
+    keep = confidence(log_probs) >= threshold
+    counters.drafted += len(drafted)
+    if keep:
+        counters.accepted += len(drafted)
+        counters.new_tokens = len(drafted)
+        yield drafted
+        return
+    yield from decode(prompt_ids, target=target, drafter=NoDrafter(target.vocab_size, target.device), rule=ExactRule(),
+                      sampling=sampling, gamma=0, limits=limits, generator=generator, counters=counters)

@@ -8,18 +8,19 @@ decoding loop's rewind phase after every verification.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from .models.runner import ModelRunner
-from .sampling import SamplingConfig, sample, warp
+from .sampling import SamplingConfig, sample, unwarped, warp
 
 
 @dataclass(frozen=True)
 class Draft:
     tokens: torch.Tensor  # [k] int64 proposed tokens (k may be 0)
     probs: torch.Tensor  # [k, vocab] the distributions they were drawn from (one-hot for deterministic drafters)
+    raw_probs: torch.Tensor | None = None  # [k, vocab] unwarped distributions, when the drafter keeps them
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -53,12 +54,21 @@ class NoDrafter:
 
 
 class ModelDrafter:
-    """An independent draft model sampling autoregressively from its warped distribution."""
+    """An independent draft model sampling autoregressively from its warped distribution.
 
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int) -> None:
+    `keep_raw` also returns the unwarped distributions (cascade rules decide on them).
+    `stop_when(q)`, given the unwarped distribution of the next position, ends the draft
+    before that token is sampled (the small model's own deferral: token-level cascades, BiLD's
+    fallback); the target then produces that token.
+    """
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, *, keep_raw: bool = False,
+                 stop_when: Callable[[torch.Tensor], bool] | None = None) -> None:
         self.runner = runner
         self.sampling = sampling
         self.vocab_size = vocab_size
+        self.keep_raw = keep_raw or stop_when is not None
+        self.stop_when = stop_when
 
     @property
     def calls(self) -> int:
@@ -66,17 +76,28 @@ class ModelDrafter:
 
     def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
         feed: Sequence[int] | torch.Tensor = self.runner.pending(sequence)
-        tokens, probs = [], []
+        tokens, probs, raws = [], [], []
         for _ in range(max_tokens):
             logits = self.runner.forward(feed, num_logits=1).logits  # [1, vocab]
+            if self.keep_raw:
+                raw = unwarped(logits)  # [1, vocab]
+                if self.stop_when is not None and self.stop_when(raw[0]):
+                    break
+                raws.append(raw)
             step_probs = warp(logits, self.sampling)  # [1, vocab]
             token = step_probs.argmax(-1) if self.sampling.greedy else sample(step_probs, generator)  # [1]
             tokens.append(token)
             probs.append(step_probs)
             feed = token
         if not tokens:
-            return empty_draft(self.vocab_size, self.runner.device)
-        return Draft(torch.cat(tokens), torch.cat(probs))
+            draft = empty_draft(self.vocab_size, self.runner.device)
+            return Draft(draft.tokens, draft.probs, draft.probs) if self.keep_raw else draft
+        return Draft(torch.cat(tokens), torch.cat(probs), torch.cat(raws) if self.keep_raw else None)
+
+    def next_distribution(self, sequence: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unwarped, warped) distribution after `sequence` (committed + drafted): one more forward."""
+        logits = self.runner.forward(self.runner.pending(sequence), num_logits=1).logits  # [1, vocab]
+        return unwarped(logits)[0], warp(logits, self.sampling)[0]
 
     def rewind(self, keep: int) -> None:
         # The last drafted token was never fed, so the cache may already be shorter than `keep`.

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .acceptance import ExactRule, LossyGreedyRule, LossyRule, TargetRule
+from .cascades import (CASCADE_RULES, AcceptDraftRule, BildRollbackRule, CascadeRule, FLyRule, chow_stop,
+                       sequence_confidence)
 from .errors import DraftwiseError
 
 
@@ -32,6 +34,9 @@ class Method:
     greedy_only: bool = False
     exact: bool = True
     reference: str = ""
+    loop: str = "speculative"  # "speculative" (draft -> verify), "oracle" (Algorithm 3), "sequence" (eq. 1)
+    make_stop: Callable[[dict[str, Any]], Callable] | None = None  # the drafter's own deferral (sequential cascades)
+    window_option: str | None = None  # the option that sets the draft window in place of gamma
     _defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +83,28 @@ def _ngram_rule(options: dict[str, Any]) -> TargetRule:
 
 _ALPHA = Option("alpha", 0.1, float, "deviation allowed from the target (0 = exact)")
 
+
+def _window(name: str) -> Callable[[dict[str, Any]], TargetRule]:
+    def check(options: dict[str, Any]) -> TargetRule:
+        _positive_int(name, options[name])
+        return AcceptDraftRule()
+    return check
+
+
+def _bild_rule(options: dict[str, Any]) -> TargetRule:
+    _positive_int("max_window", options["max_window"])
+    if not 0.0 <= options["fallback"] <= 1.0:
+        raise DraftwiseError(f"bild: fallback must be in [0, 1], got {options['fallback']!r}")
+    return BildRollbackRule(alpha=options["alpha"])
+
+
+def _seq_rule(options: dict[str, Any]) -> TargetRule:
+    sequence_confidence([], options["aggregate"])  # validates the name
+    return ExactRule()
+
+
+_CHOW_ALPHA = Option("alpha", 0.1, float, "the small model keeps a token when max q >= 1 - alpha")
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -108,6 +135,59 @@ METHODS: dict[str, Method] = {
                 Option("min_ngram", 1, int, "shortest n-gram to match"),
             ),
             reference="Saxena 2023 (prompt lookup decoding)",
+        ),
+        Method(
+            "cascade", "speculative cascade: Algorithm 4 towards pi from a deferral rule (" + ", ".join(CASCADE_RULES) + ")",
+            drafter="model", make_rule=lambda o: CascadeRule(rule=o["rule"], alpha=o["alpha"], bonus_from=o["bonus"]),
+            options=(
+                Option("rule", "token-v3", str, "deferral rule: " + ", ".join(CASCADE_RULES)),
+                Option("alpha", 0.1, float, "trade-off parameter of the rule (Table 1, eq. 13-15, 28)"),
+                Option("bonus", "pi", str, "bonus token from 'pi' = T(q, p) (Algorithm 4; one more draft "
+                       "forward) or from the 'target' p"),
+            ),
+            exact=False, reference="Narasimhan et al. 2025, seed 003 Algorithms 5-6",
+        ),
+        Method(
+            "token-cascade", "sequential token-level cascade with Chow's rule: the target runs only when the draft defers",
+            drafter="model", make_rule=_window("max_run"), make_stop=lambda o: chow_stop(o["alpha"]),
+            options=(_CHOW_ALPHA, Option("max_run", 10, int, "small-model tokens before the target is invoked anyway")),
+            uses_gamma=False, window_option="max_run", exact=False, reference="seed 003 Algorithm 2, §F.1",
+        ),
+        Method(
+            "seq-cascade", "sequence-level cascade with Chow's rule: keep the draft's whole response or let the target redo it",
+            drafter="model", make_rule=_seq_rule, loop="sequence",
+            options=(
+                Option("alpha", 0.5, float, "keep the draft's response when its confidence >= 1 - alpha"),
+                Option("aggregate", "mean", str, "confidence: 'mean' (per-token geometric mean) or 'product' (eq. 1)"),
+            ),
+            uses_gamma=False, exact=False, reference="seed 003 eq. 1",
+        ),
+        Method(
+            "oracle-diff", "oracle cascade with the Diff rule: both models at every step (head-room reference, not fast)",
+            drafter="model", make_rule=lambda o: CascadeRule(rule="diff", alpha=o["alpha"], bonus_from="target"),
+            loop="oracle",
+            options=(Option("alpha", 0.0, float, "defer when max q < max p - alpha"),),
+            uses_gamma=False, exact=False, reference="seed 003 Algorithm 3, eq. 5",
+        ),
+        Method(
+            "bild", "original Big Little Decoder: draft until max q < 1 - fallback, deterministic rollback where -log p > alpha",
+            drafter="model", make_rule=_bild_rule, make_stop=lambda o: chow_stop(o["fallback"]),
+            options=(
+                Option("alpha", 2.0, float, "rollback threshold on -log p(draft token)"),
+                Option("fallback", 0.5, float, "fallback threshold: the draft stops when max q < 1 - fallback"),
+                Option("max_window", 10, int, "longest draft run"),
+            ),
+            uses_gamma=False, window_option="max_window", greedy_only=True, exact=False,
+            reference="Kim et al. 2023; seed 003 §B, §F.5",
+        ),
+        Method(
+            "fly", "lossy FLy verification: forgive a mismatch at an uncertain position when the next drafts stay aligned",
+            drafter="model", make_rule=lambda o: FLyRule(window=o["window"], entropy_threshold=o["entropy_threshold"]),
+            options=(
+                Option("window", 2, int, "drafted tokens after a mismatch that must match the target's argmax"),
+                Option("entropy_threshold", 0.5, float, "target entropy (nats) above which a mismatch may be forgiven"),
+            ),
+            exact=False, reference="Li et al. 2025 (FLy), vLLM",
         ),
     )
 }
