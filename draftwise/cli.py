@@ -145,6 +145,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = default)")
     p.add_argument("--option", action="append", default=None, metavar="METHOD:NAME=VALUE",
                    help="a method option, e.g. lossy:alpha=0.2 (repeatable)")
+    p.add_argument("--quality", action="store_true", help="quality fields for every method (on by default when a "
+                   "lossy method runs): target perplexity and agreement, ROUGE-2 / BLEU where references exist")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the results here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and mean accepted length per method")
 
@@ -165,7 +167,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         categories=categories, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, gamma=args.gamma, repeats=args.repeats,
         warmup=args.warmup, dtype=args.dtype, device=args.device, seed=args.seed, threads=args.threads,
-        method_options=_parse_option_values(args.option),
+        method_options=_parse_option_values(args.option), quality=args.quality,
     )
     SamplingConfig(config.temperature, config.top_k, config.top_p)
     if config.gamma < 1 or config.repeats < 1 or config.max_new_tokens < 1:
@@ -181,6 +183,83 @@ def _run_bench(args: argparse.Namespace) -> int:
         from .bench.report import plot
 
         plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise DraftwiseError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise DraftwiseError(f"{flag} is empty")
+    return values
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    from .bench.datasets import CATEGORIES, DATASETS
+    from .bench.sweep import SweepConfig
+
+    d = SweepConfig(target="", methods=(), alpha_grid=())
+    p = sub.add_parser("sweep", help="quality against latency for lossy methods over alpha grids (seed 003 Fig. 4, "
+                       "Table 2)")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", default=None, help="draft model (default: the registry's independent draft)")
+    p.add_argument("--methods", required=True, help="comma-separated labels: cascade:RULE (RULE one of chow, diff, "
+                   "opt, opt-log, bild, token-v1, token-v2, token-v3), lossy, token-cascade, seq-cascade, oracle-diff, "
+                   "bild, fly, ...")
+    p.add_argument("--alpha-grid", required=True, help="comma-separated alphas for every method")
+    p.add_argument("--grid", action="append", default=None, metavar="LABEL=A,B,C",
+                   help="an alpha grid for one method label, e.g. cascade:bild=1,2,4,8 (repeatable)")
+    p.add_argument("--temperatures", "--temperature", default="1", help="comma-separated, e.g. 1,0.5")
+    p.add_argument("--dataset", default=d.dataset, help=f"one of: {', '.join(DATASETS)}")
+    p.add_argument("--categories", default=",".join(d.categories), help=f"comma-separated: {', '.join(CATEGORIES)}")
+    for name in ("num_prompts", "max_new_tokens", "top_k", "gamma", "repeats", "warmup", "seed", "threads"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    p.add_argument("--plot", default=None, metavar="OUT.png")
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .bench.datasets import expand_categories, load_prompts
+    from .bench.report import write_json
+    from .bench.sweep import SweepConfig, format_sweep, plot_sweep, run_sweep, sweep_labels
+
+    grids = {}
+    for item in args.grid or []:
+        label, sep, values = item.partition("=")
+        if not sep:
+            raise DraftwiseError(f"--grid takes LABEL=A,B,C, got {item!r}")
+        grids[label.strip()] = _floats(values, f"--grid {label}")
+    categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
+    expand_categories(list(categories))
+    config = SweepConfig(
+        target=args.target, draft=args.draft, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        alpha_grid=_floats(args.alpha_grid, "--alpha-grid"), grids=grids,
+        temperatures=_floats(args.temperatures, "--temperatures"), dataset=args.dataset, categories=categories,
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
+        gamma=args.gamma, repeats=args.repeats, warmup=args.warmup, dtype=args.dtype, device=args.device,
+        seed=args.seed, threads=args.threads,
+    )
+    for t in config.temperatures:
+        SamplingConfig(t, config.top_k, config.top_p)
+    labels = sweep_labels(config)
+    n_prompts = len(load_prompts(config.dataset, categories=list(categories), num_prompts=config.num_prompts))
+    total = n_prompts * len(labels) * config.repeats * len(config.temperatures)
+    with tqdm(total=total, desc="sweep", unit="run", file=sys.stderr) as bar:
+        result = run_sweep(config, progress=bar.update)
+    print(format_sweep(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_sweep(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -296,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     methods = sub.add_parser("methods", help="list the methods, their options and defaults")
     methods.add_argument("--json", action="store_true")
     _add_bench(sub)
+    _add_sweep(sub)
     _add_train_data(sub)
     _add_distill(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
@@ -303,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "models": _run_models,
+_COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "sweep": _run_sweep,
+             "models": _run_models,
              "train-data": _run_train_data, "distill": _run_distill}
 
 

@@ -26,8 +26,41 @@ from ..models.loading import LoadedModel, load_model, resolve_path
 from ..sampling import SamplingConfig
 from .datasets import Prompt, load_prompts
 from .metrics import RunRecord, report
+from .quality import target_score
 
 HF_METHODS = ("hf-assisted", "prompt-lookup-hf")
+DRAFT_ONLY = "draft-only"  # the draft model decoding alone (`ar` with the draft as the model): quality's lower end
+
+
+def parse_label(label: str) -> tuple[str, dict[str, Any]]:
+    """A method label -> (method name, options it fixes).
+
+    `NAME`, `NAME:RULE` (methods with a `rule` option: `cascade:token-v3`), and either with
+    `@ALPHA` (`lossy@0.3`, `cascade:opt@0.5`), so one run can hold several variants.
+    """
+    name, options = label, {}
+    if "@" in name:
+        name, _, alpha = name.rpartition("@")
+        try:
+            options["alpha"] = float(alpha)
+        except ValueError:
+            raise DraftwiseError(f"method label {label!r}: {alpha!r} after @ is not a number") from None
+    if ":" in name:
+        name, _, rule = name.partition(":")
+        options["rule"] = rule
+    if name in HF_METHODS or name == DRAFT_ONLY:
+        if options:
+            raise DraftwiseError(f"method label {label!r}: {name} takes no :rule or @alpha")
+        return name, options
+    if name not in METHODS:
+        valid = ", ".join(list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY])
+        raise DraftwiseError(f"unknown method {name!r} in {label!r}; valid: {valid}")
+    known = {o.name for o in METHODS[name].options}
+    for key in options:
+        if key not in known:
+            raise DraftwiseError(f"method label {label!r}: method {name!r} has no {key!r} option")
+    METHODS[name].make_rule(METHODS[name].resolve_options(options))  # validates the rule name and alpha
+    return name, options
 
 
 @dataclass(frozen=True)
@@ -50,16 +83,21 @@ class BenchConfig:
     device: str = "cpu"
     seed: int = 0
     threads: int = 0  # 0 = torch's default
-    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # by method name or label
+    quality: bool = False  # quality fields for every method (always on when a lossy method runs)
 
 
 def check_methods(methods: tuple[str, ...]) -> None:
-    valid = list(METHODS) + list(HF_METHODS)
-    unknown = [m for m in methods if m not in valid]
-    if unknown:
-        raise DraftwiseError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     if not methods:
         raise DraftwiseError("no methods given")
+    valid = list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY]
+    unknown = [m for m in methods if m.partition(":")[0].partition("@")[0] not in valid]
+    if unknown:
+        raise DraftwiseError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    for label in methods:
+        parse_label(label)
+    if len(set(methods)) != len(methods):
+        raise DraftwiseError(f"a method is listed twice in {', '.join(methods)}")
 
 
 def machine_description(device: torch.device) -> dict[str, Any]:
@@ -159,14 +197,18 @@ def _pad_id(model: LoadedModel) -> int:
 
 
 def _draftwise_run(
-    method: str, target: LoadedModel, draft: LoadedModel | None, ids: list[int], config: BenchConfig, seed: int
+    label: str, target: LoadedModel, draft: LoadedModel | None, ids: list[int], config: BenchConfig, seed: int
 ) -> dict[str, Any]:
-    spec = METHODS[method]
+    name, fixed = parse_label(label)
+    if name == DRAFT_ONLY:
+        target, draft, name = draft, None, "ar"
+    spec = METHODS[name]
+    options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
     start = time.perf_counter()
     g = generate(
-        target, ids, draft=draft if spec.needs_draft else None, method=method,
+        target, ids, draft=draft if spec.needs_draft else None, method=name,
         max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-        top_p=config.top_p, seed=seed, gamma=config.gamma, **config.method_options.get(method, {}),
+        top_p=config.top_p, seed=seed, gamma=config.gamma, **options,
     )
     wall = time.perf_counter() - start
     s = g.stats
@@ -184,6 +226,15 @@ def _load_bench_draft(spec: str, target: LoadedModel, config: BenchConfig) -> Lo
     return load_model(spec, device=config.device, dtype=config.dtype)
 
 
+def _score(record: RunRecord, target: LoadedModel, ids: list[int], prompt: Prompt) -> None:
+    """Fill a record's quality fields (see `quality`): one target forward over prompt + output."""
+    score = target_score(target.model, ids, record.token_ids, target.vocab_size)
+    record.nll, record.scored_tokens, record.agree = score.nll, score.tokens, score.agree
+    if prompt.references and target.tokenizer is not None:
+        record.text = target.tokenizer.decode(record.token_ids, skip_special_tokens=True).strip()
+        record.reference = prompt.references[0]
+
+
 def resolve_drafts(config: BenchConfig) -> BenchConfig:
     """Fill in the registry's default drafts for a registry target when none were given."""
     from ..models import registry
@@ -199,7 +250,8 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     """Run the benchmark; returns {"config", "machine", "methods"} (see `metrics.report`)."""
     check_methods(config.methods)
     config = resolve_drafts(config)
-    needs_draft = [m for m in config.methods if m in METHODS and METHODS[m].needs_draft]
+    labels = {m: parse_label(m)[0] for m in config.methods}
+    needs_draft = [m for m, name in labels.items() if name == DRAFT_ONLY or (name in METHODS and METHODS[name].needs_draft)]
     if needs_draft and not config.draft:
         raise DraftwiseError(f"method(s) {', '.join(needs_draft)} need --draft")
     if "hf-assisted" in config.methods and not (config.hf_draft or config.draft):  # noqa: SIM102
@@ -217,6 +269,10 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
         if not isinstance(hf_draft, LoadedModel):
             raise DraftwiseError("hf-assisted needs an independent draft model (--hf-draft), not an EAGLE head")
     encoded = [(p, _prompt_ids(target, p)) for p in prompts]
+    # Quality fields (perplexity, agreement, ROUGE-2 / BLEU where Spec-Bench has references)
+    # whenever a lossy method runs, or on request; then for every method, `ar` being the reference.
+    score_quality = config.quality or any(
+        labels[m] == DRAFT_ONLY or (labels[m] in METHODS and not METHODS[labels[m]].exact) for m in config.methods)
 
     def run_one(method: str, ids: list[int], seed: int) -> dict[str, Any]:
         if method in HF_METHODS:
@@ -235,9 +291,12 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
             for method in config.methods:
                 seed = config.seed + 1000 * repeat + i  # the same seed for every method on a prompt
                 result = run_one(method, ids, seed)
-                records.append(RunRecord(
+                record = RunRecord(
                     method=method, repeat=repeat, question_id=prompt.question_id, category=prompt.category, **result,
-                ))
+                )
+                if score_quality:
+                    _score(record, target, ids, prompt)
+                records.append(record)
                 if progress:
                     progress(1)
     methods = report(records, compare_identical=SamplingConfig(config.temperature).greedy)

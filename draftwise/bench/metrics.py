@@ -9,12 +9,16 @@ Conventions (DESIGN.md, as vLLM and Spec-Bench report them):
 - acceptance_rate = accepted / drafted (drafted = draft tokens sent to verification).
 - accepted_per_position[i] = fraction of verification steps that drafted a token at
   position i in which that token was accepted.
+- quality (when scored): the target's perplexity and greedy agreement over all output
+  tokens; ROUGE-2 (mean over summarization prompts) and corpus BLEU (translation prompts).
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+from .quality import corpus_bleu, perplexity, rouge2
 
 
 @dataclass
@@ -32,6 +36,12 @@ class RunRecord:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # quality (filled when scored; see bench.quality)
+    nll: float = 0.0
+    scored_tokens: int = 0
+    agree: int = 0
+    text: str = ""  # decoded output, kept only where a reference exists
+    reference: str | None = None
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:
@@ -55,7 +65,7 @@ def summarize(records: list[RunRecord]) -> dict:
     accepted = sum(r.accepted for r in records)
     acc_pos = _sum_lists([r.accepted_per_position for r in records])
     dra_pos = _sum_lists([r.drafted_per_position for r in records])
-    return {
+    out = {
         "tokens_per_s": statistics.median(per_repeat_tps),
         "tokens_per_s_per_repeat": per_repeat_tps,
         "new_tokens": new_tokens,
@@ -67,7 +77,34 @@ def summarize(records: list[RunRecord]) -> dict:
         "drafted": drafted,
         "accepted": accepted,
         "target_calls": target_calls,
+        # lossy methods: rejection = 1 - acceptance; deferral = share of tokens the target produced
+        # (recovered or bonus; for token-cascade the tokens sampled from p, for seq-cascade whole answers)
+        "rejection_rate": 1.0 - accepted / drafted if drafted else 0.0,
+        "deferral_rate": 1.0 - accepted / new_tokens if new_tokens else 0.0,
     }
+    out.update(quality_fields(records))
+    return out
+
+
+QUALITY_BY_CATEGORY = {"summarization": "rouge2", "translation": "bleu"}
+
+
+def quality_fields(records: list[RunRecord]) -> dict:
+    """perplexity, target_agreement, and rouge2 / bleu where scored records carry references."""
+    scored = sum(r.scored_tokens for r in records)
+    if not scored:
+        return {}
+    fields: dict = {
+        "perplexity": perplexity(sum(r.nll for r in records), scored),
+        "target_agreement": sum(r.agree for r in records) / scored,
+    }
+    summaries = [r for r in records if r.reference is not None and r.category == "summarization"]
+    if summaries:
+        fields["rouge2"] = statistics.fmean(rouge2(r.text, r.reference) for r in summaries)
+    translations = [r for r in records if r.reference is not None and r.category == "translation"]
+    if translations:
+        fields["bleu"] = corpus_bleu([r.text for r in translations], [r.reference for r in translations])
+    return fields
 
 
 def identical_fraction(records: list[RunRecord], reference: list[RunRecord]) -> float:

@@ -9,16 +9,22 @@ from pathlib import Path
 from typing import Any
 
 
+QUALITY_COLUMNS = (("perplexity", "ppl"), ("target_agreement", "agree"), ("rouge2", "ROUGE-2"), ("bleu", "BLEU"))
+
+
 def format_table(results: dict[str, Any]) -> str:
-    rows = [("method", "tok/s", "speedup", "mean acc len", "accept rate", "target calls/tok", "identical")]
-    for name, m in results["methods"].items():
+    methods = results["methods"]
+    quality = [(k, h) for k, h in QUALITY_COLUMNS if any(k in m for m in methods.values())]
+    rows = [("method", "tok/s", "speedup", "mean acc len", "accept rate", "target calls/tok", "identical")
+            + tuple(h for _, h in quality)]
+    for name, m in methods.items():
         rows.append((
             name, f"{m['tokens_per_s']:.1f}",
             f"{m['speedup_vs_ar']:.2f}x" if m.get("speedup_vs_ar") is not None else "-",
             f"{m['mean_accepted_length']:.2f}", f"{m['acceptance_rate']:.2f}" if m["drafted"] else "-",
             f"{m['target_calls_per_token']:.3f}",
             f"{m['identical_to_ar']:.2f}" if "identical_to_ar" in m else "-",
-        ))
+        ) + tuple(f"{m[k]:.3g}" if m.get(k) is not None else "-" for k, _ in quality))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
