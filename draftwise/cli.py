@@ -327,13 +327,18 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len", "batch_size", "steps",
                  "warmup", "seed", "checkpoint_every"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
-    for name in ("lr", "weight_decay", "val_fraction"):
+    for name in ("lr", "val_fraction"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help=f"AdamW weight decay (default: {d.weight_decay} for a draft model, 0 for an EAGLE head)")
     p.add_argument("--save-dtype", default=d.save_dtype, choices=["fp16", "bf16", "fp32"])
     p.add_argument("--kind", default="model", choices=["model", "eagle"],
                    help="model: an independent draft LM; eagle: a feature-level head on the target's features")
     p.add_argument("--draft-vocab", type=int, default=8192, help="eagle: draft vocabulary size")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
+    p.add_argument("--loss-on", default="all", choices=["all", "answer"],
+                   help="eagle: train on every position, or only on the target's answers")
+    p.add_argument("--init-from", default="", help="eagle: start from this EAGLE directory (fine-tuning)")
 
 
 def _run_distill(args: argparse.Namespace) -> int:
@@ -356,12 +361,17 @@ def _run_distill(args: argparse.Namespace) -> int:
             from .training.eagle_train import EagleTrainConfig, train_eagle
 
             names = {f.name for f in dataclasses.fields(EagleTrainConfig)}
-            values = {k: v for k, v in vars(args).items() if k in names and k != "target_name"}
+            values = {k: v for k, v in vars(args).items() if k in names and k != "target_name" and v is not None}
+            if values.get("init_from"):
+                from .models.loading import resolve_path
+
+                values["init_from"] = str(resolve_path(values["init_from"]) or values["init_from"])
             config = EagleTrainConfig(**values, target_name=args.target)
             report = train_eagle(config, target.model, pad=pad, eos_ids=set(target.eos_token_ids),
                                  progress=progress, stop_at=args.stop_at)
         else:
-            config = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
+            given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)}
+            config = DistillConfig(**{k: v for k, v in given.items() if v is not None})
             report = distill(config, target.model.config, target.model.get_input_embeddings().weight.detach(),
                              pad=pad, progress=progress, stop_at=args.stop_at)
     print(json.dumps(report, indent=2))

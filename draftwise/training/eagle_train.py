@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..eagle import EagleConfig, EagleHead
+from ..errors import DraftwiseError
 from .data import read_answers
 from .distill import _batch, _examples, _split
 from .loop import cosine_lr, train_loop
@@ -46,6 +47,7 @@ class EagleTrainConfig:
     checkpoint_every: int = 50
     val_fraction: float = 0.05
     loss_on: str = "all"  # "all" positions (prompt text too: the target's features are valid anywhere) or "answer"
+    init_from: str = ""  # an EAGLE directory to start from (its draft vocabulary and weights): fine-tuning
 
 
 def draft_vocabulary(path: Path, size: int, always: set[int]) -> torch.Tensor:
@@ -130,13 +132,19 @@ def train_eagle(
     train, val = _split(examples, config.val_fraction, config.seed)
     tc = target.config
     torch.manual_seed(config.seed)
-    vocab_ids = draft_vocabulary(config.data, config.draft_vocab, eos_ids)
+    start = EagleHead.load(config.init_from) if config.init_from else None
+    vocab_ids = start.vocab_ids.clone() if start is not None else draft_vocabulary(config.data, config.draft_vocab, eos_ids)
     head = EagleHead(EagleConfig(
         hidden_size=tc.hidden_size, num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads,
         intermediate_size=config.intermediate_size, target_vocab_size=target.get_output_embeddings().weight.shape[0],
         rms_norm_eps=tc.rms_norm_eps, rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
         max_position_embeddings=tc.max_position_embeddings, target=config.target_name,
     ), vocab_ids).attach(target)
+    if start is not None:
+        if start.config != head.config:
+            raise DraftwiseError(f"--init-from {config.init_from}: its head has another configuration "
+                                 f"({start.config}) than this run ({head.config})")
+        head.load_state_dict(start.state_dict())
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.95))
     target.eval()
@@ -146,7 +154,7 @@ def train_eagle(
     def step_fn(picked: list[int]):
         return _losses(head, _batch([train[i] for i in picked], pad), [train_features[i] for i in picked], config)
 
-    start = time.perf_counter()
+    started = time.perf_counter()
     step = train_loop(
         model=head, optimizer=optimizer, num_examples=len(train), batch_size=config.batch_size,
         total_steps=config.steps, lr=lambda s: cosine_lr(s, peak=config.lr, warmup=config.warmup, total=config.steps),
@@ -164,7 +172,7 @@ def train_eagle(
             sums.update(stats)
             n += 1
     report = {"steps": step, "stopped_early": stopped_early, "train_examples": len(train), "val_examples": len(val),
-              "train_seconds_this_run": time.perf_counter() - start,
+              "train_seconds_this_run": time.perf_counter() - started,
               "validation": {k: v / max(n, 1) for k, v in sums.items()}}
     head.save(out)
     (out / "distill-report.json").write_text(json.dumps({"config": asdict(config), **report}, indent=2))
