@@ -158,5 +158,10 @@ _register_shipped(
     "smollm2-135m-draft", "draft", "config.json",
     "independent draft for smollm2-135m: 2-layer Llama, width 160, shares the tokenizer (hf-assisted can use it)",
 )
+_register_shipped(
+    "smollm2-135m-companion", "draft", "config.json",
+    "second independent draft for smollm2-135m: 2-layer Llama, width 96 (the companion model of "
+    "Speculative Verification)",
+)
 # Best first: the feature head drafts better than the independent model (see benchmarks/README.md).
 _DEFAULT_DRAFTS[SMOLLM2] = ("smollm2-135m-eagle", "smollm2-135m-draft")
