@@ -47,6 +47,7 @@ class StepDistributions:
     target_logits: torch.Tensor  # [k + 1, vocab] raw target logits, for rules that read unwarped probs
     draft_raw: torch.Tensor | None = None  # [k, vocab] unwarped draft distributions (cascade rules), if kept
     greedy: bool = False  # temperature 0
+    verifier_accepts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
 
 
 class TargetRule(Protocol):

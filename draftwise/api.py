@@ -251,6 +251,13 @@ class _Run:
                 keep_raw=getattr(spec.make_rule(plan.options), "needs_draft_raw", False),
                 stop_when=spec.make_stop(plan.options) if spec.make_stop else None,
             )
+        if plan.method.drafter == "sprinter":
+            from .sprinter import SprinterDrafter, Verifier
+
+            verifier = Verifier.load(plan.options["verifier"], plan.draft.model)
+            verifier.check_sampling(plan.sampling)
+            runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
+            return SprinterDrafter(runner, plan.sampling, plan.vocab_size, verifier, plan.options["tau"])
         if plan.method.drafter == "ngram":
             return PromptLookupDrafter(
                 plan.vocab_size, generator_device,
@@ -339,6 +346,9 @@ class _Run:
                 "seed": generator.initial_seed(),
                 "wall_time_s": wall,
             }
+            if hasattr(drafter, "verifier_calls"):
+                self.stats["verifier_calls"] = drafter.verifier_calls
+                self.stats["verifier_accepted"] = drafter.verifier_accepted
         if tokenizer is not None and finish != "stop":
             self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
         if self.streaming and len(self.text) > emitted:

@@ -13,6 +13,7 @@ from .errors import DraftwiseError
 from .methods import METHODS
 from .models.loading import load_model
 from .sampling import SamplingConfig
+from .sampling import SamplingConfig
 
 _API_DEFAULTS = {
     name: p.default for name, p in inspect.signature(generate).parameters.items() if p.default is not inspect.Parameter.empty
@@ -264,6 +265,89 @@ def _run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_verifier(sub: argparse._SubParsersAction) -> None:
+    from .training.verifier import VerifierDataConfig, VerifierTrainConfig
+
+    d, t = VerifierDataConfig(), VerifierTrainConfig()
+    p = sub.add_parser("train-verifier", help="train SPRINTER's verifier for a (target, draft) pair")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default="smollm2-135m-draft")
+    p.add_argument("--lambda", dest="lam", type=float, default=t.lam, help="labels: 1 iff q(x)/p(x) <= lambda")
+    p.add_argument("--lambdas", default="1,1.2,1.5", help="lambdas drawn in the ROC plot (the one saved: --lambda)")
+    p.add_argument("--features", default=",".join(t.features), help="comma-separated: hidden, embedding, stats")
+    p.add_argument("--arch", default=t.arch, choices=["linear", "mlp"])
+    p.add_argument("--tau", type=float, default=t.tau, help="TPR / FPR are reported at this threshold")
+    p.add_argument("--num-prompts", type=int, default=200, help="Spec-Bench prompts outside the evaluation split")
+    p.add_argument("--continuation", type=int, default=d.continuation)
+    p.add_argument("--per-kind", type=int, default=d.per_kind, help="prefixes per kind (a-d of §3.2) per prompt")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--data", default=None, help="cache of collected examples (reused when the settings match)")
+    p.add_argument("--out", required=True, help="verifier file to write")
+    p.add_argument("--json", default=None, help="training report (all lambdas)")
+    p.add_argument("--plot", default=None, help="ROC curves for --lambdas")
+
+
+def _run_train_verifier(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .bench.datasets import load_prompts
+    from .bench.harness import _prompt_ids
+    from .bench.report import write_json
+    from .training.verifier import (VerifierDataConfig, VerifierTrainConfig, collect, load_data, plot_roc,
+                                    save_data, spec_base, train)
+
+    features = tuple(f.strip() for f in args.features.split(",") if f.strip())
+    lambdas = _floats(args.lambdas, "--lambdas")
+    if any(lam <= 0 for lam in lambdas + (args.lam,)):
+        raise DraftwiseError("lambda must be > 0")
+    SamplingConfig(args.temperature, args.top_k, args.top_p)
+    data_config = VerifierDataConfig(continuation=args.continuation, per_kind=args.per_kind,
+                                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.num_prompts < 3:
+        raise DraftwiseError("--num-prompts must be >= 3 (train, validation and test splits are by prompt)")
+    target = load_model(args.target, dtype=args.dtype)
+    draft = load_model(args.draft, dtype=args.dtype)
+    from .api import _shared_vocab
+
+    vocab = _shared_vocab(target, draft)
+    meta = {"target": args.target, "draft": args.draft, "num_prompts": args.num_prompts, **vars(data_config)}
+    data = load_data(Path(args.data), meta) if args.data else None
+    if data is None:
+        prompts = load_prompts("spec-bench", split="train", num_prompts=args.num_prompts)
+        ids = [_prompt_ids(target, p) for p in prompts]
+        with tqdm(total=len(ids), desc="collect", unit="prompt", file=sys.stderr) as bar:
+            data = collect(target, draft, ids, data_config, vocab_size=vocab, progress=bar.update)
+        if args.data:
+            save_data(data, meta, Path(args.data))
+    base = spec_base(draft, args.draft, data_config)
+    reports, saved = [], None
+    for lam in sorted(set(lambdas + (args.lam,))):
+        verifier, report = train(data, VerifierTrainConfig(lam=lam, features=features, arch=args.arch, tau=args.tau,
+                                                           seed=args.seed), base)
+        print(f"lambda={lam:g}: ROC-AUC test {report['roc_auc_test']:.3f} (val {report['roc_auc_val']:.3f}); "
+              f"at tau={args.tau:g} TPR {report['tpr_at_tau']:.3f} FPR {report['fpr_at_tau']:.3f}; "
+              f"positives {report['positive_fraction']['train']:.2f}; {report['examples']} examples")
+        if lam == args.lam:
+            saved = verifier
+        if lam in lambdas:
+            reports.append(report)
+    saved.save(args.out)
+    print(f"wrote {args.out}")
+    if args.json:
+        write_json({"data": meta, "reports": reports}, args.json)
+    if args.plot:
+        plot_roc(reports, args.plot, title=f"{args.draft} -> {args.target}, T={args.temperature:g}: verifier ROC "
+                 f"(test split)")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _run_models(args: argparse.Namespace) -> int:
     from .models import registry
     from .models.cache import cache_root, list_entries
@@ -386,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     methods.add_argument("--json", action="store_true")
     _add_bench(sub)
     _add_sweep(sub)
+    _add_train_verifier(sub)
     _add_train_data(sub)
     _add_distill(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
@@ -394,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "sweep": _run_sweep,
+             "train-verifier": _run_train_verifier,
              "models": _run_models,
              "train-data": _run_train_data, "distill": _run_distill}
 

@@ -88,7 +88,7 @@ def decode(
 
         # accept: speculative sampling towards pi = rule(draft, target).
         step = StepDistributions(draft.tokens, draft.probs, target_probs, target_logits, draft.raw_probs,
-                                 sampling.greedy)
+                                 sampling.greedy, draft.verifier_accepts)
         pi = rule(step) if k else target_probs[:0]
         bonus: torch.Tensor | Callable[[], torch.Tensor] = target_probs[k]
         if getattr(rule, "bonus_from_pi", False):  # pi at the bonus position reads the draft: one more forward

@@ -21,6 +21,7 @@ class Draft:
     tokens: torch.Tensor  # [k] int64 proposed tokens (k may be 0)
     probs: torch.Tensor  # [k, vocab] the distributions they were drawn from (one-hot for deterministic drafters)
     raw_probs: torch.Tensor | None = None  # [k, vocab] unwarped distributions, when the drafter keeps them
+    verifier_accepts: torch.Tensor | None = None  # [k] bool: a SPRINTER verifier's verdict per token
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -44,7 +44,7 @@ class Method:
 
     @property
     def needs_draft(self) -> bool:
-        return self.drafter == "model"
+        return self.drafter in ("model", "sprinter")
 
     def resolve_options(self, given: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(given) - set(self._defaults))
@@ -101,6 +101,16 @@ def _bild_rule(options: dict[str, Any]) -> TargetRule:
 def _seq_rule(options: dict[str, Any]) -> TargetRule:
     sequence_confidence([], options["aggregate"])  # validates the name
     return ExactRule()
+
+
+def _sprinter_rule(options: dict[str, Any]) -> TargetRule:
+    from .sprinter import SprinterRule, check_tau
+
+    check_tau(options["tau"])
+    _positive_int("max_run", options["max_run"])
+    if not options["verifier"]:
+        raise DraftwiseError("sprinter needs verifier=PATH (train one with `draftwise train-verifier`)")
+    return SprinterRule()
 
 
 _CHOW_ALPHA = Option("alpha", 0.1, float, "the small model keeps a token when max q >= 1 - alpha")
@@ -179,6 +189,16 @@ METHODS: dict[str, Method] = {
             ),
             uses_gamma=False, window_option="max_window", greedy_only=True, exact=False,
             reference="Kim et al. 2023; seed 003 §B, §F.5",
+        ),
+        Method(
+            "sprinter", "a trained verifier accepts draft tokens one by one; the target runs only at its first rejection",
+            drafter="sprinter", make_rule=_sprinter_rule,
+            options=(
+                Option("verifier", "", str, "verifier file from `draftwise train-verifier`"),
+                Option("tau", 0.5, float, "the verifier accepts a token when its score >= tau"),
+                Option("max_run", 16, int, "longest run of verifier-accepted tokens before the target runs anyway"),
+            ),
+            uses_gamma=False, window_option="max_run", exact=False, reference="Zhong et al. 2025, seed 000 Algorithm 2",
         ),
         Method(
             "fly", "lossy FLy verification: forgive a mismatch at an uncertain position when the next drafts stay aligned",

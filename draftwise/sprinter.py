@@ -1,0 +1,221 @@
+"""SPRINTER (seed 000): a tiny trained verifier accepts draft tokens one by one; the target is
+called only when the verifier rejects.
+
+Algorithm 2 on the engine: the drafter samples x ~ S(q) one token at a time and scores each
+with the verifier V(s(x, prefix)); drafting continues while the score is >= `tau` (at most
+`max_run` tokens). The run ends with the first token the verifier rejects. The target then
+runs once over the whole run; the tokens the verifier accepted stay (pi = one-hot), and only
+the rejected last token is checked with the speculative-sampling rule (pi = S(p): accept with
+min(1, p/q), else draw from the residual). When the verifier accepted every token (`max_run`
+reached) or the last one passes, the bonus token after the run is drawn from the target, which
+the same forward already computed (Algorithm 2 drops it; keeping it costs nothing and is an
+exact target sample).
+
+Features s(x, prefix) (`FEATURES`):
+- `hidden`: the draft's last-layer hidden state at the position that produced q, i.e. the
+  "last embedding of the previous token" of §3.2 (the paper's choice);
+- `embedding`: the draft's input embedding of x;
+- `stats`: log q(x), max q and the entropy of the unwarped q.
+
+A verifier file records the features, the draft model's fingerprint and the sampling settings
+its labels were made with; loading it for another draft is an error that says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .acceptance import StepDistributions
+from .drafters import Draft, ModelDrafter, empty_draft
+from .errors import DraftwiseError
+from .models.runner import ModelRunner
+from .sampling import SamplingConfig, sample, unwarped, warp
+
+FEATURES = ("hidden", "embedding", "stats")
+FORMAT = "draftwise-sprinter-verifier-1"
+
+
+def draft_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of a draft model's shape and of the start of its embedding matrix."""
+    config = model.config
+    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
+    weight = model.get_input_embeddings().weight.detach()[:64].float().cpu().contiguous()
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + weight.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def feature_width(features: Sequence[str], hidden_size: int) -> int:
+    return sum({"hidden": hidden_size, "embedding": hidden_size, "stats": 3}[f] for f in features)
+
+
+def verifier_features(features: Sequence[str], hidden: torch.Tensor, tokens: torch.Tensor, q_raw: torch.Tensor,
+                      embedding: torch.nn.Module) -> torch.Tensor:
+    """s(x, prefix) for n drafted tokens: hidden [n, H], tokens [n], q_raw [n, V] -> [n, d] float32."""
+    parts = []
+    for name in features:
+        if name == "hidden":
+            parts.append(hidden.float())
+        elif name == "embedding":
+            parts.append(embedding(tokens).float())
+        elif name == "stats":
+            q = q_raw.float()
+            q_x = q.gather(-1, tokens[:, None]).clamp_min(1e-12)
+            entropy = -torch.special.xlogy(q, q).sum(-1, keepdim=True)
+            parts.append(torch.cat([q_x.log(), q.max(-1, keepdim=True).values, entropy], dim=-1))
+        else:
+            raise DraftwiseError(f"unknown verifier feature {name!r}; choose from: {', '.join(FEATURES)}")
+    return torch.cat(parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    features: tuple[str, ...]
+    input_size: int
+    draft_fingerprint: str
+    draft_name: str = ""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    lam: float = 1.0  # labels: 1 iff q(x) / p(x) <= lam
+    arch: str = "linear"  # "linear" (+ sigmoid: the paper) or "mlp"
+    mlp_width: int = 64
+    extra: dict = field(default_factory=dict)  # training report (ROC-AUC, TPR/FPR...)
+
+
+class Verifier(torch.nn.Module):
+    """Linear (or one-hidden-layer MLP) + sigmoid over standardised features."""
+
+    def __init__(self, spec: VerifierSpec) -> None:
+        super().__init__()
+        if spec.arch not in ("linear", "mlp"):
+            raise DraftwiseError(f"verifier arch must be 'linear' or 'mlp', got {spec.arch!r}")
+        self.spec = spec
+        d = spec.input_size
+        self.register_buffer("mean", torch.zeros(d))
+        self.register_buffer("std", torch.ones(d))
+        if spec.arch == "linear":
+            self.net = torch.nn.Linear(d, 1)
+        else:
+            self.net = torch.nn.Sequential(torch.nn.Linear(d, spec.mlp_width), torch.nn.GELU(),
+                                           torch.nn.Linear(spec.mlp_width, 1))
+
+    def logit(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net((features - self.mean) / self.std).squeeze(-1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """P(acceptable) per row: [n, d] -> [n]."""
+        return torch.sigmoid(self.logit(features))
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    def save(self, path: str | Path) -> None:
+        from .training.loop import atomic_save
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        spec = asdict(self.spec)
+        atomic_save({"format": FORMAT, "spec": json.dumps(spec), "state": self.state_dict()}, path)
+
+    @classmethod
+    def load(cls, path: str | Path, draft_model: torch.nn.Module | None = None) -> "Verifier":
+        path = Path(path)
+        if not path.is_file():
+            raise DraftwiseError(f"verifier file {str(path)!r} does not exist (train one with `draftwise train-verifier`)")
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            assert blob.get("format") == FORMAT
+            spec_dict = json.loads(blob["spec"])
+        except Exception as error:  # noqa: BLE001 - any unreadable file gets the same message
+            raise DraftwiseError(f"{path} is not a draftwise SPRINTER verifier ({error.__class__.__name__})") from None
+        spec_dict["features"] = tuple(spec_dict["features"])
+        spec = VerifierSpec(**spec_dict)
+        verifier = cls(spec)
+        verifier.load_state_dict(blob["state"])
+        if draft_model is not None:
+            verifier.check_draft(draft_model)
+        return verifier.eval()
+
+    def check_draft(self, draft_model: torch.nn.Module) -> None:
+        found = draft_fingerprint(draft_model)
+        if found != self.spec.draft_fingerprint:
+            name = f" ({self.spec.draft_name})" if self.spec.draft_name else ""
+            raise DraftwiseError(
+                f"this verifier was trained on the features of another draft model{name}: fingerprint "
+                f"{self.spec.draft_fingerprint}, but the draft given has {found}; train one for this draft"
+            )
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        mine = SamplingConfig(self.spec.temperature, self.spec.top_k, self.spec.top_p)
+        if mine != sampling:
+            raise DraftwiseError(
+                f"this verifier's labels were made at temperature={mine.temperature}, top_k={mine.top_k}, "
+                f"top_p={mine.top_p}; decoding with temperature={sampling.temperature}, top_k={sampling.top_k}, "
+                f"top_p={sampling.top_p} needs a verifier trained with those settings"
+            )
+
+
+class SprinterDrafter(ModelDrafter):
+    """Draft tokens while the verifier accepts them; the run ends with the first rejected token."""
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, verifier: Verifier,
+                 tau: float) -> None:
+        super().__init__(runner, sampling, vocab_size)
+        self.verifier = verifier.to(runner.device)
+        self.tau = tau
+        self.features = verifier.spec.features
+        self.embedding = runner.model.get_input_embeddings()
+        self.verifier_calls = 0
+        self.verifier_accepted = 0  # drafted tokens the verifier passed
+
+    @torch.inference_mode()
+    def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
+        feed: Sequence[int] | torch.Tensor = self.runner.pending(sequence)
+        tokens, probs, verdicts = [], [], []
+        for _ in range(max_tokens):
+            out = self.runner.forward(feed, num_logits=1, hidden=True)
+            step_probs = warp(out.logits, self.sampling)  # [1, vocab]
+            token = step_probs.argmax(-1) if self.sampling.greedy else sample(step_probs, generator)  # [1]
+            s = verifier_features(self.features, out.hidden, token, unwarped(out.logits), self.embedding)
+            score = float(self.verifier(s.to(self.verifier.mean.dtype))[0])
+            self.verifier_calls += 1
+            accepted = score >= self.tau
+            tokens.append(token)
+            probs.append(step_probs)
+            verdicts.append(accepted)
+            feed = token
+            if not accepted:
+                break
+        self.verifier_accepted += sum(verdicts)
+        if not tokens:
+            return empty_draft(self.vocab_size, self.runner.device)
+        return Draft(torch.cat(tokens), torch.cat(probs),
+                     verifier_accepts=torch.tensor(verdicts, dtype=torch.bool, device=self.runner.device))
+
+
+@dataclass(frozen=True)
+class SprinterRule:
+    """pi = one-hot(x) where the verifier accepted x, S(p) where it rejected (only the run's last token)."""
+
+    name: str = "sprinter"
+
+    def __call__(self, step: StepDistributions) -> torch.Tensor:
+        verdicts = step.verifier_accepts
+        if verdicts is None:
+            raise DraftwiseError("the sprinter rule needs the verifier's verdicts (a SprinterDrafter)")
+        one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[:, None], 1.0)
+        return torch.where(verdicts[:, None], one_hot, step.target_probs[:-1])
+
+
+def check_tau(tau: float) -> float:
+    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and 0.0 <= tau <= 1.0):
+        raise DraftwiseError(f"sprinter: tau must be in [0, 1], got {tau!r}")
+    return float(tau)

@@ -1,0 +1,265 @@
+"""`draftwise train-verifier`: SPRINTER's verifier (seed 000 §3.2).
+
+Data. For each training prompt (Spec-Bench outside the evaluation split, chat-formatted) four
+token sequences give the four kinds of prefix of §3.2, in equal numbers:
+  a. the original prefix: positions inside the prompt itself;
+  b. the prompt completed by the draft model (draft-only sampling);
+  c. the prompt completed by the target model (target-only sampling);
+  d. the prompt completed by both: speculative decoding's output interleaves draft tokens it
+     kept with target tokens it drew.
+Completions use the decoding-time sampling (temperature, top-k, top-p). One forward of each
+model over a sequence gives every prefix in it; at each chosen prefix a token x ~ S(q) is
+drawn and the features of every kind (`sprinter.FEATURES`) plus S(q)(x) and S(p)(x) are kept,
+so labels `1 iff S(q)(x) / S(p)(x) <= lambda` can be made for any lambda afterwards.
+
+Training. Train / validation / test splits are by prompt. Features are standardised on the
+training split; the model is linear + sigmoid (or a small MLP), Adam, binary cross-entropy with
+the positive class weighted by n_neg / n_pos, early stopping on validation loss. The report
+holds ROC-AUC on the test split and TPR / FPR at tau.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import DraftwiseError
+from ..sampling import SamplingConfig, make_generator, sample, unwarped, warp
+from ..sprinter import FEATURES, Verifier, VerifierSpec, draft_fingerprint, verifier_features
+from .loop import atomic_save
+
+KINDS = ("prompt", "draft", "target", "mixed")
+
+
+@dataclass(frozen=True)
+class VerifierDataConfig:
+    continuation: int = 48  # tokens per completion
+    per_kind: int = 12  # prefixes per kind per prompt
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    gamma: int = 4  # for the mixed (speculative decoding) completions
+    seed: int = 0
+
+
+@torch.inference_mode()
+def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataConfig, *, vocab_size: int,
+            progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Verifier examples from `prompts` (token ids): a dict of tensors, one row per example.
+
+    target, draft: LoadedModel. Keys: hidden, embedding, stats (features), q_x, p_x, prompt, kind.
+    """
+    from ..api import generate
+
+    sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
+    generator = make_generator(config.seed)
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "embedding", "stats", "q_x", "p_x", "prompt", "kind")}
+    embedding = draft.model.get_input_embeddings()
+    common = dict(max_new_tokens=config.continuation, temperature=config.temperature, top_k=config.top_k,
+                  top_p=config.top_p, ignore_eos=True)
+    for index, ids in enumerate(prompts):
+        seed = config.seed * 100_003 + index
+        completions = {
+            "draft": generate(draft, ids, method="ar", seed=seed, **common).token_ids,
+            "target": generate(target, ids, method="ar", seed=seed, **common).token_ids,
+            "mixed": generate(target, ids, draft=draft, method="sd", gamma=config.gamma, seed=seed, **common).token_ids,
+        }
+        sequences = {"prompt": list(ids)} | {k: list(ids) + v for k, v in completions.items()}
+        for kind_index, kind in enumerate(KINDS):
+            seq = sequences[kind]
+            # prefix lengths: inside the prompt (its second half) for kind a, inside the completion otherwise
+            low, high = (max(1, len(ids) // 2), len(ids)) if kind == "prompt" else (len(ids), len(seq))
+            if high <= low:
+                continue
+            count = min(config.per_kind, high - low)
+            ends = (low + torch.randperm(high - low, generator=generator)[:count]).sort().values  # prefix lengths
+            x_ids = torch.tensor([seq], device=draft.device)
+            d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
+            t_logits = target.model(input_ids=x_ids.to(target.device)).logits[0, :, :vocab_size]
+            rows_at = ends - 1  # the row that predicts the token after the prefix
+            q_logits = d_out.logits[0, rows_at, :vocab_size]
+            q_w, p_w = warp(q_logits, sampling), warp(t_logits[rows_at.to(t_logits.device)], sampling)
+            x = q_w.argmax(-1) if sampling.greedy else sample(q_w, generator)  # [count]
+            hidden = d_out.hidden_states[-1][0, rows_at]
+            feats = {name: verifier_features((name,), hidden, x, unwarped(q_logits), embedding)
+                     for name in FEATURES}
+            for name in FEATURES:
+                rows[name].append(feats[name].cpu())
+            rows["q_x"].append(q_w.gather(-1, x[:, None]).squeeze(-1).double().cpu())
+            rows["p_x"].append(p_w.gather(-1, x[:, None].to(p_w.device)).squeeze(-1).double().cpu())
+            rows["prompt"].append(torch.full((count,), index, dtype=torch.long))
+            rows["kind"].append(torch.full((count,), kind_index, dtype=torch.long))
+        if progress:
+            progress(1)
+    if not rows["q_x"]:
+        raise DraftwiseError("no verifier examples were collected (empty prompts?)")
+    return {k: torch.cat(v) for k, v in rows.items()}
+
+
+def labels(data: dict[str, torch.Tensor], lam: float) -> torch.Tensor:
+    """1 iff S(q)(x) / S(p)(x) <= lambda, written without the division (p(x) may be 0)."""
+    return (data["q_x"] <= lam * data["p_x"]).float()
+
+
+def split_by_prompt(prompts: torch.Tensor, seed: int = 0, fractions=(0.7, 0.15)) -> dict[str, torch.Tensor]:
+    """Boolean masks train / val / test: every example of a prompt falls in one split (by hash)."""
+    def bucket(i: int) -> float:
+        return int(hashlib.sha256(f"{seed}:{i}".encode()).hexdigest()[:8], 16) / 16**8
+
+    where = {int(i): bucket(int(i)) for i in prompts.unique()}
+    u = torch.tensor([where[int(i)] for i in prompts])
+    train = u < fractions[0]
+    val = (u >= fractions[0]) & (u < fractions[0] + fractions[1])
+    return {"train": train, "val": val, "test": ~(train | val)}
+
+
+def roc_curve(scores: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fpr, tpr, thresholds), thresholds descending; ties share one point."""
+    order = torch.argsort(scores, descending=True)
+    s, y = scores[order].double(), truth[order].double()
+    tps, fps = torch.cumsum(y, 0), torch.cumsum(1 - y, 0)
+    last = torch.ones_like(s, dtype=torch.bool)
+    last[:-1] = s[1:] != s[:-1]  # the last index of each run of equal scores
+    pos, neg = max(float(y.sum()), 1.0), max(float((1 - y).sum()), 1.0)
+    tpr = torch.cat([torch.zeros(1, dtype=torch.float64), tps[last] / pos])
+    fpr = torch.cat([torch.zeros(1, dtype=torch.float64), fps[last] / neg])
+    return fpr, tpr, torch.cat([torch.tensor([math.inf], dtype=torch.float64), s[last]])
+
+
+def roc_auc(scores: torch.Tensor, truth: torch.Tensor) -> float:
+    """Area under the ROC curve (trapezoids; 0.5 for a constant score)."""
+    if truth.min() == truth.max():
+        raise DraftwiseError("ROC-AUC needs both classes among the examples")
+    fpr, tpr, _ = roc_curve(scores, truth)
+    return float(torch.trapezoid(tpr, fpr))
+
+
+def rates_at(scores: torch.Tensor, truth: torch.Tensor, tau: float) -> tuple[float, float]:
+    """(TPR, FPR) of `score >= tau`: TPR over acceptable tokens, FPR over unacceptable ones."""
+    predicted = scores >= tau
+    pos, neg = truth > 0.5, truth <= 0.5
+    tpr = float(predicted[pos].float().mean()) if pos.any() else float("nan")
+    fpr = float(predicted[neg].float().mean()) if neg.any() else float("nan")
+    return tpr, fpr
+
+
+@dataclass(frozen=True)
+class VerifierTrainConfig:
+    lam: float = 1.2
+    features: tuple[str, ...] = ("hidden",)
+    arch: str = "linear"
+    mlp_width: int = 64
+    lr: float = 1e-3
+    batch_size: int = 512
+    max_epochs: int = 200
+    patience: int = 10
+    tau: float = 0.5
+    seed: int = 0
+
+
+def train(data: dict[str, torch.Tensor], config: VerifierTrainConfig, spec_base: dict) -> tuple[Verifier, dict]:
+    """Fit one verifier; returns it and a report (ROC on the test split, TPR / FPR at tau)."""
+    unknown = [f for f in config.features if f not in FEATURES]
+    if unknown or not config.features:
+        raise DraftwiseError(f"unknown verifier feature(s) {unknown}; choose from: {', '.join(FEATURES)}")
+    x = torch.cat([data[f] for f in config.features], dim=-1).float()
+    y = labels(data, config.lam)
+    splits = split_by_prompt(data["prompt"], config.seed)
+    for name, mask in splits.items():
+        if not mask.any() or y[mask].min() == y[mask].max():
+            raise DraftwiseError(f"the {name} split has no examples or one class only: collect from more prompts")
+    spec = VerifierSpec(features=tuple(config.features), input_size=x.shape[1], lam=config.lam, arch=config.arch,
+                        mlp_width=config.mlp_width, **spec_base)
+    torch.manual_seed(config.seed)
+    verifier = Verifier(spec)
+    train_x, train_y = x[splits["train"]], y[splits["train"]]
+    verifier.mean.copy_(train_x.mean(0))
+    verifier.std.copy_(train_x.std(0).clamp_min(1e-6))
+    pos_weight = torch.tensor((train_y == 0).sum().item() / max((train_y == 1).sum().item(), 1))
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
+    optimizer = torch.optim.Adam(verifier.net.parameters(), lr=config.lr)
+    best, best_state, stale = math.inf, None, 0
+    order_gen = torch.Generator().manual_seed(config.seed)
+    epochs = 0
+    for epochs in range(1, config.max_epochs + 1):
+        verifier.train()
+        perm = torch.randperm(train_x.shape[0], generator=order_gen)
+        for start in range(0, len(perm), config.batch_size):
+            batch = perm[start : start + config.batch_size]
+            loss = loss_fn(verifier.logit(train_x[batch]), train_y[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        verifier.eval()
+        with torch.no_grad():
+            val_loss = float(loss_fn(verifier.logit(x[splits["val"]]), y[splits["val"]]))
+        if val_loss < best - 1e-5:
+            best, stale = val_loss, 0
+            best_state = {k: v.clone() for k, v in verifier.state_dict().items()}
+        else:
+            stale += 1
+            if stale >= config.patience:
+                break
+    verifier.load_state_dict(best_state)
+    verifier.eval()
+    with torch.no_grad():
+        scores = {name: verifier(x[mask]) for name, mask in splits.items()}
+    test_y = y[splits["test"]]
+    tpr, fpr = rates_at(scores["test"], test_y, config.tau)
+    roc_fpr, roc_tpr, _ = roc_curve(scores["test"], test_y)
+    report = {
+        "lambda": config.lam, "features": list(config.features), "arch": config.arch,
+        "parameters": verifier.num_parameters, "epochs": epochs, "val_loss": best,
+        "examples": {name: int(mask.sum()) for name, mask in splits.items()},
+        "positive_fraction": {name: float(y[mask].mean()) for name, mask in splits.items()},
+        "roc_auc_val": roc_auc(scores["val"], y[splits["val"]]), "roc_auc_test": roc_auc(scores["test"], test_y),
+        "tau": config.tau, "tpr_at_tau": tpr, "fpr_at_tau": fpr,
+        "roc_test": {"fpr": roc_fpr.tolist(), "tpr": roc_tpr.tolist()},
+    }
+    verifier = Verifier(VerifierSpec(**{**spec.__dict__, "extra": {k: v for k, v in report.items() if k != "roc_test"}}))
+    verifier.load_state_dict(best_state)
+    return verifier.eval(), report
+
+
+def spec_base(draft, draft_name: str, config: VerifierDataConfig) -> dict:
+    return {"draft_fingerprint": draft_fingerprint(draft.model), "draft_name": draft_name,
+            "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+
+
+def save_data(data: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
+    atomic_save({"meta": meta, "data": data}, path)
+
+
+def load_data(path: Path, meta: dict) -> dict[str, torch.Tensor] | None:
+    """Cached examples if `path` holds some collected with the same settings (else None)."""
+    if not path.exists():
+        return None
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    return blob["data"] if blob.get("meta") == meta else None
+
+
+def plot_roc(reports: list[dict], path: str | Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for r in reports:
+        ax.plot(r["roc_test"]["fpr"], r["roc_test"]["tpr"],
+                label=f"lambda={r['lambda']:g} (AUC {r['roc_auc_test']:.3f})")
+        ax.scatter([r["fpr_at_tau"]], [r["tpr_at_tau"]], s=15)
+    ax.plot([0, 1], [0, 1], color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("false-positive rate (unacceptable tokens accepted)")
+    ax.set_ylabel("true-positive rate (acceptable tokens accepted)")
+    ax.set_title(title or "SPRINTER verifier ROC (test split); dots: tau", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
