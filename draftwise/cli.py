@@ -348,6 +348,69 @@ def _run_train_verifier(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_theory(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("theory", help="closed forms of a method's analysis (sprinter: seed 000 §3.1, A.4, A.8)")
+    p.add_argument("method", choices=["sprinter"])
+    p.add_argument("--eta-tp", type=float, default=0.9, help="verifier true-positive rate")
+    p.add_argument("--eta-fp", type=float, default=0.3, help="verifier false-positive rate")
+    p.add_argument("--r", type=int, default=5, help="acceptable draft tokens before the first unacceptable one")
+    p.add_argument("--t-d", type=float, default=0.1, help="draft time per token (any unit)")
+    p.add_argument("--tv", type=float, default=None, help="d_TV(p, q), for the acceptance rate (Theorem A.4)")
+    p.add_argument("--target", default="smollm2-135m", help="for the FLOPs model (App. A.8)")
+    p.add_argument("--draft", default="smollm2-135m-draft")
+    p.add_argument("--verifier", default=None, help="a verifier file (its size enters F_v)")
+    p.add_argument("--gamma", type=int, default=20, help="tokens per run for eq. 5-6")
+    p.add_argument("--context", type=int, default=256, help="context length for the attention FLOPs")
+    p.add_argument("--plot", default=None, help="Figures 5-6 as PNG")
+    p.add_argument("--json", default=None)
+
+
+def _run_theory(args: argparse.Namespace) -> int:
+    from . import theory
+    from .bench.report import write_json
+
+    try:
+        result = {
+            "eta_tp": args.eta_tp, "eta_fp": args.eta_fp, "r": args.r, "t_d": args.t_d,
+            "expected_run_length": theory.expected_run_length(args.eta_tp, args.eta_fp, args.r),
+            "expected_stopping_time": theory.expected_stopping_time(args.eta_tp, args.eta_fp, args.r, args.t_d),
+            "run_length_pmf": [theory.run_length_pmf(i, args.eta_tp, args.eta_fp, args.r) for i in range(args.r + 6)],
+        }
+        if args.tv is not None:
+            result["acceptance_rate"] = theory.acceptance_rate(args.eta_fp, args.tv)
+            result["sprinter_tv_to_target"] = args.eta_fp * args.tv
+    except ValueError as error:
+        raise DraftwiseError(str(error)) from None
+    from .models import registry
+    from .models.loading import resolve_path
+    from transformers import AutoConfig
+
+    shapes = {}
+    for role, name in (("target", args.target), ("draft", args.draft)):
+        path = resolve_path(name)
+        if path is None or not path.is_dir():
+            raise DraftwiseError(f"{role} {name!r}: no local model directory (registry names: {', '.join(registry.names())})")
+        shapes[role] = theory.ModelShape.from_config(AutoConfig.from_pretrained(path))
+    f_t, f_d = (theory.forward_flops(shapes[r], args.context) for r in ("target", "draft"))
+    f_v = 2.0 * shapes["draft"].width
+    if args.verifier:
+        from .sprinter import Verifier
+
+        v = Verifier.load(args.verifier)
+        f_v = theory.verifier_flops(v.spec.input_size, v.spec.arch, v.spec.mlp_width)
+    result["flops"] = {"target_per_token": f_t, "draft_per_token": f_d, "verifier_per_token": f_v,
+                       "gamma": args.gamma, "sd": theory.sd_flops(args.gamma, f_d, f_t),
+                       "sprinter": theory.sprinter_flops(args.gamma, f_d, f_v, f_t)}
+    result["flops"]["sd_over_sprinter"] = result["flops"]["sd"] / result["flops"]["sprinter"]
+    print(json.dumps(result, indent=2))
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        theory.plot_figures(args.plot, r=args.r, t_d=args.t_d)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _run_models(args: argparse.Namespace) -> int:
     from .models import registry
     from .models.cache import cache_root, list_entries
@@ -471,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_sweep(sub)
     _add_train_verifier(sub)
+    _add_theory(sub)
     _add_train_data(sub)
     _add_distill(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
@@ -479,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "sweep": _run_sweep,
-             "train-verifier": _run_train_verifier,
+             "train-verifier": _run_train_verifier, "theory": _run_theory,
              "models": _run_models,
              "train-data": _run_train_data, "distill": _run_distill}
 
