@@ -258,6 +258,13 @@ class _Run:
             verifier.check_sampling(plan.sampling)
             runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
             return SprinterDrafter(runner, plan.sampling, plan.vocab_size, verifier, plan.options["tau"])
+        if plan.method.drafter == "stophead":
+            from .sprinter import StopHeadDrafter, Verifier
+
+            head = Verifier.load(plan.options["head"], plan.draft.model)
+            head.check_sampling(plan.sampling)
+            runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
+            return StopHeadDrafter(runner, plan.sampling, plan.vocab_size, head, plan.options["threshold"])
         if plan.method.drafter == "ngram":
             return PromptLookupDrafter(
                 plan.vocab_size, generator_device,

@@ -276,6 +276,8 @@ def _add_train_verifier(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lambdas", default="1,1.2,1.5", help="lambdas drawn in the ROC plot (the one saved: --lambda)")
     p.add_argument("--features", default=",".join(t.features), help="comma-separated: hidden, embedding, stats")
     p.add_argument("--arch", default=t.arch, choices=["linear", "mlp"])
+    p.add_argument("--objective", default=t.objective, choices=["sprinter", "acceptance"],
+                   help="sprinter: labels q/p <= lambda; acceptance: SpecDec++'s head, targets min(1, p/q)")
     p.add_argument("--tau", type=float, default=t.tau, help="TPR / FPR are reported at this threshold")
     p.add_argument("--num-prompts", type=int, default=200, help="Spec-Bench prompts outside the evaluation split")
     p.add_argument("--continuation", type=int, default=d.continuation)
@@ -329,8 +331,9 @@ def _run_train_verifier(args: argparse.Namespace) -> int:
     reports, saved = [], None
     for lam in sorted(set(lambdas + (args.lam,))):
         verifier, report = train(data, VerifierTrainConfig(lam=lam, features=features, arch=args.arch, tau=args.tau,
-                                                           seed=args.seed), base)
-        print(f"lambda={lam:g}: ROC-AUC test {report['roc_auc_test']:.3f} (val {report['roc_auc_val']:.3f}); "
+                                                           seed=args.seed, objective=args.objective), base)
+        auc_test, auc_val = (f"{v:.3f}" if v is not None else "n/a" for v in (report["roc_auc_test"], report["roc_auc_val"]))
+        print(f"lambda={lam:g}: ROC-AUC test {auc_test} (val {auc_val}); "
               f"at tau={args.tau:g} TPR {report['tpr_at_tau']:.3f} FPR {report['fpr_at_tau']:.3f}; "
               f"positives {report['positive_fraction']['train']:.2f}; {report['examples']} examples")
         if lam == args.lam:

@@ -44,7 +44,7 @@ class Method:
 
     @property
     def needs_draft(self) -> bool:
-        return self.drafter in ("model", "sprinter")
+        return self.drafter in ("model", "sprinter", "stophead")
 
     def resolve_options(self, given: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(given) - set(self._defaults))
@@ -111,6 +111,27 @@ def _sprinter_rule(options: dict[str, Any]) -> TargetRule:
     if not options["verifier"]:
         raise DraftwiseError("sprinter needs verifier=PATH (train one with `draftwise train-verifier`)")
     return SprinterRule()
+
+
+def _adaedl_rule(options: dict[str, Any]) -> TargetRule:
+    if options["scale"] < 0:
+        raise DraftwiseError(f"adaedl: scale must be >= 0, got {options['scale']!r}")
+    return ExactRule()
+
+
+def _adaedl_stop(options: dict[str, Any]):
+    from .sprinter import adaedl_stop
+
+    return adaedl_stop(options["scale"], options["threshold"])
+
+
+def _specdecpp_rule(options: dict[str, Any]) -> TargetRule:
+    if not 0.0 <= options["threshold"] <= 1.0:
+        raise DraftwiseError(f"specdec++: threshold must be in [0, 1], got {options['threshold']!r}")
+    if not options["head"]:
+        raise DraftwiseError("specdec++ needs head=PATH (train one with `draftwise train-verifier --objective "
+                             "acceptance`)")
+    return ExactRule()
 
 
 _CHOW_ALPHA = Option("alpha", 0.1, float, "the small model keeps a token when max q >= 1 - alpha")
@@ -199,6 +220,24 @@ METHODS: dict[str, Method] = {
                 Option("max_run", 16, int, "longest run of verifier-accepted tokens before the target runs anyway"),
             ),
             uses_gamma=False, window_option="max_run", exact=False, reference="Zhong et al. 2025, seed 000 Algorithm 2",
+        ),
+        Method(
+            "adaedl", "exact speculative decoding whose draft stops when 1 - sqrt(scale * entropy(q)) < threshold",
+            drafter="model", make_rule=_adaedl_rule, make_stop=_adaedl_stop,
+            options=(
+                Option("scale", 0.4, float, "gamma of AdaEDL's bound 1 - sqrt(gamma H(q))"),
+                Option("threshold", 0.5, float, "stop drafting when the bound falls below this"),
+            ),
+            reference="Agrawal et al. 2024 (AdaEDL), fixed threshold",
+        ),
+        Method(
+            "specdec++", "exact speculative decoding whose draft stops when a trained head's P(a rejection) > threshold",
+            drafter="stophead", make_rule=_specdecpp_rule,
+            options=(
+                Option("head", "", str, "acceptance head from `draftwise train-verifier --objective acceptance`"),
+                Option("threshold", 0.7, float, "stop after the token where 1 - prod(acceptance) exceeds this"),
+            ),
+            reference="Huang et al. 2024 (SpecDec++)",
         ),
         Method(
             "fly", "lossy FLy verification: forgive a mismatch at an uncertain position when the next drafts stay aligned",

@@ -201,6 +201,55 @@ class SprinterDrafter(ModelDrafter):
                      verifier_accepts=torch.tensor(verdicts, dtype=torch.bool, device=self.runner.device))
 
 
+class StopHeadDrafter(ModelDrafter):
+    """SpecDec++ (Huang et al. 2024): a trained head predicts each drafted token's acceptance
+    probability a_i; drafting stops after the token at which P(at least one rejection) =
+    1 - prod a_i exceeds `threshold`. Verification is exact speculative sampling (lossless): the
+    head only chooses the draft length."""
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, head: Verifier,
+                 threshold: float) -> None:
+        super().__init__(runner, sampling, vocab_size)
+        self.head = head.to(runner.device)
+        self.threshold = threshold
+        self.embedding = runner.model.get_input_embeddings()
+        self.verifier_calls = 0
+        self.verifier_accepted = 0
+
+    @torch.inference_mode()
+    def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
+        feed: Sequence[int] | torch.Tensor = self.runner.pending(sequence)
+        tokens, probs = [], []
+        survive = 1.0
+        for _ in range(max_tokens):
+            out = self.runner.forward(feed, num_logits=1, hidden=True)
+            step_probs = warp(out.logits, self.sampling)
+            token = step_probs.argmax(-1) if self.sampling.greedy else sample(step_probs, generator)
+            s = verifier_features(self.head.spec.features, out.hidden, token, unwarped(out.logits), self.embedding)
+            survive *= float(self.head(s.to(self.head.mean.dtype))[0])
+            self.verifier_calls += 1
+            tokens.append(token)
+            probs.append(step_probs)
+            feed = token
+            if 1.0 - survive > self.threshold:
+                break
+        self.verifier_accepted += len(tokens)
+        if not tokens:
+            return empty_draft(self.vocab_size, self.runner.device)
+        return Draft(torch.cat(tokens), torch.cat(probs))
+
+
+def adaedl_stop(scale: float, threshold: float):
+    """AdaEDL (Agrawal et al. 2024): stop drafting when the entropy-based lower bound on the next
+    token's acceptance probability, 1 - sqrt(scale * H(q)), falls below `threshold` (H of the
+    draft's unwarped distribution, in nats). The threshold is fixed here; AdaEDL's online
+    adjustment of it from the observed acceptance rate is not implemented."""
+    def stop(q: torch.Tensor) -> bool:
+        entropy = float(-torch.special.xlogy(q, q).sum())
+        return 1.0 - math.sqrt(max(scale * entropy, 0.0)) < threshold
+    return stop
+
+
 @dataclass(frozen=True)
 class SprinterRule:
     """pi = one-hot(x) where the verifier accepted x, S(p) where it rejected (only the run's last token)."""

@@ -233,3 +233,36 @@ def test_cli_train_verifier_and_theory(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert '"acceptance_rate": 0.72' in printed and '"sd_over_sprinter"' in printed
     assert main(["theory", "sprinter", "--eta-fp", "1.5"]) == 2
+
+
+def test_adaedl_and_specdecpp_are_lossless_and_stop_early(trained, tmp_path):
+    from draftwise.training.verifier import VerifierDataConfig, VerifierTrainConfig, collect, spec_base, train
+
+    target, draft, data, _, _ = trained
+    ar = draftwise.generate(target=target.model, prompt=[1, 2, 3], method="ar", temperature=0, max_new_tokens=30,
+                            ignore_eos=True).token_ids
+    common = dict(target=target.model, draft=draft.model, prompt=[1, 2, 3], temperature=0, max_new_tokens=30,
+                  ignore_eos=True, gamma=6)
+    # AdaEDL: exact at temperature 0; a bound that never passes drafts nothing, one that always passes drafts gamma
+    for threshold, drafted in ((2.0, 0), (-1.0, None)):
+        g = draftwise.generate(method="adaedl", scale=0.4, threshold=threshold, **common)
+        assert g.token_ids == ar
+        if drafted == 0:
+            assert g.stats["drafted"] == 0 and g.stats["target_calls"] == 30
+        else:
+            assert max(i for i, n in enumerate(g.stats["drafted_per_position"]) if n) == 5
+    # SpecDec++: a head trained on min(1, p/q) (greedy labels for temperature 0)
+    config = VerifierDataConfig(continuation=8, per_kind=6, temperature=0.0)
+    greedy = collect(target, draft, [[i, i + 1, i + 2, 5] for i in range(60)], config, vocab_size=64)
+    head, report = train(greedy, VerifierTrainConfig(lam=1.0, objective="acceptance", features=("stats",)),
+                         spec_base(draft, "tiny", config))
+    assert report["objective"] == "acceptance"
+    path = tmp_path / "head.pt"
+    head.save(path)
+    for threshold in (0.0, 0.5, 1.0):
+        g = draftwise.generate(method="specdec++", head=str(path), threshold=threshold, **common)
+        assert g.token_ids == ar  # lossless
+        if threshold == 0.0:  # any rejection risk stops the draft after one token
+            assert g.stats["drafted_per_position"][1] == 0
+        if threshold == 1.0:  # never stops early
+            assert g.stats["drafted_per_position"][5] > 0

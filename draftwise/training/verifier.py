@@ -160,6 +160,16 @@ class VerifierTrainConfig:
     patience: int = 10
     tau: float = 0.5
     seed: int = 0
+    objective: str = "sprinter"  # "sprinter": 1 iff q/p <= lambda; "acceptance": SpecDec++'s min(1, p/q)
+
+
+def targets(data: dict[str, torch.Tensor], config: VerifierTrainConfig) -> torch.Tensor:
+    """Training targets: SPRINTER's hard labels, or the acceptance probability min(1, p(x)/q(x))."""
+    if config.objective == "sprinter":
+        return labels(data, config.lam)
+    if config.objective == "acceptance":
+        return torch.clamp(data["p_x"] / data["q_x"], max=1.0).float()
+    raise DraftwiseError(f"objective must be 'sprinter' or 'acceptance', got {config.objective!r}")
 
 
 def train(data: dict[str, torch.Tensor], config: VerifierTrainConfig, spec_base: dict) -> tuple[Verifier, dict]:
@@ -168,10 +178,12 @@ def train(data: dict[str, torch.Tensor], config: VerifierTrainConfig, spec_base:
     if unknown or not config.features:
         raise DraftwiseError(f"unknown verifier feature(s) {unknown}; choose from: {', '.join(FEATURES)}")
     x = torch.cat([data[f] for f in config.features], dim=-1).float()
-    y = labels(data, config.lam)
+    y = targets(data, config)
+    truth = labels(data, config.lam)  # ROC and rates are against the hard labels in both objectives
     splits = split_by_prompt(data["prompt"], config.seed)
     for name, mask in splits.items():
-        if not mask.any() or y[mask].min() == y[mask].max():
+        one_class = bool(mask.any()) and bool(truth[mask].min() == truth[mask].max())
+        if not mask.any() or (one_class and config.objective == "sprinter"):
             raise DraftwiseError(f"the {name} split has no examples or one class only: collect from more prompts")
     spec = VerifierSpec(features=tuple(config.features), input_size=x.shape[1], lam=config.lam, arch=config.arch,
                         mlp_width=config.mlp_width, **spec_base)
@@ -180,7 +192,8 @@ def train(data: dict[str, torch.Tensor], config: VerifierTrainConfig, spec_base:
     train_x, train_y = x[splits["train"]], y[splits["train"]]
     verifier.mean.copy_(train_x.mean(0))
     verifier.std.copy_(train_x.std(0).clamp_min(1e-6))
-    pos_weight = torch.tensor((train_y == 0).sum().item() / max((train_y == 1).sum().item(), 1))
+    positives = float(train_y.sum())
+    pos_weight = torch.tensor((len(train_y) - positives) / max(positives, 1.0))
     loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=pos_weight)
     optimizer = torch.optim.Adam(verifier.net.parameters(), lr=config.lr)
     best, best_state, stale = math.inf, None, 0
@@ -209,15 +222,21 @@ def train(data: dict[str, torch.Tensor], config: VerifierTrainConfig, spec_base:
     verifier.eval()
     with torch.no_grad():
         scores = {name: verifier(x[mask]) for name, mask in splits.items()}
-    test_y = y[splits["test"]]
+    test_y = truth[splits["test"]]
     tpr, fpr = rates_at(scores["test"], test_y, config.tau)
     roc_fpr, roc_tpr, _ = roc_curve(scores["test"], test_y)
+
+    def auc(name: str) -> float | None:  # None where a split holds one class (possible for the acceptance head)
+        labels_here = truth[splits[name]]
+        return roc_auc(scores[name], labels_here) if labels_here.min() != labels_here.max() else None
+
     report = {
         "lambda": config.lam, "features": list(config.features), "arch": config.arch,
         "parameters": verifier.num_parameters, "epochs": epochs, "val_loss": best,
         "examples": {name: int(mask.sum()) for name, mask in splits.items()},
-        "positive_fraction": {name: float(y[mask].mean()) for name, mask in splits.items()},
-        "roc_auc_val": roc_auc(scores["val"], y[splits["val"]]), "roc_auc_test": roc_auc(scores["test"], test_y),
+        "objective": config.objective,
+        "positive_fraction": {name: float(truth[mask].mean()) for name, mask in splits.items()},
+        "roc_auc_val": auc("val"), "roc_auc_test": auc("test"),
         "tau": config.tau, "tpr_at_tau": tpr, "fpr_at_tau": fpr,
         "roc_test": {"fpr": roc_fpr.tolist(), "tpr": roc_tpr.tolist()},
     }
