@@ -214,7 +214,7 @@ class StopHeadDrafter(ModelDrafter):
         self.threshold = threshold
         self.embedding = runner.model.get_input_embeddings()
         self.verifier_calls = 0
-        self.verifier_accepted = 0
+        self.verifier_accepted = 0  # every token is checked by the target: none kept on the head's word
 
     @torch.inference_mode()
     def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
@@ -233,7 +233,6 @@ class StopHeadDrafter(ModelDrafter):
             feed = token
             if 1.0 - survive > self.threshold:
                 break
-        self.verifier_accepted += len(tokens)
         if not tokens:
             return empty_draft(self.vocab_size, self.runner.device)
         return Draft(torch.cat(tokens), torch.cat(probs))

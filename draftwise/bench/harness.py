@@ -216,6 +216,7 @@ def _draftwise_run(
         new_tokens=s["new_tokens"], wall_time_s=wall, target_calls=s["target_calls"], draft_calls=s["draft_calls"],
         drafted=s["drafted"], accepted=s["accepted"], accepted_per_position=s["accepted_per_position"],
         drafted_per_position=s["drafted_per_position"], token_ids=g.token_ids,
+        verifier_calls=s.get("verifier_calls", 0), verifier_accepted=s.get("verifier_accepted", 0),
     )
 
 

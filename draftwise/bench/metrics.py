@@ -36,6 +36,8 @@ class RunRecord:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    verifier_calls: int = 0  # SPRINTER / SpecDec++ head evaluations
+    verifier_accepted: int = 0  # drafted tokens the SPRINTER verifier passed (kept without target verification)
     # quality (filled when scored; see bench.quality)
     nll: float = 0.0
     scored_tokens: int = 0
@@ -82,6 +84,10 @@ def summarize(records: list[RunRecord]) -> dict:
         "rejection_rate": 1.0 - accepted / drafted if drafted else 0.0,
         "deferral_rate": 1.0 - accepted / new_tokens if new_tokens else 0.0,
     }
+    verifier_calls = sum(r.verifier_calls for r in records)
+    if verifier_calls:
+        out["verifier_calls_per_token"] = verifier_calls / new_tokens if new_tokens else 0.0
+        out["tokens_without_target_check"] = sum(r.verifier_accepted for r in records) / new_tokens if new_tokens else 0.0
     out.update(quality_fields(records))
     return out
 
