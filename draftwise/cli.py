@@ -146,6 +146,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = default)")
     p.add_argument("--option", action="append", default=None, metavar="METHOD:NAME=VALUE",
                    help="a method option, e.g. lossy:alpha=0.2 (repeatable)")
+    p.add_argument("--prefix-fraction", type=float, default=0.0,
+                   help="continue the first fraction of each prompt's words as raw text (no chat template), "
+                   "e.g. 0.3 as in SPRINTER §4")
     p.add_argument("--quality", action="store_true", help="quality fields for every method (on by default when a "
                    "lossy method runs): target perplexity and agreement, ROUGE-2 / BLEU where references exist")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the results here")
@@ -169,7 +172,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, gamma=args.gamma, repeats=args.repeats,
         warmup=args.warmup, dtype=args.dtype, device=args.device, seed=args.seed, threads=args.threads,
         method_options=_parse_option_values(args.option), quality=args.quality,
+        prefix_fraction=args.prefix_fraction,
     )
+    if not 0.0 <= config.prefix_fraction < 1.0:
+        raise DraftwiseError(f"--prefix-fraction must be in [0, 1), got {config.prefix_fraction}")
     SamplingConfig(config.temperature, config.top_k, config.top_p)
     if config.gamma < 1 or config.repeats < 1 or config.max_new_tokens < 1:
         raise DraftwiseError("--gamma, --repeats and --max-new-tokens must be >= 1")

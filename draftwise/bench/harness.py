@@ -85,6 +85,7 @@ class BenchConfig:
     threads: int = 0  # 0 = torch's default
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # by method name or label
     quality: bool = False  # quality fields for every method (always on when a lossy method runs)
+    prefix_fraction: float = 0.0  # > 0: continue the first fraction of each prompt's words, no chat template
 
 
 def check_methods(methods: tuple[str, ...]) -> None:
@@ -120,10 +121,15 @@ def machine_description(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def _prompt_ids(model: LoadedModel, prompt: Prompt) -> list[int]:
+def _prompt_ids(model: LoadedModel, prompt: Prompt, prefix_fraction: float = 0.0) -> list[int]:
+    """The chat-formatted prompt; or, with `prefix_fraction`, the first fraction of its words as raw
+    text to continue (SPRINTER §4's "30% prefixes")."""
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise DraftwiseError("the benchmark needs a target with a tokenizer")
+    if prefix_fraction:
+        words = prompt.text.split()
+        return tokenizer(" ".join(words[: max(1, round(prefix_fraction * len(words)))]))["input_ids"]
     if getattr(tokenizer, "chat_template", None):
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
@@ -269,7 +275,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
             config.hf_draft, device=config.device, dtype=config.dtype)
         if not isinstance(hf_draft, LoadedModel):
             raise DraftwiseError("hf-assisted needs an independent draft model (--hf-draft), not an EAGLE head")
-    encoded = [(p, _prompt_ids(target, p)) for p in prompts]
+    encoded = [(p, _prompt_ids(target, p, config.prefix_fraction)) for p in prompts]
     # Quality fields (perplexity, agreement, ROUGE-2 / BLEU where Spec-Bench has references)
     # whenever a lossy method runs, or on request; then for every method, `ar` being the reference.
     score_quality = config.quality or any(
