@@ -149,6 +149,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-fraction", type=float, default=0.0,
                    help="continue the first fraction of each prompt's words as raw text (no chat template), "
                    "e.g. 0.3 as in SPRINTER §4")
+    p.add_argument("--compare-to", default=None, metavar="METHOD",
+                   help="compare every method's outputs with this one's: ROUGE-1/2/L, win-tie rate by the target's "
+                   "log-likelihood, and speedup (e.g. sd, as in SPRINTER's Table 2)")
     p.add_argument("--quality", action="store_true", help="quality fields for every method (on by default when a "
                    "lossy method runs): target perplexity and agreement, ROUGE-2 / BLEU where references exist")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the results here")
@@ -172,8 +175,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, gamma=args.gamma, repeats=args.repeats,
         warmup=args.warmup, dtype=args.dtype, device=args.device, seed=args.seed, threads=args.threads,
         method_options=_parse_option_values(args.option), quality=args.quality,
-        prefix_fraction=args.prefix_fraction,
+        prefix_fraction=args.prefix_fraction, compare_to=args.compare_to,
     )
+    if config.compare_to is not None and config.compare_to not in methods:
+        raise DraftwiseError(f"--compare-to {config.compare_to!r} is not among --methods")
     if not 0.0 <= config.prefix_fraction < 1.0:
         raise DraftwiseError(f"--prefix-fraction must be in [0, 1), got {config.prefix_fraction}")
     SamplingConfig(config.temperature, config.top_k, config.top_p)

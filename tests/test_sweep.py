@@ -136,3 +136,33 @@ def test_sweep_end_to_end_on_tiny_models(tmp_path):
     plot_sweep(result, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
     assert "Table 2" in format_sweep(result)
+
+
+def test_rouge1_and_rougeL_hand_computed():
+    from draftwise.bench.quality import rouge_l, rouge_n
+
+    # unigrams: cand {the, cat, sat, on, mat} x the twice; ref "the cat is on the mat": overlap the x2, cat, on, mat = 5
+    assert rouge_n("the cat sat on the mat", "the cat is on the mat", 1) == pytest.approx(100 * 5 / 6)
+    # LCS of [the cat sat on the mat] and [the cat is on the mat] = the cat on the mat (5): P = R = 5/6
+    assert rouge_l("the cat sat on the mat", "the cat is on the mat") == pytest.approx(100 * 5 / 6)
+    assert rouge_l("a b c", "c b a") == pytest.approx(100 / 3)  # LCS length 1
+    assert rouge_l("", "a") == 0.0
+
+
+def test_pairwise_quality_against_a_reference_method():
+    from draftwise.bench.metrics import pairwise_quality, report
+
+    def r(method, qid, text, nll, n=4):
+        return RunRecord(method=method, repeat=0, question_id=qid, category="qa", new_tokens=n, wall_time_s=1.0,
+                         target_calls=n, nll=nll, scored_tokens=n, agree=0, text=text)
+
+    sd = [r("sd", 1, "a b c d", 4.0), r("sd", 2, "e f g h", 8.0)]
+    mine = [r("x", 1, "a b c d", 2.0), r("x", 2, "e f z z", 8.0)]  # wins 1, ties 2
+    q = pairwise_quality(mine, sd)
+    assert q["win_tie_rate"] == 1.0 and q["pairs"] == 2
+    assert q["rouge1"] == pytest.approx((100 + 50) / 2)
+    assert q["rouge2"] == pytest.approx((100 + 100 * 2 * (1 / 3) * (1 / 3) / (2 / 3)) / 2)
+    worse = pairwise_quality([r("y", 1, "q", 40.0), r("y", 2, "e f g h", 8.0)], sd)
+    assert worse["win_tie_rate"] == 0.5
+    out = report(sd + mine, baseline="sd", compare_to="sd")
+    assert "vs_sd" in out["x"] and "vs_sd" not in out["sd"] and out["x"]["speedup_vs_sd"] == pytest.approx(1.0)

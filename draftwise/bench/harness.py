@@ -86,6 +86,7 @@ class BenchConfig:
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # by method name or label
     quality: bool = False  # quality fields for every method (always on when a lossy method runs)
     prefix_fraction: float = 0.0  # > 0: continue the first fraction of each prompt's words, no chat template
+    compare_to: str | None = None  # a method whose outputs every other is compared with (ROUGE, win-tie, speed)
 
 
 def check_methods(methods: tuple[str, ...]) -> None:
@@ -237,9 +238,10 @@ def _score(record: RunRecord, target: LoadedModel, ids: list[int], prompt: Promp
     """Fill a record's quality fields (see `quality`): one target forward over prompt + output."""
     score = target_score(target.model, ids, record.token_ids, target.vocab_size)
     record.nll, record.scored_tokens, record.agree = score.nll, score.tokens, score.agree
-    if prompt.references and target.tokenizer is not None:
+    if target.tokenizer is not None:
         record.text = target.tokenizer.decode(record.token_ids, skip_special_tokens=True).strip()
-        record.reference = prompt.references[0]
+        if prompt.references:
+            record.reference = prompt.references[0]
 
 
 def resolve_drafts(config: BenchConfig) -> BenchConfig:
@@ -278,7 +280,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     encoded = [(p, _prompt_ids(target, p, config.prefix_fraction)) for p in prompts]
     # Quality fields (perplexity, agreement, ROUGE-2 / BLEU where Spec-Bench has references)
     # whenever a lossy method runs, or on request; then for every method, `ar` being the reference.
-    score_quality = config.quality or any(
+    score_quality = config.quality or bool(config.compare_to) or any(
         labels[m] == DRAFT_ONLY or (labels[m] in METHODS and not METHODS[labels[m]].exact) for m in config.methods)
 
     def run_one(method: str, ids: list[int], seed: int) -> dict[str, Any]:
@@ -306,7 +308,8 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
                 records.append(record)
                 if progress:
                     progress(1)
-    methods = report(records, compare_identical=SamplingConfig(config.temperature).greedy)
+    methods = report(records, compare_identical=SamplingConfig(config.temperature).greedy,
+                     compare_to=config.compare_to if config.compare_to in config.methods else None)
     return {
         "config": {**asdict(config), "prompts": [p.question_id for p in prompts]},
         "machine": machine_description(target.device) | {"dtype": str(target.dtype)},

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from .quality import corpus_bleu, perplexity, rouge2
+from .quality import corpus_bleu, perplexity, rouge2, rouge_l, rouge_n
 
 
 @dataclass
@@ -104,6 +104,10 @@ def quality_fields(records: list[RunRecord]) -> dict:
         "perplexity": perplexity(sum(r.nll for r in records), scored),
         "target_agreement": sum(r.agree for r in records) / scored,
     }
+    with_refs = [r for r in records if r.reference is not None]
+    if with_refs:  # every reference the prompts carry (SPRINTER's Figure 7 compares with them)
+        fields["rouge1_ref"] = statistics.fmean(rouge_n(r.text, r.reference, 1) for r in with_refs)
+        fields["rougeL_ref"] = statistics.fmean(rouge_l(r.text, r.reference) for r in with_refs)
     summaries = [r for r in records if r.reference is not None and r.category == "summarization"]
     if summaries:
         fields["rouge2"] = statistics.fmean(rouge2(r.text, r.reference) for r in summaries)
@@ -121,7 +125,29 @@ def identical_fraction(records: list[RunRecord], reference: list[RunRecord]) -> 
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
 
 
-def report(records: list[RunRecord], *, baseline: str = "ar", compare_identical: bool = False) -> dict:
+def pairwise_quality(records: list[RunRecord], reference: list[RunRecord]) -> dict:
+    """Each output against the reference method's output for the same (repeat, prompt): ROUGE-1/2/L
+    of the texts, and the win-tie rate judged by the target's mean log-likelihood per token
+    (higher wins; equal is a tie)."""
+    ref = {(r.repeat, r.question_id): r for r in reference}
+    pairs = [(r, ref[(r.repeat, r.question_id)]) for r in records if (r.repeat, r.question_id) in ref]
+    pairs = [(a, b) for a, b in pairs if a.scored_tokens and b.scored_tokens]
+    if not pairs:
+        return {}
+    def loglik(r: RunRecord) -> float:
+        return -r.nll / r.scored_tokens
+
+    return {
+        "rouge1": statistics.fmean(rouge_n(a.text, b.text, 1) for a, b in pairs),
+        "rouge2": statistics.fmean(rouge_n(a.text, b.text, 2) for a, b in pairs),
+        "rougeL": statistics.fmean(rouge_l(a.text, b.text) for a, b in pairs),
+        "win_tie_rate": sum(loglik(a) >= loglik(b) - 1e-9 for a, b in pairs) / len(pairs),
+        "pairs": len(pairs),
+    }
+
+
+def report(records: list[RunRecord], *, baseline: str = "ar", compare_identical: bool = False,
+           compare_to: str | None = None) -> dict:
     """{"<method>": metrics + speedup_vs_ar + per_category}, speedups against `baseline` in the same run."""
     methods = list(dict.fromkeys(r.method for r in records))
     categories = list(dict.fromkeys(r.category for r in records))
@@ -135,6 +161,11 @@ def report(records: list[RunRecord], *, baseline: str = "ar", compare_identical:
         metrics["speedup_vs_ar"] = metrics["tokens_per_s"] / base_tps if base_tps else None
         if compare_identical and base:
             metrics["identical_to_ar"] = identical_fraction(mine, base)
+        if compare_to and method != compare_to:
+            other = [r for r in records if r.method == compare_to]
+            if other:
+                metrics[f"vs_{compare_to}"] = pairwise_quality(mine, other)
+                metrics[f"speedup_vs_{compare_to}"] = metrics["tokens_per_s"] / summarize(other)["tokens_per_s"]
         per_category = {}
         for c in categories:
             cat_runs = [r for r in mine if r.category == c]

@@ -27,18 +27,39 @@ def _rouge_tokens(text: str) -> list[str]:
     return _TOKEN.findall(text.lower())
 
 
-def rouge2(candidate: str, reference: str) -> float:
-    """ROUGE-2 F1 x 100 of one candidate against one reference (0 when either has no bigram)."""
-    def bigrams(text: str) -> Counter:
-        tokens = _rouge_tokens(text)
-        return Counter(zip(tokens, tokens[1:]))
-
-    cand, ref = bigrams(candidate), bigrams(reference)
-    overlap = sum((cand & ref).values())
+def _f1(overlap: int, candidate: int, reference: int) -> float:
     if not overlap:
         return 0.0
-    precision, recall = overlap / sum(cand.values()), overlap / sum(ref.values())
+    precision, recall = overlap / candidate, overlap / reference
     return 100.0 * 2 * precision * recall / (precision + recall)
+
+
+def rouge_n(candidate: str, reference: str, n: int) -> float:
+    """ROUGE-N F1 x 100 of one candidate against one reference (0 when either has no n-gram)."""
+    def grams(text: str) -> Counter:
+        tokens = _rouge_tokens(text)
+        return Counter(zip(*(tokens[i:] for i in range(n))))
+
+    cand, ref = grams(candidate), grams(reference)
+    return _f1(sum((cand & ref).values()), sum(cand.values()), sum(ref.values()))
+
+
+def rouge2(candidate: str, reference: str) -> float:
+    return rouge_n(candidate, reference, 2)
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 x 100: longest common subsequence of the two token lists."""
+    a, b = _rouge_tokens(candidate), _rouge_tokens(reference)
+    if not a or not b:
+        return 0.0
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return _f1(previous[-1], len(a), len(b))
 
 
 def corpus_bleu(candidates: list[str], references: list[str]) -> float:
