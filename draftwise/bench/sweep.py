@@ -201,6 +201,8 @@ def plot_sweep(result: dict[str, Any], path) -> None:
             ax.axhline(summary["target"][metric], color="black", linestyle="--", linewidth=1, label="target only")
             ax.axhline(summary["draft_only"][metric], color="gray", linestyle=":", linewidth=1, label="draft only")
             ax.axvline(1.0, color="black", linewidth=0.5, alpha=0.5)
+            if metric == "perplexity":
+                ax.set_yscale("log")  # the draft alone can be orders of magnitude worse
             ax.set_xlabel("latency relative to target-only (s/token ratio)")
             ax.set_ylabel(names.get(metric, metric))
             ax.set_title(f"T = {t}", fontsize=9)
