@@ -59,7 +59,14 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
     for key in options:
         if key not in known:
             raise DraftwiseError(f"method label {label!r}: method {name!r} has no {key!r} option")
-    METHODS[name].make_rule(METHODS[name].resolve_options(options))  # validates the rule name and alpha
+    if options:  # validate what the label fixes; options such as a verifier path may come from --option
+        resolved = METHODS[name].resolve_options(options)
+        if "rule" in options or "alpha" in options:
+            try:
+                METHODS[name].make_rule(resolved)
+            except DraftwiseError as error:
+                if "needs" not in str(error):  # a missing required option is checked when the method runs
+                    raise
     return name, options
 
 
