@@ -90,7 +90,8 @@ def _run_methods(args: argparse.Namespace) -> int:
     print(f"common options (all methods): {common}\n")
     for m in METHODS.values():
         kind = "exact" if m.exact else "lossy"
-        needs = {"model": "needs --draft", "ngram": "no draft model", "none": "target only"}[m.drafter]
+        needs = {"model": "needs --draft", "ngram": "no draft model", "none": "target only",
+                 "sprinter": "needs --draft and --verifier", "stophead": "needs --draft and --head"}[m.drafter]
         print(f"{m.name:<14} {kind}, {needs}{', temperature 0 only' if m.greedy_only else ''}")
         print(f"{'':<14} {m.summary}")
         for o in m.options:
