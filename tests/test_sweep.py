@@ -166,3 +166,14 @@ def test_pairwise_quality_against_a_reference_method():
     assert worse["win_tie_rate"] == 0.5
     out = report(sd + mine, baseline="sd", compare_to="sd")
     assert "vs_sd" in out["x"] and "vs_sd" not in out["sd"] and out["x"]["speedup_vs_sd"] == pytest.approx(1.0)
+
+
+def test_every_spec_bench_reference_becomes_text():
+    from draftwise.bench.datasets import load_prompts
+    from draftwise.bench.harness import reference_text
+
+    prompts = load_prompts("spec-bench", split="all")
+    texts = [reference_text(p) for p in prompts]
+    assert all(t is None or (isinstance(t, str) and t) for t in texts)
+    assert any(p.category == "rag" and t and "; " in t for p, t in zip(prompts, texts))  # list references joined
+    assert sum(t is not None for t in texts) > 200

@@ -241,14 +241,24 @@ def _load_bench_draft(spec: str, target: LoadedModel, config: BenchConfig) -> Lo
     return load_model(spec, device=config.device, dtype=config.dtype)
 
 
+def reference_text(prompt: Prompt) -> str | None:
+    """The first turn's reference as one string: some Spec-Bench items (rag) hold a list of acceptable
+    answers there, joined with "; "."""
+    if not prompt.references:
+        return None
+    ref = prompt.references[0]
+    if isinstance(ref, (list, tuple)):
+        ref = "; ".join(str(r) for r in ref)
+    return ref if isinstance(ref, str) and ref else None
+
+
 def _score(record: RunRecord, target: LoadedModel, ids: list[int], prompt: Prompt) -> None:
     """Fill a record's quality fields (see `quality`): one target forward over prompt + output."""
     score = target_score(target.model, ids, record.token_ids, target.vocab_size)
     record.nll, record.scored_tokens, record.agree = score.nll, score.tokens, score.agree
     if target.tokenizer is not None:
         record.text = target.tokenizer.decode(record.token_ids, skip_special_tokens=True).strip()
-        if prompt.references:
-            record.reference = prompt.references[0]
+        record.reference = reference_text(prompt)
 
 
 def resolve_drafts(config: BenchConfig) -> BenchConfig:
