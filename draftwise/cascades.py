@@ -145,14 +145,6 @@ class CascadeRule:
         """pi at the bonus position, T(q, p) there (Algorithm 4's pi_{t+gamma}). All [vocab]."""
         return cascade_pi(self.rule, self.alpha, q, p, q_warped, p_warped, greedy=greedy)
 
-    def deferred(self, step: StepDistributions) -> torch.Tensor:
-        """Which drafted positions defer to the target ([k] bool; for token rules: the drafted token's r)."""
-        q, p = step.draft_raw, unwarped(step.target_logits[:-1])
-        if self.rule in TOKEN_RULES:
-            r = token_deferral(self.rule, self.alpha, q, p)
-            return r.gather(-1, step.draft_tokens[:, None]).squeeze(-1)
-        return deferral(self.rule, self.alpha, q, p, step.draft_probs, step.target_probs[:-1], greedy=step.greedy)
-
 
 @dataclass(frozen=True)
 class AcceptDraftRule:

@@ -133,13 +133,13 @@ def decode_oracle(
     one sampler draws it). Counters: drafted = steps, accepted = tokens taken from q.
     """
     sequence = list(prompt_ids)
+    none = empty_draft(draft.vocab_size or 0, draft.device)
     while counters.new_tokens < limits.max_new_tokens:
         q_logits = draft.forward(draft.pending(sequence), num_logits=1).logits  # [1, vocab]
         p_logits = target.forward(target.pending(sequence), num_logits=1).logits  # [1, vocab]
         q_warped, p_warped = warp(q_logits, sampling)[0], warp(p_logits, sampling)[0]
         deferred = defer(unwarped(q_logits)[0], unwarped(p_logits)[0], q_warped, p_warped)
         pi = p_warped if deferred else q_warped
-        none = empty_draft(pi.shape[-1], pi.device)
         token = speculative_sample(none.tokens, none.probs, none.probs, pi, generator).next_token
         counters.steps += 1
         counters.drafted += 1

@@ -51,10 +51,6 @@ def draft_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def feature_width(features: Sequence[str], hidden_size: int) -> int:
-    return sum({"hidden": hidden_size, "embedding": hidden_size, "stats": 3}[f] for f in features)
-
-
 def verifier_features(features: Sequence[str], hidden: torch.Tensor, tokens: torch.Tensor, q_raw: torch.Tensor,
                       embedding: torch.nn.Module) -> torch.Tensor:
     """s(x, prefix) for n drafted tokens: hidden [n, H], tokens [n], q_raw [n, V] -> [n, d] float32."""
@@ -164,78 +160,73 @@ class Verifier(torch.nn.Module):
 
 
 class SprinterDrafter(ModelDrafter):
-    """Draft tokens while the verifier accepts them; the run ends with the first rejected token."""
+    """Draft tokens one at a time, scoring each with a verifier head; `_stop(score)` ends the run
+    after that token. SPRINTER: the run ends with the first token scored below `tau`, and the
+    verdicts go to `SprinterRule`."""
+
+    keeps_verdicts = True
 
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, verifier: Verifier,
                  tau: float) -> None:
         super().__init__(runner, sampling, vocab_size)
         self.verifier = verifier.to(runner.device)
         self.tau = tau
-        self.features = verifier.spec.features
         self.embedding = runner.model.get_input_embeddings()
         self.verifier_calls = 0
-        self.verifier_accepted = 0  # drafted tokens the verifier passed
+        self.verifier_accepted = 0  # drafted tokens kept on the verifier's word
+
+    def _start(self) -> None:
+        pass
+
+    def _passes(self, score: float) -> bool:
+        return score >= self.tau
 
     @torch.inference_mode()
     def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
         feed: Sequence[int] | torch.Tensor = self.runner.pending(sequence)
         tokens, probs, verdicts = [], [], []
+        self._start()
         for _ in range(max_tokens):
             out = self.runner.forward(feed, num_logits=1, hidden=True)
             step_probs = warp(out.logits, self.sampling)  # [1, vocab]
             token = step_probs.argmax(-1) if self.sampling.greedy else sample(step_probs, generator)  # [1]
-            s = verifier_features(self.features, out.hidden, token, unwarped(out.logits), self.embedding)
-            score = float(self.verifier(s.to(self.verifier.mean.dtype))[0])
+            s = verifier_features(self.verifier.spec.features, out.hidden, token, unwarped(out.logits), self.embedding)
+            passes = self._passes(float(self.verifier(s.to(self.verifier.mean.dtype))[0]))
             self.verifier_calls += 1
-            accepted = score >= self.tau
             tokens.append(token)
             probs.append(step_probs)
-            verdicts.append(accepted)
+            verdicts.append(passes)
             feed = token
-            if not accepted:
+            if not passes:
                 break
-        self.verifier_accepted += sum(verdicts)
         if not tokens:
             return empty_draft(self.vocab_size, self.runner.device)
+        if not self.keeps_verdicts:
+            return Draft(torch.cat(tokens), torch.cat(probs))
+        self.verifier_accepted += sum(verdicts)
         return Draft(torch.cat(tokens), torch.cat(probs),
                      verifier_accepts=torch.tensor(verdicts, dtype=torch.bool, device=self.runner.device))
 
 
-class StopHeadDrafter(ModelDrafter):
+class StopHeadDrafter(SprinterDrafter):
     """SpecDec++ (Huang et al. 2024): a trained head predicts each drafted token's acceptance
     probability a_i; drafting stops after the token at which P(at least one rejection) =
     1 - prod a_i exceeds `threshold`. Verification is exact speculative sampling (lossless): the
-    head only chooses the draft length."""
+    head only chooses the draft length, so no token is kept on its word."""
+
+    keeps_verdicts = False
 
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, head: Verifier,
                  threshold: float) -> None:
-        super().__init__(runner, sampling, vocab_size)
-        self.head = head.to(runner.device)
-        self.threshold = threshold
-        self.embedding = runner.model.get_input_embeddings()
-        self.verifier_calls = 0
-        self.verifier_accepted = 0  # every token is checked by the target: none kept on the head's word
+        super().__init__(runner, sampling, vocab_size, head, threshold)
+        self._survive = 1.0
 
-    @torch.inference_mode()
-    def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
-        feed: Sequence[int] | torch.Tensor = self.runner.pending(sequence)
-        tokens, probs = [], []
-        survive = 1.0
-        for _ in range(max_tokens):
-            out = self.runner.forward(feed, num_logits=1, hidden=True)
-            step_probs = warp(out.logits, self.sampling)
-            token = step_probs.argmax(-1) if self.sampling.greedy else sample(step_probs, generator)
-            s = verifier_features(self.head.spec.features, out.hidden, token, unwarped(out.logits), self.embedding)
-            survive *= float(self.head(s.to(self.head.mean.dtype))[0])
-            self.verifier_calls += 1
-            tokens.append(token)
-            probs.append(step_probs)
-            feed = token
-            if 1.0 - survive > self.threshold:
-                break
-        if not tokens:
-            return empty_draft(self.vocab_size, self.runner.device)
-        return Draft(torch.cat(tokens), torch.cat(probs))
+    def _start(self) -> None:
+        self._survive = 1.0
+
+    def _passes(self, score: float) -> bool:
+        self._survive *= score
+        return 1.0 - self._survive <= self.tau
 
 
 def adaedl_stop(scale: float, threshold: float):
