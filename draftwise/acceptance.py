@@ -48,6 +48,7 @@ class StepDistributions:
     draft_raw: torch.Tensor | None = None  # [k, vocab] unwarped draft distributions (cascade rules), if kept
     greedy: bool = False  # temperature 0
     verifier_accepts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
+    draft_joint: torch.Tensor | None = None  # [k] log q(x_{1:j}), MTAD's beam drafter
 
 
 class TargetRule(Protocol):

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .cascades import deferral, sequence_confidence
-from .decoding import Counters, Limits, decode, decode_oracle, decode_sequence_cascade
+from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
 from .errors import DraftwiseError
 from .methods import Method, get_method
@@ -151,7 +151,8 @@ def _plan(
     draft_model = _load_draft(draft, target_model) if draft is not None else None
     if isinstance(draft_model, EagleHead):
         if spec.name not in ("sd", "lossy", "lossy-greedy", "fly"):
-            raise DraftwiseError(f"an EAGLE draft head drafts for sd, lossy, lossy-greedy and fly, not {spec.name!r}")
+            raise DraftwiseError(f"an EAGLE draft head drafts for sd, lossy, lossy-greedy and fly, not {spec.name!r}: "
+                                 "give an independent draft model (for smollm2-135m: smollm2-135m-draft)")
         vocab_size = _shared_vocab(target_model, None)
     else:
         vocab_size = _shared_vocab(target_model, draft_model)
@@ -265,6 +266,11 @@ class _Run:
             head.check_sampling(plan.sampling)
             runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
             return StopHeadDrafter(runner, plan.sampling, plan.vocab_size, head, plan.options["threshold"])
+        if plan.method.drafter == "beam":
+            from .mtad import BeamDrafter
+
+            runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
+            return BeamDrafter(runner, plan.sampling, plan.vocab_size, plan.options["num_beams"])
         if plan.method.drafter == "ngram":
             return PromptLookupDrafter(
                 plan.vocab_size, generator_device,
@@ -303,6 +309,10 @@ class _Run:
                 threshold=1.0 - plan.options["alpha"], sampling=plan.sampling, limits=limits, generator=generator,
                 counters=counters,
             )
+        elif spec.loop == "mtjd":
+            steps = decode_mtjd(plan.prompt_ids, target=target, k=plan.options["k"],
+                                num_beams=plan.options["num_beams"], sampling=plan.sampling, limits=limits,
+                                generator=generator, counters=counters)
         else:
             steps = decode(
                 plan.prompt_ids, target=target, drafter=drafter, rule=spec.make_rule(plan.options),

@@ -88,14 +88,17 @@ def decode(
 
         # accept: speculative sampling towards pi = rule(draft, target).
         step = StepDistributions(draft.tokens, draft.probs, target_probs, target_logits, draft.raw_probs,
-                                 sampling.greedy, draft.verifier_accepts)
+                                 sampling.greedy, draft.verifier_accepts, draft.joint_log_probs)
         pi = rule(step) if k else target_probs[:0]
-        bonus: torch.Tensor | Callable[[], torch.Tensor] = target_probs[k]
+        # a rule with `prefix` (MTAD) decides how many drafted tokens reach the sampler; the next
+        # token then comes from the target's distribution right after them.
+        keep = rule.prefix(step) if k and hasattr(rule, "prefix") else k
+        bonus: torch.Tensor | Callable[[], torch.Tensor] = target_probs[keep]
         if getattr(rule, "bonus_from_pi", False):  # pi at the bonus position reads the draft: one more forward
             def bonus() -> torch.Tensor:
                 q_raw, q_warped = drafter.next_distribution(sequence + draft.tokens.tolist())
                 return rule.bonus(q_raw, q_warped, unwarped(target_logits[k]), target_probs[k], sampling.greedy)
-        outcome = speculative_sample(draft.tokens, draft.probs, pi, bonus, generator)
+        outcome = speculative_sample(draft.tokens[:keep], draft.probs[:keep], pi[:keep], bonus, generator)
         committed = draft.tokens[: outcome.num_accepted].tolist() + [outcome.next_token]
         counters.record(k, outcome.num_accepted)
 
@@ -191,3 +194,39 @@ def decode_sequence_cascade(
         return
     yield from decode(prompt_ids, target=target, drafter=NoDrafter(target.vocab_size, target.device), rule=ExactRule(),
                       sampling=sampling, gamma=0, limits=limits, generator=generator, counters=counters)
+
+
+def decode_mtjd(
+    prompt_ids: Sequence[int],
+    *,
+    target: ModelRunner,
+    k: int,
+    num_beams: int,
+    sampling: SamplingConfig,
+    limits: Limits,
+    generator: torch.Generator,
+    counters: Counters,
+) -> Iterator[list[int]]:
+    """Multi-token joint decoding (seed 004 Def. 3.1), target only: each step commits the best of
+    `num_beams` beams over the next `k` tokens of the target itself (beam sampling at temperature
+    > 0, beam search at 0), approximating a draw from the joint p(x_{t+1:t+k}). A quality
+    reference, not a fast method: k target passes per k tokens, each over `num_beams` rows.
+    Counters: steps only (nothing is drafted or verified).
+    """
+    from .mtad import beam_search
+
+    sequence = list(prompt_ids)
+    while counters.new_tokens < limits.max_new_tokens:
+        length = min(k, limits.max_new_tokens - counters.new_tokens)
+        committed = beam_search(target, sequence, length, num_beams, sampling, generator).tokens.tolist()
+        for i, token in enumerate(committed):
+            if token in limits.eos_token_ids:
+                committed = committed[: i + 1]
+                break
+        sequence.extend(committed)
+        counters.steps += 1
+        counters.new_tokens += len(committed)
+        target.trim(len(sequence) - 1)
+        yield committed
+        if committed[-1] in limits.eos_token_ids:
+            return

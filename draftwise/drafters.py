@@ -22,6 +22,7 @@ class Draft:
     probs: torch.Tensor  # [k, vocab] the distributions they were drawn from (one-hot for deterministic drafters)
     raw_probs: torch.Tensor | None = None  # [k, vocab] unwarped distributions, when the drafter keeps them
     verifier_accepts: torch.Tensor | None = None  # [k] bool: a SPRINTER verifier's verdict per token
+    joint_log_probs: torch.Tensor | None = None  # [k] log q(x_{1:j}) of a beam drafter (MTAD)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -27,14 +27,15 @@ class Option:
 class Method:
     name: str
     summary: str
-    drafter: str  # "none" | "model" | "ngram"
+    drafter: str  # "none" | "model" | "ngram" | "sprinter" | "stophead" | "beam"
     make_rule: Callable[[dict[str, Any]], TargetRule]
     options: tuple[Option, ...] = ()
     uses_gamma: bool = True
     greedy_only: bool = False
     exact: bool = True
     reference: str = ""
-    loop: str = "speculative"  # "speculative" (draft -> verify), "oracle" (Algorithm 3), "sequence" (eq. 1)
+    loop: str = "speculative"  # "speculative" (draft -> verify), "oracle" (Algorithm 3), "sequence" (eq. 1),
+    #                            "mtjd" (target-only beam blocks, seed 004 Def. 3.1)
     make_stop: Callable[[dict[str, Any]], Callable] | None = None  # the drafter's own deferral (sequential cascades)
     window_option: str | None = None  # the option that sets the draft window in place of gamma
     _defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
@@ -44,7 +45,7 @@ class Method:
 
     @property
     def needs_draft(self) -> bool:
-        return self.drafter in ("model", "sprinter", "stophead")
+        return self.drafter in ("model", "sprinter", "stophead", "beam")
 
     def resolve_options(self, given: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(given) - set(self._defaults))
@@ -133,6 +134,24 @@ def _specdecpp_rule(options: dict[str, Any]) -> TargetRule:
                              "acceptance`)")
     return ExactRule()
 
+
+def _mtad_rule(options: dict[str, Any]) -> TargetRule:
+    from .mtad import MTADRule, check_beams, check_tau
+
+    check_tau(options["tau"])
+    check_beams(options["num_beams"])
+    return MTADRule(tau=options["tau"])
+
+
+def _mtjd_rule(options: dict[str, Any]) -> TargetRule:
+    from .mtad import check_beams
+
+    _positive_int("k", options["k"])
+    check_beams(options["num_beams"])
+    return ExactRule()
+
+
+_BEAMS = Option("num_beams", 4, int, "beams W of the beam search (MTAD's draft, MTJD's target)")
 
 _CHOW_ALPHA = Option("alpha", 0.1, float, "the small model keeps a token when max q >= 1 - alpha")
 
@@ -247,6 +266,19 @@ METHODS: dict[str, Method] = {
                 Option("entropy_threshold", 0.5, float, "target entropy (nats) above which a mismatch may be forgiven"),
             ),
             exact=False, reference="Li et al. 2025 (FLy), vLLM",
+        ),
+        Method(
+            "mtad", "multi-token assisted decoding: beam-search drafts, keep the longest prefix with "
+            "min(1, p(x_1:j)/q(x_1:j)) > tau, then one target token (lossy: aims at lower perplexity)",
+            drafter="beam", make_rule=_mtad_rule,
+            options=(_BEAMS, Option("tau", 0.5, float, "MTAD keeps a prefix when min(1, joint p / joint q) > tau")),
+            exact=False, reference="seed 004 §3.2, Algorithm 1",
+        ),
+        Method(
+            "mtjd", "multi-token joint decoding by target beam search over k tokens per step (quality reference, slow)",
+            drafter="none", make_rule=_mtjd_rule, loop="mtjd",
+            options=(Option("k", 4, int, "tokens per joint block"), _BEAMS),
+            uses_gamma=False, window_option="k", exact=False, reference="seed 004 Def. 3.1, Figure 1",
         ),
     )
 }

@@ -25,6 +25,7 @@ from ..eagle import EagleHead, is_eagle_dir
 from ..models.loading import LoadedModel, load_model, resolve_path
 from ..sampling import SamplingConfig
 from .datasets import Prompt, load_prompts
+from .energy import find_meter
 from .metrics import RunRecord, report
 from .quality import target_score
 
@@ -35,11 +36,23 @@ DRAFT_ONLY = "draft-only"  # the draft model decoding alone (`ar` with the draft
 def parse_label(label: str) -> tuple[str, dict[str, Any]]:
     """A method label -> (method name, options it fixes).
 
-    `NAME`, `NAME:RULE` (methods with a `rule` option: `cascade:token-v3`), and either with
-    `@ALPHA` (`lossy@0.3`, `cascade:opt@0.5`), so one run can hold several variants.
+    `NAME`, `NAME:RULE` (methods with a `rule` option: `cascade:token-v3`), either with
+    `@ALPHA` (`lossy@0.3`, `cascade:opt@0.5`), and any with `/OPTION=VALUE` suffixes
+    (`mtad/tau=0.3/num_beams=2`; a value cannot hold "/": give paths with --option), so one run can
+    hold several variants.
     """
-    name, options = label, {}
+    name, *settings = label.split("/")
+    options: dict[str, Any] = {}
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not eq or not key or not value:
+            raise DraftwiseError(f"method label {label!r}: {setting!r} is not OPTION=VALUE")
+        if key in options:
+            raise DraftwiseError(f"method label {label!r}: option {key!r} given twice")
+        options[key] = value
     if "@" in name:
+        if "alpha" in options:
+            raise DraftwiseError(f"method label {label!r}: alpha given twice (@ and /alpha=)")
         name, _, alpha = name.rpartition("@")
         try:
             options["alpha"] = float(alpha)
@@ -50,7 +63,7 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
         options["rule"] = rule
     if name in HF_METHODS or name == DRAFT_ONLY:
         if options:
-            raise DraftwiseError(f"method label {label!r}: {name} takes no :rule or @alpha")
+            raise DraftwiseError(f"method label {label!r}: {name} takes no :rule, @alpha or /option")
         return name, options
     if name not in METHODS:
         valid = ", ".join(list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY])
@@ -61,12 +74,12 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
             raise DraftwiseError(f"method label {label!r}: method {name!r} has no {key!r} option")
     if options:  # validate what the label fixes; options such as a verifier path may come from --option
         resolved = METHODS[name].resolve_options(options)
-        if "rule" in options or "alpha" in options:
-            try:
-                METHODS[name].make_rule(resolved)
-            except DraftwiseError as error:
-                if "needs" not in str(error):  # a missing required option is checked when the method runs
-                    raise
+        options = {key: resolved[key] for key in options}  # typed
+        try:
+            METHODS[name].make_rule(resolved)
+        except DraftwiseError as error:
+            if "needs" not in str(error):  # a missing required option is checked when the method runs
+                raise
     return name, options
 
 
@@ -100,7 +113,7 @@ def check_methods(methods: tuple[str, ...]) -> None:
     if not methods:
         raise DraftwiseError("no methods given")
     valid = list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY]
-    unknown = [m for m in methods if m.partition(":")[0].partition("@")[0] not in valid]
+    unknown = [m for m in methods if m.partition("/")[0].partition(":")[0].partition("@")[0] not in valid]
     if unknown:
         raise DraftwiseError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     for label in methods:
@@ -300,10 +313,19 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     score_quality = config.quality or bool(config.compare_to) or any(
         labels[m] == DRAFT_ONLY or (labels[m] in METHODS and not METHODS[labels[m]].exact) for m in config.methods)
 
+    meter, energy_reason = find_meter(target.device)
+
     def run_one(method: str, ids: list[int], seed: int) -> dict[str, Any]:
+        before = meter.read() if meter else 0.0
         if method in HF_METHODS:
-            return _hf_run(method, target, hf_draft, ids, config, seed)
-        return _draftwise_run(method, target, draft, ids, config, seed)
+            result = _hf_run(method, target, hf_draft, ids, config, seed)
+        else:
+            result = _draftwise_run(method, target, draft, ids, config, seed)
+        if meter:
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            result["energy_j"] = meter.joules_between(before, meter.read())
+        return result
 
     warm = BenchConfig(**{**asdict(config), "max_new_tokens": min(16, config.max_new_tokens)})
     for method in config.methods:  # warm-up: allocator, kernels, first-call caches
@@ -330,5 +352,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     return {
         "config": {**asdict(config), "prompts": [p.question_id for p in prompts]},
         "machine": machine_description(target.device) | {"dtype": str(target.dtype)},
+        "energy": {"available": True, "source": meter.source} if meter else {"available": False,
+                                                                              "reason": energy_reason},
         "methods": methods,
     }

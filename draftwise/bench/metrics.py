@@ -5,7 +5,9 @@ Conventions (DESIGN.md, as vLLM and Spec-Bench report them):
   prompts, per repeat; the reported value is the median over repeats.
 - speedup_vs_ar = tokens/s of the method / tokens/s of `ar` from the same run.
 - mean_accepted_length = new tokens / target calls (bonus or recovered token included;
-  `ar` = 1.0).
+  `ar` = 1.0); reported a second time as `block_efficiency`, seed 004's name for it.
+- energy_j_per_token = joules / new tokens per repeat, median over repeats, where the
+  machine exposes a counter (bench.energy); None otherwise.
 - acceptance_rate = accepted / drafted (drafted = draft tokens sent to verification).
 - accepted_per_position[i] = fraction of verification steps that drafted a token at
   position i in which that token was accepted.
@@ -38,6 +40,7 @@ class RunRecord:
     token_ids: list[int] = field(default_factory=list)
     verifier_calls: int = 0  # SPRINTER / SpecDec++ head evaluations
     verifier_accepted: int = 0  # drafted tokens the SPRINTER verifier passed (kept without target verification)
+    energy_j: float | None = None  # joules over the run, where the machine has a counter (bench.energy)
     # quality (filled when scored; see bench.quality)
     nll: float = 0.0
     scored_tokens: int = 0
@@ -63,6 +66,11 @@ def summarize(records: list[RunRecord]) -> dict:
         per_repeat_tps.append(sum(r.new_tokens for r in runs) / wall if wall > 0 else 0.0)
     new_tokens = sum(r.new_tokens for r in records)
     target_calls = sum(r.target_calls for r in records)
+    energy = None
+    if all(r.energy_j is not None for r in records):
+        per_repeat = [sum(r.energy_j for r in records if r.repeat == rep) /
+                      max(sum(r.new_tokens for r in records if r.repeat == rep), 1) for rep in repeats]
+        energy = statistics.median(per_repeat)
     drafted = sum(r.drafted for r in records)
     accepted = sum(r.accepted for r in records)
     acc_pos = _sum_lists([r.accepted_per_position for r in records])
@@ -72,6 +80,9 @@ def summarize(records: list[RunRecord]) -> dict:
         "tokens_per_s_per_repeat": per_repeat_tps,
         "new_tokens": new_tokens,
         "mean_accepted_length": new_tokens / target_calls if target_calls else 0.0,
+        # seed 004's block efficiency: tokens per target call (the same number; MTJD runs k calls per block)
+        "block_efficiency": new_tokens / target_calls if target_calls else 0.0,
+        "energy_j_per_token": energy,  # median over repeats; None where no counter could be read
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "accepted_per_position": [a / d if d else 0.0 for a, d in zip(acc_pos, dra_pos)],
         "target_calls_per_token": target_calls / new_tokens if new_tokens else 0.0,

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 
-QUALITY_COLUMNS = (("perplexity", "ppl"), ("target_agreement", "agree"), ("rouge2", "ROUGE-2"), ("bleu", "BLEU"))
+QUALITY_COLUMNS = (("perplexity", "ppl"), ("target_agreement", "agree"), ("rougeL_ref", "ROUGE-L ref"),
+                   ("rouge2", "ROUGE-2"), ("bleu", "BLEU"), ("energy_j_per_token", "J/tok"))
 
 
 def format_table(results: dict[str, Any]) -> str:
     methods = results["methods"]
-    quality = [(k, h) for k, h in QUALITY_COLUMNS if any(k in m for m in methods.values())]
+    quality = [(k, h) for k, h in QUALITY_COLUMNS if any(m.get(k) is not None for m in methods.values())]
     rows = [("method", "tok/s", "speedup", "mean acc len", "accept rate", "target calls/tok", "identical")
             + tuple(h for _, h in quality)]
     for name, m in methods.items():
@@ -29,6 +30,9 @@ def format_table(results: dict[str, Any]) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    energy = results.get("energy")
+    if energy and not energy.get("available"):
+        lines.append(f"energy: unavailable ({energy.get('reason', 'no counter')})")
     return "\n".join(lines)
 
 

@@ -81,6 +81,26 @@ class ModelRunner:
             states = out.hidden_states[-1][0, -num_logits:]
         return RunnerOutput(logits=logits, hidden=states)
 
+    @torch.inference_mode()
+    def forward_beams(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per cache row (beam search): tokens [beams] -> next-token logits [beams, vocab].
+
+        The cache must hold one row per beam (`select_beams`); every row has the same length."""
+        ids = tokens.to(device=self.device, dtype=torch.long).reshape(-1, 1)  # [beams, 1]
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.length += 1
+        self.calls += 1
+        self.tokens_processed += ids.shape[0]
+        logits = out.logits[:, -1]  # [beams, vocab]
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits
+
+    def select_beams(self, rows: torch.Tensor) -> None:
+        """Make cache row i a copy of row `rows[i]` (broadcast one row to many, reorder, or pick one)."""
+        if self.length:
+            self.cache.batch_select_indices(rows.to(self.device))
+
     def prefill(self, tokens: Sequence[int] | torch.Tensor, *, hidden: bool = False) -> RunnerOutput:
         """Forward over a whole prompt, keeping only the last position's logits."""
         return self.forward(tokens, num_logits=1, hidden=hidden)
