@@ -121,6 +121,7 @@ def check_options(
     options = spec.resolve_options(method_options)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     spec.make_rule(options)  # validates option values (alpha range, n-gram sizes) now
+    spec.check_required(options)
     if spec.greedy_only and not sampling.greedy:
         raise DraftwiseError(f"method {spec.name!r} is defined for greedy decoding only: pass temperature=0")
     if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
@@ -240,7 +241,7 @@ class _Run:
         self.text = ""
         self.stats: dict[str, Any] = {}
 
-    def _drafter(self, generator_device: torch.device) -> Drafter:
+    def _drafter(self, generator_device: torch.device, rule: Any) -> Drafter:
         plan = self.plan
         if isinstance(plan.draft, EagleHead):
             return EagleDrafter(plan.draft, plan.sampling, plan.vocab_size, generator_device)
@@ -249,7 +250,7 @@ class _Run:
             spec = plan.method
             return ModelDrafter(
                 runner, plan.sampling, plan.vocab_size,
-                keep_raw=getattr(spec.make_rule(plan.options), "needs_draft_raw", False),
+                keep_raw=getattr(rule, "needs_draft_raw", False),
                 stop_when=spec.make_stop(plan.options) if spec.make_stop else None,
             )
         if plan.method.drafter == "sprinter":
@@ -283,8 +284,9 @@ class _Run:
         device = plan.target.device
         generator = make_generator(plan.seed, device)
         target = ModelRunner(plan.target.model, vocab_size=plan.vocab_size)
-        drafter = self._drafter(device)
         spec = plan.method
+        rule = spec.make_rule(plan.options)  # one rule per request: the drafter and the loop share it
+        drafter = self._drafter(device, rule)
         gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
         counters = Counters(gamma=gamma)
         tokenizer = plan.target.tokenizer
@@ -293,7 +295,6 @@ class _Run:
         start = time.perf_counter()
         limits = Limits(plan.max_new_tokens, plan.eos_token_ids)
         if spec.loop == "oracle":
-            rule = spec.make_rule(plan.options)
             greedy = plan.sampling.greedy
 
             def defer(q, p, q_warped, p_warped) -> bool:
@@ -315,7 +316,7 @@ class _Run:
                                 generator=generator, counters=counters)
         else:
             steps = decode(
-                plan.prompt_ids, target=target, drafter=drafter, rule=spec.make_rule(plan.options),
+                plan.prompt_ids, target=target, drafter=drafter, rule=rule,
                 sampling=plan.sampling, gamma=gamma, limits=limits, generator=generator, counters=counters,
             )
         try:

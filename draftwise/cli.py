@@ -29,6 +29,16 @@ def _method_options() -> dict[str, Any]:
     return found
 
 
+def _option_help(name: str) -> str:
+    """One flag's help: every method with an option of that name, its meaning and default there."""
+    by_help: dict[tuple[str, Any], list[str]] = {}
+    for method in METHODS.values():
+        for option in method.options:
+            if option.name == name:
+                by_help.setdefault((option.help, option.default), []).append(method.name)
+    return "; ".join(f"{', '.join(methods)}: {text} (default {default})" for (text, default), methods in by_help.items())
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt and print the text (or --json)")
     p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
@@ -44,11 +54,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep decoding past end-of-sequence tokens")
     for option in _method_options().values():
-        methods = ", ".join(m.name for m in METHODS.values() if option in m.options)
-        p.add_argument(
-            f"--{option.name.replace('_', '-')}", type=option.type, default=None,
-            help=f"{option.help} (methods: {methods}; default {option.default})",
-        )
+        p.add_argument(f"--{option.name.replace('_', '-')}", type=option.type, default=None,
+                       help=_option_help(option.name))
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
     p.add_argument("--dtype", default=None, help="auto, fp32, bf16 or fp16 (default: fp32 on CPU)")
     p.add_argument("--json", action="store_true", help="print the Generation (text, token ids, stats) as JSON")
@@ -91,7 +98,8 @@ def _run_methods(args: argparse.Namespace) -> int:
     for m in METHODS.values():
         kind = "exact" if m.exact else "lossy"
         needs = {"model": "needs --draft", "ngram": "no draft model", "none": "target only",
-                 "sprinter": "needs --draft and --verifier", "stophead": "needs --draft and --head"}[m.drafter]
+                 "sprinter": "needs --draft and --verifier", "stophead": "needs --draft and --head",
+                 "beam": "needs --draft"}[m.drafter]
         print(f"{m.name:<14} {kind}, {needs}{', temperature 0 only' if m.greedy_only else ''}")
         print(f"{'':<14} {m.summary}")
         for o in m.options:

@@ -21,6 +21,7 @@ class Option:
     default: Any
     type: type
     help: str
+    required: str = ""  # non-empty: the option must be given; the text says how to get a value
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ class Method:
     @property
     def needs_draft(self) -> bool:
         return self.drafter in ("model", "sprinter", "stophead", "beam")
+
+    def check_required(self, options: dict[str, Any]) -> None:
+        """Options without a usable default (a trained file) must be given; checked when a method runs,
+        after `make_rule` has checked the values."""
+        for option in self.options:
+            if option.required and not options.get(option.name):
+                raise DraftwiseError(f"{self.name} needs {option.name}=PATH ({option.required})")
 
     def resolve_options(self, given: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(given) - set(self._defaults))
@@ -109,8 +117,6 @@ def _sprinter_rule(options: dict[str, Any]) -> TargetRule:
 
     check_tau(options["tau"])
     _positive_int("max_run", options["max_run"])
-    if not options["verifier"]:
-        raise DraftwiseError("sprinter needs verifier=PATH (train one with `draftwise train-verifier`)")
     return SprinterRule()
 
 
@@ -129,9 +135,6 @@ def _adaedl_stop(options: dict[str, Any]):
 def _specdecpp_rule(options: dict[str, Any]) -> TargetRule:
     if not 0.0 <= options["threshold"] <= 1.0:
         raise DraftwiseError(f"specdec++: threshold must be in [0, 1], got {options['threshold']!r}")
-    if not options["head"]:
-        raise DraftwiseError("specdec++ needs head=PATH (train one with `draftwise train-verifier --objective "
-                             "acceptance`)")
     return ExactRule()
 
 
@@ -234,7 +237,8 @@ METHODS: dict[str, Method] = {
             "sprinter", "a trained verifier accepts draft tokens one by one; the target runs only at its first rejection",
             drafter="sprinter", make_rule=_sprinter_rule,
             options=(
-                Option("verifier", "", str, "verifier file from `draftwise train-verifier`"),
+                Option("verifier", "", str, "verifier file from `draftwise train-verifier`",
+                       required="train one with `draftwise train-verifier`"),
                 Option("tau", 0.5, float, "the verifier accepts a token when its score >= tau"),
                 Option("max_run", 16, int, "longest run of verifier-accepted tokens before the target runs anyway"),
             ),
@@ -253,7 +257,8 @@ METHODS: dict[str, Method] = {
             "specdec++", "exact speculative decoding whose draft stops when a trained head's P(a rejection) > threshold",
             drafter="stophead", make_rule=_specdecpp_rule,
             options=(
-                Option("head", "", str, "acceptance head from `draftwise train-verifier --objective acceptance`"),
+                Option("head", "", str, "acceptance head from `draftwise train-verifier --objective acceptance`",
+                       required="train one with `draftwise train-verifier --objective acceptance`"),
                 Option("threshold", 0.7, float, "stop after the token where 1 - prod(acceptance) exceeds this"),
             ),
             reference="Huang et al. 2024 (SpecDec++)",

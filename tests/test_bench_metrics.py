@@ -100,7 +100,10 @@ def test_run_bench_end_to_end_on_tiny_models(tmp_path):
         categories=("qa", "translation"),
     )
     results = run_bench(config)
-    assert set(results) == {"config", "machine", "methods"}
+    assert set(results) == {"config", "machine", "energy", "methods"}
+    energy = results["energy"]  # a reading, or why there is none: never an invented number
+    assert energy["available"] == all(m["energy_j_per_token"] is not None for m in results["methods"].values())
+    assert energy["available"] or energy["reason"]
     assert results["config"]["draft"] == str(tmp_path / "draft")
     for name, m in results["methods"].items():
         assert m["tokens_per_s"] > 0 and len(m["tokens_per_s_per_repeat"]) == 2

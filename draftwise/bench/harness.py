@@ -72,14 +72,10 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
     for key in options:
         if key not in known:
             raise DraftwiseError(f"method label {label!r}: method {name!r} has no {key!r} option")
-    if options:  # validate what the label fixes; options such as a verifier path may come from --option
+    if options:  # validate the values the label fixes; required options (a verifier path) come from --option
         resolved = METHODS[name].resolve_options(options)
         options = {key: resolved[key] for key in options}  # typed
-        try:
-            METHODS[name].make_rule(resolved)
-        except DraftwiseError as error:
-            if "needs" not in str(error):  # a missing required option is checked when the method runs
-                raise
+        METHODS[name].make_rule(resolved)
     return name, options
 
 
