@@ -64,6 +64,7 @@ class _Plan:
     eos_token_ids: frozenset[int]
     vocab_size: int
     seed: int | None
+    verifier: Any = None  # SPRINTER's verifier or SpecDec++'s head, loaded and checked with the plan
 
 
 def generate(
@@ -162,6 +163,12 @@ def _plan(
     if stops and target_model.tokenizer is None:
         raise DraftwiseError("stop strings need a tokenizer; load the target with tokenizer=...")
 
+    verifier = None
+    if spec.drafter in ("sprinter", "stophead"):  # loaded now, so a bad file fails at the call, not mid-stream
+        from .sprinter import Verifier
+
+        verifier = Verifier.load(options["verifier" if spec.drafter == "sprinter" else "head"], draft_model.model)
+        verifier.check_sampling(sampling)
     prompt_ids = _prompt_ids(prompt, target_model, vocab_size)
     draft_window = draft_model.context_window if isinstance(draft_model, LoadedModel) else None
     window = min(w for w in (target_model.context_window, draft_window, 10**12) if w)
@@ -173,6 +180,7 @@ def _plan(
         target=target_model, draft=draft_model, method=spec, options=options, sampling=sampling, gamma=gamma,
         prompt_ids=prompt_ids, max_new_tokens=min(max_new_tokens, window - len(prompt_ids)), stop=stops,
         eos_token_ids=frozenset() if ignore_eos else target_model.eos_token_ids, vocab_size=vocab_size, seed=seed,
+        verifier=verifier,
     )
 
 
@@ -254,19 +262,15 @@ class _Run:
                 stop_when=spec.make_stop(plan.options) if spec.make_stop else None,
             )
         if plan.method.drafter == "sprinter":
-            from .sprinter import SprinterDrafter, Verifier
+            from .sprinter import SprinterDrafter
 
-            verifier = Verifier.load(plan.options["verifier"], plan.draft.model)
-            verifier.check_sampling(plan.sampling)
             runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
-            return SprinterDrafter(runner, plan.sampling, plan.vocab_size, verifier, plan.options["tau"])
+            return SprinterDrafter(runner, plan.sampling, plan.vocab_size, plan.verifier, plan.options["tau"])
         if plan.method.drafter == "stophead":
-            from .sprinter import StopHeadDrafter, Verifier
+            from .sprinter import StopHeadDrafter
 
-            head = Verifier.load(plan.options["head"], plan.draft.model)
-            head.check_sampling(plan.sampling)
             runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
-            return StopHeadDrafter(runner, plan.sampling, plan.vocab_size, head, plan.options["threshold"])
+            return StopHeadDrafter(runner, plan.sampling, plan.vocab_size, plan.verifier, plan.options["threshold"])
         if plan.method.drafter == "beam":
             from .mtad import BeamDrafter
 

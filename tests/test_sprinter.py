@@ -178,6 +178,9 @@ def test_verifier_file_refuses_another_draft_and_other_sampling(trained):
         Verifier.load(bad)
     with pytest.raises(DraftwiseError, match="needs verifier=PATH"):
         draftwise.generate(target=target.model, draft=draft.model, prompt=[1, 2], method="sprinter")
+    with pytest.raises(DraftwiseError, match="temperature=1.0"):  # at the call, before the first piece
+        draftwise.stream(target=target.model, draft=draft.model, prompt=[1, 2], method="sprinter",
+                         verifier=str(path), temperature=0)
 
 
 def test_sprinter_calls_the_target_only_on_rejections(trained):
