@@ -54,6 +54,18 @@ def tiny_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
+def save_pair(root, *, window: int = 256, init: float = 0.5) -> tuple[str, str]:
+    """The tiny target (seed 0, 2 layers) and draft (seed 1, 1 layer) saved under `root` as Hugging Face
+    directories with the tiny tokenizer: (target_dir, draft_dir)."""
+    tok = tiny_tokenizer(64)
+    dirs = []
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        tiny_llama(seed, layers=layers, init=init, window=window).save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs.append(str(root / name))
+    return dirs[0], dirs[1]
+
+
 @pytest.fixture(scope="session")
 def llama_pair():
     """(target, draft): two different tiny Llamas with the same 64-token vocabulary."""

@@ -84,16 +84,12 @@ def test_bad_dataset_category_method_give_clear_errors():
 
 def test_run_bench_end_to_end_on_tiny_models(tmp_path):
     """The harness on tiny saved models: JSON layout, and exact methods identical to ar in fp32."""
-    from conftest import tiny_llama, tiny_tokenizer
+    from conftest import save_pair
 
     from draftwise.bench.harness import BenchConfig, run_bench
     from draftwise.bench.report import format_table, write_json
 
-    tok = tiny_tokenizer(64)
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        model = tiny_llama(seed, layers=layers, window=2048)
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+    save_pair(tmp_path, window=2048)
     config = BenchConfig(
         target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), num_prompts=3, max_new_tokens=8,
         methods=("ar", "sd", "prompt-lookup", "hf-assisted", "prompt-lookup-hf"), repeats=2, dtype="fp32",

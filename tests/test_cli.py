@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 import pytest
 
 import draftwise
-from conftest import tiny_llama, tiny_tokenizer
+from conftest import save_pair
 from draftwise.cli import main
 
 
@@ -20,14 +20,8 @@ from draftwise.cli import main
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """A tiny target and a tiny draft saved as Hugging Face directories (with the tiny tokenizer)."""
-    root = tmp_path_factory.mktemp("models")
-    tok = tiny_tokenizer()
-    dirs = {}
-    for name, model in (("target", tiny_llama(0)), ("draft", tiny_llama(1, layers=1))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        dirs[name] = str(root / name)
-    return dirs
+    target, draft = save_pair(tmp_path_factory.mktemp("models"))
+    return {"target": target, "draft": draft}
 
 
 def _run(capsys, argv):

@@ -211,15 +211,11 @@ def test_tau_one_is_sd_with_gamma_one_and_tau_zero_never_checks(trained):
 
 
 def test_cli_train_verifier_and_theory(tmp_path, capsys):
-    from conftest import tiny_tokenizer
+    from conftest import save_pair
 
     from draftwise.cli import main
 
-    tok = tiny_tokenizer(64)
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        model = tiny_llama(seed, layers=layers, init=0.08, window=4096)
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+    save_pair(tmp_path, window=4096, init=0.08)
     out = tmp_path / "v.pt"
     args = ["train-verifier", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
             "--num-prompts", "24", "--continuation", "8", "--per-kind", "4", "--features", "hidden,stats",

@@ -106,16 +106,12 @@ def test_table2_hand_computed():
 
 
 def test_sweep_end_to_end_on_tiny_models(tmp_path):
-    from conftest import tiny_llama, tiny_tokenizer
+    from conftest import save_pair
 
     from draftwise.bench.report import write_json
     from draftwise.bench.sweep import format_sweep, plot_sweep, run_sweep
 
-    tok = tiny_tokenizer(64)
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        model = tiny_llama(seed, layers=layers, window=2048)
-        model.save_pretrained(tmp_path / name)
-        tok.save_pretrained(tmp_path / name)
+    save_pair(tmp_path, window=2048)
     config = SweepConfig(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"),
                          methods=("cascade:token-v3", "cascade:opt", "lossy", "token-cascade"), alpha_grid=(0.0, 0.9),
                          grids={"token-cascade": (0.2,)}, temperatures=(1.0, 0.5), num_prompts=2, max_new_tokens=6,
