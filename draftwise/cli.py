@@ -13,7 +13,6 @@ from .errors import DraftwiseError
 from .methods import METHODS
 from .models.loading import load_model
 from .sampling import SamplingConfig
-from .sampling import SamplingConfig
 
 _API_DEFAULTS = {
     name: p.default for name, p in inspect.signature(generate).parameters.items() if p.default is not inspect.Parameter.empty

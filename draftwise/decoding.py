@@ -93,11 +93,12 @@ def decode(
         # a rule with `prefix` (MTAD) decides how many drafted tokens reach the sampler; the next
         # token then comes from the target's distribution right after them.
         keep = rule.prefix(step) if k and hasattr(rule, "prefix") else k
-        bonus: torch.Tensor | Callable[[], torch.Tensor] = target_probs[keep]
-        if getattr(rule, "bonus_from_pi", False):  # pi at the bonus position reads the draft: one more forward
-            def bonus() -> torch.Tensor:
-                q_raw, q_warped = drafter.next_distribution(sequence + draft.tokens.tolist())
-                return rule.bonus(q_raw, q_warped, unwarped(target_logits[k]), target_probs[k], sampling.greedy)
+        def pi_bonus() -> torch.Tensor:  # pi at the bonus position reads the draft: one more forward
+            q_raw, q_warped = drafter.next_distribution(sequence + draft.tokens.tolist())
+            return rule.bonus(q_raw, q_warped, unwarped(target_logits[k]), target_probs[k], sampling.greedy)
+
+        bonus: torch.Tensor | Callable[[], torch.Tensor] = (
+            pi_bonus if getattr(rule, "bonus_from_pi", False) else target_probs[keep])
         outcome = speculative_sample(draft.tokens[:keep], draft.probs[:keep], pi[:keep], bonus, generator)
         committed = draft.tokens[: outcome.num_accepted].tolist() + [outcome.next_token]
         counters.record(k, outcome.num_accepted)

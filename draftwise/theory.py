@@ -134,7 +134,7 @@ def plot_figures(path, *, r: int = 5, t_d: float = 0.1, eta_fps=(0.1, 0.5)) -> N
         axes[0].plot(grid, [expected_run_length(x, eta_fp, r) for x in grid], label=f"eta_FP = {eta_fp:g}")
         axes[1].plot(grid, [expected_stopping_time(x, eta_fp, r, t_d) for x in grid], label=f"eta_FP = {eta_fp:g}")
     axes[0].axhline(r, color="black", linestyle="--", linewidth=1, label=f"r = {r}")
-    axes[1].axhline((r + 1) * t_d, color="black", linestyle="--", linewidth=1, label=f"(r + 1) t_d")
+    axes[1].axhline((r + 1) * t_d, color="black", linestyle="--", linewidth=1, label="(r + 1) t_d")
     axes[0].set_ylabel("expected tokens accepted by the verifier, E[N]")
     axes[1].set_ylabel("expected stopping time E[T_stop]")
     for ax, title in zip(axes, ("Theorem 3.3 (Figure 5)", f"Theorem 3.4, t_d = {t_d:g} (Figure 6)")):

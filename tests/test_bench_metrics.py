@@ -113,7 +113,6 @@ def test_run_bench_end_to_end_on_tiny_models(tmp_path):
 
 def test_hf_assisted_drafts_exactly_gamma_tokens_per_step(tmp_path):
     """The external reference must run at the same gamma: transformers reads it from the assistant's config."""
-    import torch
     from conftest import tiny_llama
 
     import draftwise

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy.stats import binomtest, chisquare, norm
+from scipy.stats import binomtest, norm
 
 import draftwise
 from draftwise import theory

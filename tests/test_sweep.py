@@ -11,7 +11,7 @@ import torch
 from draftwise.bench.harness import parse_label
 from draftwise.bench.metrics import RunRecord, quality_fields
 from draftwise.bench.quality import corpus_bleu, rouge2, target_score
-from draftwise.bench.sweep import SweepConfig, summarize_sweep, sweep_labels, table2
+from draftwise.bench.sweep import SweepConfig, sweep_labels, table2
 from draftwise.errors import DraftwiseError
 
 
