@@ -167,7 +167,8 @@ def _plan(
     if spec.drafter in ("sprinter", "stophead"):  # loaded now, so a bad file fails at the call, not mid-stream
         from .sprinter import Verifier
 
-        verifier = Verifier.load(options["verifier" if spec.drafter == "sprinter" else "head"], draft_model.model)
+        path = next(options[o.name] for o in spec.options if o.required)  # the trained file's option
+        verifier = Verifier.load(path, draft_model.model)
         verifier.check_sampling(sampling)
     prompt_ids = _prompt_ids(prompt, target_model, vocab_size)
     draft_window = draft_model.context_window if isinstance(draft_model, LoadedModel) else None
@@ -253,8 +254,8 @@ class _Run:
         plan = self.plan
         if isinstance(plan.draft, EagleHead):
             return EagleDrafter(plan.draft, plan.sampling, plan.vocab_size, generator_device)
+        runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size) if plan.method.needs_draft else None
         if plan.method.drafter == "model":
-            runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
             spec = plan.method
             return ModelDrafter(
                 runner, plan.sampling, plan.vocab_size,
@@ -264,17 +265,14 @@ class _Run:
         if plan.method.drafter == "sprinter":
             from .sprinter import SprinterDrafter
 
-            runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
             return SprinterDrafter(runner, plan.sampling, plan.vocab_size, plan.verifier, plan.options["tau"])
         if plan.method.drafter == "stophead":
             from .sprinter import StopHeadDrafter
 
-            runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
             return StopHeadDrafter(runner, plan.sampling, plan.vocab_size, plan.verifier, plan.options["threshold"])
         if plan.method.drafter == "beam":
             from .mtad import BeamDrafter
 
-            runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size)
             return BeamDrafter(runner, plan.sampling, plan.vocab_size, plan.options["num_beams"])
         if plan.method.drafter == "ngram":
             return PromptLookupDrafter(

@@ -49,6 +49,13 @@ class Limits:
     max_new_tokens: int  # already capped by the context window
     eos_token_ids: frozenset[int]
 
+    def cut_at_eos(self, committed: list[int]) -> list[int]:
+        """The committed tokens up to and including the first end-of-sequence token."""
+        for i, token in enumerate(committed):
+            if token in self.eos_token_ids:
+                return committed[: i + 1]
+        return committed
+
 
 def decode(
     prompt_ids: Sequence[int],
@@ -103,11 +110,7 @@ def decode(
         committed = draft.tokens[: outcome.num_accepted].tolist() + [outcome.next_token]
         counters.record(k, outcome.num_accepted)
 
-        # stop at the first end-of-sequence token among the committed ones.
-        for i, token in enumerate(committed):
-            if token in limits.eos_token_ids:
-                committed = committed[: i + 1]
-                break
+        committed = limits.cut_at_eos(committed)
         sequence.extend(committed)
         counters.new_tokens += len(committed)
 
@@ -219,11 +222,7 @@ def decode_mtjd(
     sequence = list(prompt_ids)
     while counters.new_tokens < limits.max_new_tokens:
         length = min(k, limits.max_new_tokens - counters.new_tokens)
-        committed = beam_search(target, sequence, length, num_beams, sampling, generator).tokens.tolist()
-        for i, token in enumerate(committed):
-            if token in limits.eos_token_ids:
-                committed = committed[: i + 1]
-                break
+        committed = limits.cut_at_eos(beam_search(target, sequence, length, num_beams, sampling, generator).tokens.tolist())
         sequence.extend(committed)
         counters.steps += 1
         counters.new_tokens += len(committed)
