@@ -19,9 +19,18 @@ forward, run only when every drafted token was accepted.
 
 Zero residual: `max(0, pi - draft_probs)` is all zero only when `pi <= draft_probs`
 everywhere. For a normalised `pi` that means `pi == draft_probs`, where rejection
-has probability zero and happens only through rounding. When its mass is below
-`ZERO_RESIDUAL` we draw from `norm(pi)` instead: the exact answer in that case, and
-never a crash in `multinomial`.
+has probability zero and happens only through rounding. When the residual mass
+`r = sum max(0, pi - draft_probs)` is below `ZERO_RESIDUAL` we draw the recovered
+token from `norm(pi)` instead, so the sampler never divides by zero or hands
+`multinomial` an all-zero row. This fallback is exact only when `r` is truly zero
+(for a normalised `pi` rejection then has probability zero, so a rejection that
+rounding lets through does not change the output distribution; for a sub-normalised
+`pi` the fallback is the definition of the recovery, which `output_distribution`
+shares). For `0 < r < ZERO_RESIDUAL` it
+is an approximation: drawing from `norm(pi)` instead of `norm(residual)` moves the
+committed token's distribution by at most the rejection probability
+`1 - sum min(draft_probs, pi)` in total variation, which equals `r` (so is below
+`ZERO_RESIDUAL`) for a normalised `pi`.
 """
 
 from __future__ import annotations
@@ -134,7 +143,9 @@ class Acceptance:
 
 
 def residual(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, pi - draft_probs)) with the zero-residual fallback norm(pi). [vocab] -> [vocab]."""
+    """norm(max(0, pi - draft_probs)), or norm(pi) when the residual mass is below ZERO_RESIDUAL
+    (exact for a truly zero residual, an approximation within that mass otherwise; module docstring).
+    [vocab] -> [vocab]."""
     assert pi.ndim == 1 and draft_probs.ndim == 1
     res = torch.clamp(pi - draft_probs, min=0.0)
     mass = res.sum()
