@@ -5,8 +5,12 @@ Both take the same arguments; every check on them runs before any model does.
 
 from __future__ import annotations
 
-import os
+import hashlib
+import json
+import numbers
 import time
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -15,10 +19,11 @@ import torch
 from .cascades import deferral, sequence_confidence
 from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
-from .errors import DraftwiseError
+from .errors import DraftwiseError, DraftwiseWarning
 from .methods import Method, get_method
-from .eagle import EagleDrafter, EagleHead, is_eagle_dir
-from .models.loading import LoadedModel, load_model, resolve_path
+from .eagle import EagleDrafter, EagleHead
+from .models import registry
+from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from .models.runner import ModelRunner
 from .sampling import SamplingConfig, make_generator
 
@@ -65,6 +70,7 @@ class _Plan:
     vocab_size: int
     seed: int | None
     verifier: Any = None  # SPRINTER's verifier or SpecDec++'s head, loaded and checked with the plan
+    context_limited: bool = False  # max_new_tokens was cut to fit the context window: finish_reason "context"
 
 
 def generate(
@@ -113,11 +119,21 @@ def stream(
     return _Run(_plan(**locals()), streaming=True).pieces()
 
 
+# Methods that can draft with an EAGLE feature head (the head drafts one token distribution per step).
+EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly"})
+
+
 def check_options(
     *, method: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None,
-    gamma: int, stop: Any, ignore_eos: bool, draft_given: bool, **method_options: Any,
+    gamma: int, stop: Any, ignore_eos: bool, draft_given: bool, target: Any = None, draft: Any = None,
+    **method_options: Any,
 ) -> tuple[Method, dict[str, Any], SamplingConfig, tuple[str, ...]]:
-    """Every check that needs no model: runs first, so bad input fails before weights load."""
+    """Every check that needs no model: runs first, so bad input fails before weights load.
+
+    A method that needs a draft and gets none uses the registry's best draft for a registry target
+    (`default_draft`); for any other target that is an error naming the way out. A draft given to a
+    method that uses none is ignored with a `DraftwiseWarning`.
+    """
     spec = get_method(method)
     options = spec.resolve_options(method_options)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -134,30 +150,87 @@ def check_options(
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise DraftwiseError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    if spec.needs_draft and not draft_given:
-        raise DraftwiseError(f"method {spec.name!r} needs a draft model: pass draft=... (or --draft)")
+    draft_given = draft_given or draft is not None
+    if spec.needs_draft and not draft_given and default_draft(target, spec.name) is None:
+        raise DraftwiseError(_no_draft_message(spec.name, target))
     if not spec.needs_draft and draft_given:
-        raise DraftwiseError(f"method {spec.name!r} does not use a draft model; drop draft=... or pick 'sd'")
+        warnings.warn(f"method {spec.name!r} uses no draft model: the draft given is ignored", DraftwiseWarning,
+                      stacklevel=3)
+    if spec.needs_draft and draft is not None and spec.name not in EAGLE_METHODS and is_eagle_spec(draft):
+        raise DraftwiseError(_eagle_refused(spec.name, target))
     return spec, options, sampling, stops
+
+
+def _registry_name(target: Any) -> str | None:
+    """The registry name of a target given by name, or loaded by name (`load_model("smollm2-135m")`)."""
+    name = target.name if isinstance(target, LoadedModel) else target if isinstance(target, str) else None
+    return name if name in registry.names() else None
+
+
+def default_draft(target: Any, method: str) -> str | None:
+    """The registry's best ready draft for `target` and `method` (None for other targets): the EAGLE
+    head for methods that can draft with one, the independent draft model for the others."""
+    name = _registry_name(target)
+    return registry.default_draft_for(name, eagle_ok=method in EAGLE_METHODS) if name else None
+
+
+def _no_draft_message(method: str, target: Any) -> str:
+    name = _registry_name(target)
+    listed = registry.listed_drafts(name) if name else ()
+    if listed:
+        problems = "; ".join(f"{d}: {registry.entry(d).cached()}" for d in listed)
+        where = f"the registry's drafts for {name} are not ready ({problems})"
+    else:
+        known = [t for t in registry.names() if registry.listed_drafts(t)]
+        where = ("the registry has drafts only for " + ", ".join(known)) if known else "the registry has no drafts"
+    return (f"method {method!r} needs a draft model and {where}: pass draft=... (--draft), "
+            "or use method='ar' or 'prompt-lookup', which need none")
+
+
+def _eagle_refused(method: str, target: Any) -> str:
+    name = _registry_name(target)
+    independent = registry.default_draft_for(name, eagle_ok=False) if name else None
+    hint = f" (for {name}: {independent})" if independent else ""
+    return (f"an EAGLE draft head drafts for {', '.join(sorted(EAGLE_METHODS))}, not {method!r}: "
+            f"give an independent draft model{hint}")
 
 
 def _plan(
     *, target: Any, prompt: Any, draft: Any, method: str, max_new_tokens: int, temperature: float, top_k: int,
     top_p: float, seed: int | None, gamma: int, stop: Any, ignore_eos: bool, method_options: dict[str, Any],
+    messages: Any = None,
 ) -> _Plan:
+    method_options = dict(method_options)
+    if "messages" in method_options:  # generate(target, None, messages=[...]) until the signature has messages=
+        messages = method_options.pop("messages")
+    if messages is not None:
+        if prompt is not None:
+            raise DraftwiseError("give a prompt or messages=..., not both")
+        _check_messages(messages)
+        prompt = list(messages)
+    _check_prompt(prompt)
     spec, options, sampling, stops = check_options(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        gamma=gamma, stop=stop, ignore_eos=ignore_eos, draft_given=draft is not None, **method_options,
+        gamma=gamma, stop=stop, ignore_eos=ignore_eos, draft_given=draft is not None, target=target, draft=draft,
+        **method_options,
     )
+    if not spec.needs_draft:
+        draft = None  # check_options warned
+    elif draft is None:
+        draft = default_draft(target, spec.name)
     target_model = load_model(target)
     draft_model = _load_draft(draft, target_model) if draft is not None else None
     if isinstance(draft_model, EagleHead):
-        if spec.name not in ("sd", "lossy", "lossy-greedy", "fly"):
-            raise DraftwiseError(f"an EAGLE draft head drafts for sd, lossy, lossy-greedy and fly, not {spec.name!r}: "
-                                 "give an independent draft model (for smollm2-135m: smollm2-135m-draft)")
+        if spec.name not in EAGLE_METHODS:
+            raise DraftwiseError(_eagle_refused(spec.name, target_model))
         vocab_size = _shared_vocab(target_model, None)
     else:
+        if not isinstance(draft_model, (LoadedModel, type(None))):
+            raise DraftwiseError(f"draft must be a model, a model path or name, or an EAGLE head; got "
+                                 f"{type(draft_model).__name__}")
         vocab_size = _shared_vocab(target_model, draft_model)
+        if draft_model is not None:
+            check_same_tokenizer(target_model, draft_model)
     if isinstance(draft_model, LoadedModel) and draft_model.device != target_model.device:
         raise DraftwiseError(f"draft is on {draft_model.device} but target on {target_model.device}; use one device")
     if stops and target_model.tokenizer is None:
@@ -170,6 +243,7 @@ def _plan(
         path = next(options[o.name] for o in spec.options if o.required)  # the trained file's option
         verifier = Verifier.load(path, draft_model.model)
         verifier.check_sampling(sampling)
+        _check_objective(verifier, spec, path)
     prompt_ids = _prompt_ids(prompt, target_model, vocab_size)
     draft_window = draft_model.context_window if isinstance(draft_model, LoadedModel) else None
     window = min(w for w in (target_model.context_window, draft_window, 10**12) if w)
@@ -177,25 +251,63 @@ def _plan(
         raise DraftwiseError(
             f"prompt has {len(prompt_ids)} tokens but the context window is {window}: shorten the prompt"
         )
+    room = window - len(prompt_ids)
+    if max_new_tokens > room:
+        warnings.warn(
+            f"the prompt has {len(prompt_ids)} tokens and the context window is {window}: at most {room} new "
+            f"tokens fit, not {max_new_tokens} (finish_reason 'context' when that limit ends generation)",
+            DraftwiseWarning, stacklevel=3,
+        )
     return _Plan(
         target=target_model, draft=draft_model, method=spec, options=options, sampling=sampling, gamma=gamma,
-        prompt_ids=prompt_ids, max_new_tokens=min(max_new_tokens, window - len(prompt_ids)), stop=stops,
+        prompt_ids=prompt_ids, max_new_tokens=min(max_new_tokens, room), stop=stops,
         eos_token_ids=frozenset() if ignore_eos else target_model.eos_token_ids, vocab_size=vocab_size, seed=seed,
-        verifier=verifier,
+        verifier=verifier, context_limited=max_new_tokens > room,
     )
 
 
 def _load_draft(draft: Any, target: LoadedModel) -> LoadedModel | EagleHead:
-    """A draft model, or an EAGLE head (a directory with eagle.json, or a registry name of one)."""
-    if isinstance(draft, EagleHead):
-        head = draft
-    else:
-        path = resolve_path(draft) if isinstance(draft, (str, os.PathLike)) else None
-        if path is None or not is_eagle_dir(path):
-            return load_model(draft)
-        head = EagleHead.load(path)
-    head.attach(target.model)
-    return head if head.fc.weight.device == target.device else head.to(target.device)
+    """A draft model, or an EAGLE head (a directory with eagle.json, or a registry name of one): see
+    `load_draft`, the one resolver the API, the CLI and the benchmark share."""
+    return load_draft(draft, target)
+
+
+def _check_objective(verifier: Any, spec: Method, path: Any) -> None:
+    """A SPRINTER verifier and a SpecDec++ head share a file format; the recorded training objective tells them
+    apart (files without one were trained with the SPRINTER objective, the only one there was)."""
+    objective = (verifier.spec.extra or {}).get("objective", "sprinter")
+    wanted = "acceptance" if spec.drafter == "stophead" else "sprinter"
+    if objective != wanted:
+        made_for = "SpecDec++ (a stop head)" if objective == "acceptance" else "SPRINTER (a verifier)"
+        raise DraftwiseError(
+            f"{path} was trained with the {objective!r} objective, for {made_for}; {spec.name} needs one trained "
+            f"with `draftwise train-verifier --objective {wanted}`"
+        )
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of what decides token ids: the vocabulary (string -> id) and the special tokens."""
+    vocab = tokenizer.get_vocab()
+    special = {k: str(v) for k, v in sorted((getattr(tokenizer, "special_tokens_map", None) or {}).items())}
+    blob = json.dumps([sorted(vocab.items(), key=lambda kv: kv[1]), special], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must map text to the same ids as the target; equal sizes are not enough. Checked where both
+    models come with a tokenizer (an in-memory model without one cannot be checked)."""
+    if target.tokenizer is None or draft.tokenizer is None or target.tokenizer is draft.tokenizer:
+        return
+    mine, theirs = tokenizer_fingerprint(target.tokenizer), tokenizer_fingerprint(draft.tokenizer)
+    if mine == theirs:
+        return
+    vocab_t, vocab_d = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    differ = sorted(set(vocab_t.items()) ^ set(vocab_d.items()), key=lambda kv: kv[1])
+    example = f"e.g. token {differ[0][0]!r} <-> id {differ[0][1]}" if differ else "the special tokens differ"
+    raise DraftwiseError(
+        f"the draft's tokenizer differs from the target's ({example}; fingerprints {theirs} vs {mine}): "
+        "a draft must share the target's tokenizer"
+    )
 
 
 def _shared_vocab(target: LoadedModel, draft: LoadedModel | None) -> int:
@@ -221,20 +333,170 @@ def _shared_vocab(target: LoadedModel, draft: LoadedModel | None) -> int:
     )
 
 
-def _prompt_ids(prompt: Any, target: LoadedModel, vocab_size: int) -> list[int]:
+PROMPT_FORMS = (
+    "a string, token ids (a list of ints, a 1-D tensor or numpy array, or the BatchEncoding that tokenizer(...) "
+    "and apply_chat_template(...) return) or chat messages [{'role': 'user', 'content': '...'}]"
+)
+
+
+def _describe(value: Any) -> str:
+    """What was passed, in a few words, for error messages."""
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__} with keys {sorted(map(str, value))[:6]}"
+    if isinstance(value, (torch.Tensor,)) or type(value).__module__ == "numpy":
+        shape = tuple(getattr(value, "shape", ()))
+        return f"{type(value).__name__} of shape {shape} and dtype {getattr(value, 'dtype', '?')}"
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"{type(value).__name__} of {len(value)} {'/'.join(kinds) or 'items'}"
+    return type(value).__name__
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(m, Mapping) for m in value)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value)
+
+
+def _as_array(value: Any) -> Any:
+    """input_ids of a BatchEncoding / mapping, else the value itself."""
+    if isinstance(value, Mapping) and "input_ids" in value:
+        return value["input_ids"]
+    return value
+
+
+def _rows(value: Any) -> list[Any] | None:
+    """The prompts of a 2-D batch (tensor, numpy array, BatchEncoding with several rows); None if not one."""
+    mask = value.get("attention_mask") if isinstance(value, Mapping) else None
+    ids = _as_array(value)
+    if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy":
+        if getattr(ids, "ndim", 0) != 2:
+            return None
+        rows = [list(map(int, r)) for r in ids.tolist()]
+    elif isinstance(ids, (list, tuple)) and ids and all(_is_token_list(r) for r in ids) and isinstance(value, Mapping):
+        rows = [list(r) for r in ids]
+    else:
+        return None
+    if mask is not None:  # drop padding, left or right
+        mask = mask.tolist() if hasattr(mask, "tolist") else mask
+        rows = [[t for t, m in zip(r, mr) if m] for r, mr in zip(rows, mask)]
+    return rows
+
+
+def _split_prompts(prompt_or_prompts: Any) -> tuple[list[Any], bool]:
+    """(prompts, is_batch). One prompt: a string, token ids (list, 1-D tensor/array, one-row BatchEncoding) or
+    one chat (a list of message dicts). A batch: a list of those (strings, id lists, chats), a 2-D tensor or
+    array, or a BatchEncoding with several rows. For the batched `generate` / `stream`."""
+    value = prompt_or_prompts
+    if isinstance(value, str) or _is_messages(value):
+        return [value], False
+    rows = _rows(value)
+    if rows is not None:  # a [1, n] tensor / BatchEncoding is one prompt, as transformers' generate reads it
+        return (rows, True) if len(rows) > 1 else ([value], False)
+    ids = _as_array(value)
+    if isinstance(ids, (torch.Tensor,)) or type(ids).__module__ == "numpy" or _is_token_list(ids):
+        return [value], False
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise DraftwiseError("the list of prompts is empty")
+        if all(isinstance(p, str) or _is_messages(p) or _is_token_list(p) or isinstance(p, (torch.Tensor, Mapping))
+               for p in value):
+            return list(value), True
+    raise DraftwiseError(f"a prompt must be {PROMPT_FORMS}, or a list of them; got {_describe(value)}")
+
+
+def _check_prompt(prompt: Any) -> None:
+    """The prompt's form, checked before any model loads (token ranges are checked against the model later)."""
+    if prompt is None:
+        raise DraftwiseError(f"no prompt: give {PROMPT_FORMS}")
     if isinstance(prompt, str):
         if not prompt:
             raise DraftwiseError("prompt is empty")
+        return
+    if _is_messages(prompt):
+        _check_messages(prompt)
+        return
+    rows = _rows(prompt)
+    if rows is not None and len(rows) != 1:
+        raise DraftwiseError(f"got a batch of {len(rows)} prompts ({_describe(_as_array(prompt))}) where one prompt "
+                             "was expected: pass one row, or a list of prompts to the batched generate")
+    ids = _as_array(prompt)
+    if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy":
+        integer = (not ids.dtype.is_floating_point and not ids.dtype.is_complex and ids.dtype != torch.bool
+                   if isinstance(ids, torch.Tensor) else getattr(ids.dtype, "kind", "") in ("i", "u"))
+        if not integer or not 1 <= ids.ndim <= 2:
+            raise DraftwiseError(f"token ids must be integers in a 1-D tensor or array; got {_describe(ids)}")
+        return
+    if isinstance(ids, (list, tuple)):
+        if _is_token_list(ids):
+            return
+        if all(isinstance(p, (str, list, tuple, Mapping, torch.Tensor)) for p in ids):
+            raise DraftwiseError(f"got {_describe(ids)} where one prompt was expected: a list of prompts is a batch "
+                                 "(the batched generate takes it); one prompt is " + PROMPT_FORMS)
+        raise DraftwiseError(f"token ids must be integers; got {_describe(ids)} (a prompt is {PROMPT_FORMS})")
+    raise DraftwiseError(f"a prompt must be {PROMPT_FORMS}; got {_describe(prompt)}")
+
+
+def _check_messages(messages: Any) -> None:
+    if not _is_messages(messages):
+        raise DraftwiseError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts; got "
+                             + _describe(messages))
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or "content" not in m:
+            raise DraftwiseError(f"message {i} needs a 'role' string and a 'content'; got keys {sorted(m)}")
+        content = m["content"]
+        if not isinstance(content, str) and not (isinstance(content, list) and all(
+                isinstance(part, Mapping) and part.get("type") == "text" for part in content)):
+            raise DraftwiseError(f"message {i}: content must be a string or a list of {{'type': 'text', 'text': ...}} "
+                                 f"parts; got {_describe(content)}")
+
+
+def _messages_to_ids(messages: Any, tokenizer: Any) -> list[int]:
+    """OpenAI-style chat messages -> the prompt's token ids through the tokenizer's chat template, with the
+    assistant's turn opened (or, when the last message is the assistant's, continued)."""
+    _check_messages(messages)
+    if tokenizer is None:
+        raise DraftwiseError("chat messages need a tokenizer; load the target with tokenizer=...")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DraftwiseError("the target's tokenizer has no chat template: give the prompt as a string instead")
+    normal = [{**m, "content": m["content"] if isinstance(m["content"], str)
+               else "".join(part.get("text", "") for part in m["content"])} for m in messages]
+    continue_last = normal[-1]["role"] == "assistant"
+    try:
+        encoded = tokenizer.apply_chat_template(normal, tokenize=True, add_generation_prompt=not continue_last,
+                                                continue_final_message=continue_last)
+    except Exception as error:  # noqa: BLE001 - a template refusing the messages (e.g. no system role) is bad input
+        raise DraftwiseError(f"the chat template refused these messages: {str(error).splitlines()[0]}") from None
+    ids = _as_array(encoded)
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return ids
+
+
+def _prompt_ids(prompt: Any, target: LoadedModel, vocab_size: int) -> list[int]:
+    _check_prompt(prompt)
+    if isinstance(prompt, str):
         if target.tokenizer is None:
             raise DraftwiseError("a text prompt needs a tokenizer; pass token ids or load the target with tokenizer=...")
         ids = target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    elif isinstance(prompt, torch.Tensor):
-        ids = prompt.flatten().tolist()
+    elif _is_messages(prompt):
+        ids = _messages_to_ids(prompt, target.tokenizer)
     else:
-        ids = list(prompt)
+        rows = _rows(prompt)
+        if rows is not None:
+            ids = rows[0]
+        else:
+            raw = _as_array(prompt)
+            raw = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+            ids = raw[0] if raw and isinstance(raw[0], list) else raw
+        ids = [int(t) for t in ids]
     if not ids:
         raise DraftwiseError("prompt is empty")
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise DraftwiseError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
     return ids

@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
+import warnings
+from pathlib import Path
 from typing import Any, Sequence
 
-from .api import check_options, generate, stream
-from .errors import DraftwiseError
+from .api import check_options, default_draft, generate, stream
+from .errors import DraftwiseError, DraftwiseWarning
 from .methods import METHODS
-from .models.loading import load_model
+from .models.loading import load_draft, load_model
 from .sampling import SamplingConfig
+
+DEFAULT_TARGET = "smollm2-135m"
 
 _API_DEFAULTS = {
     name: p.default for name, p in inspect.signature(generate).parameters.items() if p.default is not inspect.Parameter.empty
@@ -38,17 +43,42 @@ def _option_help(name: str) -> str:
     return "; ".join(f"{', '.join(methods)}: {text} (default {default})" for (text, default), methods in by_help.items())
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default after its help, unless the help already states one or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default not in (None, False, argparse.SUPPRESS) and "default" not in text
+                and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            text = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        return text
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="decode one prompt and print the text (or --json)")
-    p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
-    p.add_argument("--target", required=True, help="registry name, local directory, .gguf file or hub id")
-    p.add_argument("--draft", default=None, help="draft model, same forms as --target")
+    p = sub.add_parser("generate", help="decode prompts and print the text (or --json)")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT",
+                   help="prompt text ('-' reads standard input); several prompts are decoded as a batch")
+    p.add_argument("--prompts-file", default=None, metavar="PATH",
+                   help="more prompts: one per line, or a .jsonl file whose lines hold a 'prompt' string, "
+                   "'turns' (the first one is used, as in Spec-Bench) or OpenAI-style 'messages'")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="at most this many prompts decode together (default: the API's)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local directory, .gguf file or hub id")
+    p.add_argument("--draft", default=None, help="draft model or EAGLE head, same forms as --target (default: the "
+                   "registry's best draft for the method when the target is a registry model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id, when the target has none")
+    p.add_argument("--no-chat", "--raw", dest="chat", action="store_false",
+                   help="send the prompt as raw text; by default a model with a chat template gets the prompt as "
+                   "a user message, formatted by that template")
+    p.add_argument("--system", default=None, help="system prompt (chat only)")
     p.add_argument("--method", default=_API_DEFAULTS["method"], choices=list(METHODS), help="decoding method")
-    p.add_argument("--max-new-tokens", type=int, default=_API_DEFAULTS["max_new_tokens"])
+    p.add_argument("--max-new-tokens", type=int, default=_API_DEFAULTS["max_new_tokens"], help="new-token budget")
     p.add_argument("--temperature", type=float, default=_API_DEFAULTS["temperature"], help="0 means greedy")
     p.add_argument("--top-k", type=int, default=_API_DEFAULTS["top_k"], help="0 turns it off")
     p.add_argument("--top-p", type=float, default=_API_DEFAULTS["top_p"], help="1 turns it off")
-    p.add_argument("--seed", type=int, default=_API_DEFAULTS["seed"])
+    p.add_argument("--seed", type=int, default=_API_DEFAULTS["seed"], help="sampling seed (default: a fresh one, "
+                   "reported in --json stats)")
     p.add_argument("--gamma", type=int, default=_API_DEFAULTS["gamma"], help="draft tokens per step")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep decoding past end-of-sequence tokens")
@@ -57,27 +87,116 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                        help=_option_help(option.name))
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
     p.add_argument("--dtype", default=None, help="auto, fp32, bf16 or fp16 (default: fp32 on CPU)")
-    p.add_argument("--json", action="store_true", help="print the Generation (text, token ids, stats) as JSON")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--json", action="store_true", help="print the Generation (text, token ids, stats) as JSON; "
+                   "a list of them for several prompts")
+
+
+def _read_prompts_file(path: str) -> list[Any]:
+    """Prompts from a file: one per line, or JSON Lines with 'prompt', 'turns' or 'messages'."""
+    file = Path(path).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DraftwiseError(f"--prompts-file {path}: cannot read it ({type(error).__name__}: {error})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if file.suffix != ".jsonl":
+        return [line for _, line in lines]
+    prompts: list[Any] = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise DraftwiseError(f"--prompts-file {path}, line {n}: not JSON ({error})") from None
+        if not isinstance(record, dict):
+            raise DraftwiseError(f"--prompts-file {path}, line {n}: expected a JSON object")
+        if isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        elif isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
+            prompts.append(record["turns"][0])
+        elif isinstance(record.get("messages"), list) and record["messages"]:
+            prompts.append(record["messages"])
+        else:
+            raise DraftwiseError(f"--prompts-file {path}, line {n}: needs a 'prompt' string, a non-empty 'turns' "
+                                 f"list of strings or a 'messages' list; got keys {sorted(record)}")
+    return prompts
+
+
+def _collect_prompts(args: argparse.Namespace) -> list[Any]:
+    prompts: list[Any] = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    if args.prompts_file:
+        prompts += _read_prompts_file(args.prompts_file)
+    if not prompts:
+        raise DraftwiseError("no prompt: give PROMPT arguments, '-' to read standard input, or --prompts-file PATH")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str) and not prompt.strip():
+            raise DraftwiseError("prompt is empty" if len(prompts) == 1 else f"prompt {i + 1} is empty")
+    return prompts
+
+
+def _as_chat(prompts: list[Any], target: Any, args: argparse.Namespace) -> list[Any]:
+    """Chat by default: a model with a chat template gets each text prompt as a user message."""
+    tokenizer = target.tokenizer
+    has_template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    if not args.chat or not has_template:
+        if args.system is not None:
+            raise DraftwiseError("--system needs a chat template, and the target's tokenizer has none"
+                                 if args.chat else "--system and --no-chat contradict each other: drop one")
+        if any(not isinstance(p, str) for p in prompts):
+            raise DraftwiseError("--prompts-file holds chat messages, which need a chat template"
+                                 + ("; drop --no-chat" if has_template else ", and the target's tokenizer has none"))
+        return prompts
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    chats = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system and not (messages and isinstance(messages[0], dict) and messages[0].get("role") == "system"):
+            messages = system + messages
+        chats.append(messages)
+    return chats
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise DraftwiseError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.threads < 0:
+        raise DraftwiseError(f"--threads must be >= 0, got {args.threads}")
+    if args.system is not None and not args.chat:
+        raise DraftwiseError("--system and --no-chat contradict each other: drop one")
     options = {name: getattr(args, name) for name in _method_options() if getattr(args, name) is not None}
     kwargs = dict(
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, gamma=args.gamma, stop=args.stop, ignore_eos=args.ignore_eos, **options,
     )
-    # Cheap checks first (method, options, sampling values) so bad flags fail before loading weights.
-    check_options(draft_given=args.draft is not None, **kwargs)
-    target = load_model(args.target, device=args.device, dtype=args.dtype)
-    draft = load_model(args.draft, device=args.device, dtype=args.dtype) if args.draft else None
-    if args.json:
-        result = generate(target, prompt, draft=draft, **kwargs)
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        for piece in stream(target, prompt, draft=draft, **kwargs):
+    # Cheap checks first (method, options, sampling values, prompts) so bad input fails before loading weights.
+    spec = check_options(draft_given=args.draft is not None, target=args.target, draft=args.draft, **kwargs)[0]
+    prompts = _collect_prompts(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target = load_model(args.target, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+    prompts = _as_chat(prompts, target, args)
+    draft_spec = (args.draft or default_draft(target, spec.name)) if spec.needs_draft else None
+    # The one resolver the API uses too: a draft model or an EAGLE head, loaded once for every prompt.
+    draft = load_draft(draft_spec, target, device=args.device, dtype=args.dtype) if draft_spec else None
+    if len(prompts) == 1 and not args.json:
+        for piece in stream(target, prompts[0], draft=draft, **kwargs):
             print(piece, end="", flush=True)
         print()
+        return 0
+    if len(prompts) == 1:
+        print(json.dumps(generate(target, prompts[0], draft=draft, **kwargs).to_dict(), indent=2))
+        return 0
+    if "max_batch_size" in inspect.signature(generate).parameters:  # the batched API: a list in, a list out
+        batch = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
+        results = generate(target, prompts, draft=draft, **batch, **kwargs)
+    else:
+        results = [generate(target, prompt, draft=draft, **kwargs) for prompt in prompts]
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        print("\n\n".join(r.text for r in results))
     return 0
 
 
@@ -548,7 +667,11 @@ def _run_distill(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="draftwise", description="Faster LLM decoding with draft models.")
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="draftwise", description="Faster LLM decoding with draft models.",
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"draftwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     methods = sub.add_parser("methods", help="list the methods, their options and defaults")
@@ -561,6 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distill(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
     models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
+    for subparser in sub.choices.values():
+        subparser.formatter_class = _HelpFormatter  # defaults in every --help
     return parser
 
 
@@ -576,11 +701,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # weight-loading bars would interleave with the output
     hf_logging.set_verbosity_error()  # per-call deprecation notices from generate() would flood the bench
-    try:
-        return _COMMANDS[args.command](args)
-    except DraftwiseError as error:
-        print(f"draftwise: error: {error}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        warnings.simplefilter("always", DraftwiseWarning)
+        try:
+            return _COMMANDS[args.command](args)
+        except DraftwiseError as error:
+            print(f"draftwise: error: {error}", file=sys.stderr)
+            return 2
+
+
+_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """draftwise's own warnings as one line, like its errors; others as Python shows them."""
+    if issubclass(category, DraftwiseWarning):
+        print(f"draftwise: warning: {message}", file=sys.stderr)
+    else:
+        _showwarning(message, category, filename, lineno, file, line)
 
 
 if __name__ == "__main__":

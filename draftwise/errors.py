@@ -7,3 +7,8 @@ class DraftwiseError(ValueError):
 
 class ModelNotAvailableError(DraftwiseError):
     """A model spec could not be resolved to weights on this machine."""
+
+
+class DraftwiseWarning(UserWarning):
+    """Something draftwise did differently from what was asked (a draft ignored, a budget cut); the CLI prints
+    it as one line."""

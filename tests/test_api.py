@@ -337,8 +337,6 @@ BAD_INPUTS = [
     ("draft-vocab-below-tokenizer", "target", "the cat", dict(method="sd", draft="draft48"), r"48.*64"),
     ("sd-without-draft", "target", "the cat", dict(method="sd"), r"'sd' needs a draft model"),
     ("lossy-without-draft", "target", "the cat", dict(method="lossy"), r"needs a draft model"),
-    ("ar-with-draft", "target", "the cat", dict(method="ar", draft="draft"), r"'ar' does not use a draft"),
-    ("lookup-with-draft", "target", "the cat", dict(method="prompt-lookup", draft="draft"), r"does not use a draft"),
     ("lossy-greedy-t1", "target", "the cat", dict(method="lossy-greedy", draft="draft", temperature=1.0),
      r"greedy decoding only.*temperature=0"),
     ("lossy-alpha=1", "target", "the cat", dict(method="lossy", draft="draft", alpha=1.0), r"alpha must be in \[0, 1\)"),

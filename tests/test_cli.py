@@ -159,13 +159,12 @@ def test_generate_stop_flag(capsys, model_dirs):
     (["--method", "ar", "--max-ngram", "2"], "no option 'max_ngram'"),
     (["--method", "sd", "--draft", "DRAFT", "--gamma", "0"], "gamma"),
     (["--method", "sd"], "needs a draft model"),
-    (["--method", "ar", "--draft", "DRAFT"], "does not use a draft model"),
     (["--method", "lossy-greedy", "--draft", "DRAFT"], "greedy decoding only"),
     (["--method", "lossy", "--draft", "DRAFT", "--alpha", "1.0"], "alpha"),
     (["--method", "ar", "--max-new-tokens", "0"], "max_new_tokens"),
 ], ids=[
     "top-p=1.5", "top-p=0", "temperature=-1", "temperature=nan", "alpha-on-sd", "max-ngram-on-ar", "gamma=0",
-    "sd-without-draft", "ar-with-draft", "lossy-greedy-at-t1", "lossy-alpha=1", "max-new-tokens=0",
+    "sd-without-draft", "lossy-greedy-at-t1", "lossy-alpha=1", "max-new-tokens=0",
 ])
 def test_bad_flags_exit_2_before_loading(capsys, model_dirs, tmp_path, flags, message):
     # the target does not even exist: the flag check must come first and name the flag's problem
@@ -194,7 +193,6 @@ def test_empty_prompt_exit_2(capsys, model_dirs):
 @pytest.mark.parametrize("argv", [
     ["generate", "--target", "x", "--method", "nope", "the cat"],  # argparse choices
     ["generate", "--target", "x", "--gamma", "two", "the cat"],  # argparse type
-    ["generate", "the cat"],  # --target is required
     ["frobnicate"],  # unknown subcommand
     [],  # a subcommand is required
 ])

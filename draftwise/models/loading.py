@@ -8,10 +8,13 @@ reachable; offline they fail fast, naming the offline alternatives.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -100,11 +103,14 @@ def load_model(
     tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    progress: bool = False,
 ) -> LoadedModel:
     """Load `spec` for decoding. CPU unless `device` says otherwise ('cuda', 'auto').
 
     dtype: None keeps an in-memory model's dtype and loads files in float32 on CPU
     (bfloat16 on CUDA); 'bf16' / 'fp16' / 'fp32' choose explicitly.
+    progress: show transformers' weight-loading bars (off by default).
+    An EAGLE draft head is not a model: give it as `draft=` (see `load_draft`).
     """
     torch_dtype = resolve_dtype(dtype, device)
     if isinstance(spec, LoadedModel):
@@ -117,7 +123,8 @@ def load_model(
         target_device = resolve_device(device)
         if torch_dtype is None:
             torch_dtype = torch.float32 if target_device.type == "cpu" else torch.bfloat16
-        loaded = _load_from_string(str(spec), torch_dtype)
+        with _progress_bars(progress):
+            loaded = _load_from_string(str(spec), torch_dtype)
         if tokenizer is not None:
             loaded.tokenizer = _load_tokenizer(tokenizer)
     else:
@@ -132,6 +139,51 @@ def load_model(
     loaded.model.eval()
     loaded.eos_token_ids = frozenset(loaded.eos_token_ids) | _eos_ids(loaded)  # keep ids a caller set
     return loaded
+
+
+def load_draft(
+    spec: Any, target: LoadedModel, *, device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None, progress: bool = False,
+) -> Any:
+    """The one resolver for a draft, used by the API, the CLI and the benchmark.
+
+    Returns a `LoadedModel` (an independent draft) or an `EagleHead` attached to `target`
+    (a directory with eagle.json, or a registry name of one). Files load on the target's
+    device and in its dtype unless `device` / `dtype` say otherwise.
+    """
+    from ..eagle import EagleHead, is_eagle_dir
+
+    if isinstance(spec, EagleHead):
+        head = spec
+    else:
+        path = resolve_path(spec) if isinstance(spec, (str, os.PathLike)) else None
+        if path is None or not is_eagle_dir(path):
+            if isinstance(spec, (str, os.PathLike)):
+                return load_model(spec, device=device or target.device, dtype=dtype or target.dtype, progress=progress)
+            return load_model(spec, device=device, dtype=dtype)
+        try:
+            head = EagleHead.load(path)
+        except DraftwiseError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a damaged head file is bad input, reported in one line
+            raise DraftwiseError(f"{spec}: cannot read the EAGLE head ({_one_line(error)})") from None
+    head.attach(target.model)
+    return head if head.fc.weight.device == target.device else head.to(target.device)
+
+
+def is_eagle_spec(spec: Any) -> bool:
+    """Whether `spec` names an EAGLE draft head, decided without loading or converting anything."""
+    from ..eagle import EagleHead, is_eagle_dir
+
+    if isinstance(spec, EagleHead):
+        return True
+    if not isinstance(spec, (str, os.PathLike)):
+        return False
+    entry = registry.entry(str(spec))
+    if entry is not None:
+        return entry.role == "eagle"
+    path = Path(spec).expanduser()
+    return path.is_dir() and is_eagle_dir(path)
 
 
 def resolve_path(spec: str | os.PathLike) -> Path | None:
@@ -160,7 +212,38 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(ids)
 
 
+@contextlib.contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """transformers' loading bars on or off for one load; the caller's setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _not_a_model(spec: str) -> None:
+    from ..eagle import is_eagle_dir
+
+    entry = registry.entry(spec)
+    path = Path(spec).expanduser()
+    if (entry is not None and entry.role == "eagle") or (entry is None and path.is_dir() and is_eagle_dir(path)):
+        raise DraftwiseError(
+            f"{spec} is an EAGLE draft head, not a model: it drafts from a target's features, so pass it as "
+            "draft=... (--draft) with its target, or load it with draftwise.load_draft(spec, target)"
+        )
+
+
 def _load_from_string(spec: str, dtype: torch.dtype) -> LoadedModel:
+    _not_a_model(spec)
     if spec in registry.names():
         return _load_directory(registry.resolve(spec), dtype, name=spec)
     path = Path(spec).expanduser()
@@ -182,17 +265,51 @@ def _load_from_string(spec: str, dtype: torch.dtype) -> LoadedModel:
     )
 
 
+@contextlib.contextmanager
+def _load_errors(path: Path, what: str) -> Iterator[None]:
+    """A damaged or foreign file (truncated safetensors, bad config, ...) becomes one line, not a traceback."""
+    try:
+        yield
+    except (DraftwiseError, MemoryError):
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure to read user files is reported the same way
+        raise DraftwiseError(f"{path}: cannot load {what} ({_one_line(error)}); is the file complete?") from None
+
+
 def _load_directory(path: Path, dtype: torch.dtype, *, name: str) -> LoadedModel:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if _has_tokenizer(path) else None
+    with _load_errors(path, "the model"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    with _load_errors(path, "the tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if _has_tokenizer(path) else None
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_cache_name(path: Path) -> tuple[str, str]:
+    """(cache entry name, source key) of a GGUF file: keyed by its absolute path, size and mtime,
+    so a changed file is converted again and an unchanged one never is."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    safe_stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:64]
+    return f"gguf-{safe_stem}-{key[:12]}", key
+
+
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
-    # transformers dequantises GGUF weights on load (needs the `gguf` package).
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=path.stem)
+    """Dequantise once into the draftwise cache (like the registry's model); later loads read that folder."""
+    from .cache import ensure_entry
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise DraftwiseError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    name, key = gguf_cache_name(path)
+    with _load_errors(path, "the GGUF file"):
+        directory = ensure_entry(
+            name, lambda out: registry.convert_gguf(path, out, expected_sha256=None), source_sha256=key
+        )
+    return _load_directory(directory, dtype, name=path.stem)
 
 
 def _has_tokenizer(path: Path) -> bool:

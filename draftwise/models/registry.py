@@ -45,6 +45,10 @@ def resolve(name: str) -> Path:
     return _ENTRIES[name].resolve()
 
 
+def entry(name: str) -> RegistryEntry | None:
+    return _ENTRIES.get(name)
+
+
 def default_draft(target: str) -> str | None:
     """The registry's best draft for a registry target whose weights are present (None if none)."""
     for name in _DEFAULT_DRAFTS.get(target, ()):
@@ -59,6 +63,20 @@ def default_independent_draft(target: str) -> str | None:
         if _ENTRIES[name].role == "draft" and _ENTRIES[name].cached() == "ready":
             return name
     return None
+
+
+def default_draft_for(target: str, *, eagle_ok: bool) -> str | None:
+    """The registry's best ready draft for a registry target and a method: the EAGLE head where the
+    method can draft with one (`eagle_ok`), else the independent draft model. None if there is none."""
+    for name in _DEFAULT_DRAFTS.get(target, ()):
+        if (eagle_ok or _ENTRIES[name].role != "eagle") and _ENTRIES[name].cached() == "ready":
+            return name
+    return None
+
+
+def listed_drafts(target: str) -> tuple[str, ...]:
+    """Every draft the registry lists for `target`, ready or not (for error messages)."""
+    return _DEFAULT_DRAFTS.get(target, ())
 
 
 _DEFAULT_DRAFTS: dict[str, tuple[str, ...]] = {}
