@@ -285,6 +285,7 @@ def _exploding(model):
         raise ModelRan("a model ran before the input was validated")
 
     model.forward = boom  # nn.Module.__call__ looks the attribute up on the instance
+    model.base_model.forward = boom  # the runner calls the base model and applies the LM head itself
     return model
 
 

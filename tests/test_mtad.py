@@ -86,7 +86,7 @@ def test_exhaustive_beam_is_the_joint_argmax():
     assert beam.tokens.tolist() == every[int(scores.argmax())]
     assert beam.joint_log_probs.tolist() == pytest.approx(joint_of(draft, PROMPT, beam.tokens.tolist(), vocab, GREEDY),
                                                           abs=1e-4)
-    assert runner.length == len(PROMPT) + length - 1 and runner.cache.layers[0].keys.shape[0] == 1
+    assert runner.length == len(PROMPT) + length - 1 and runner.cache.num_rows == 1
 
 
 @pytest.mark.parametrize("beams", [1, 2, 3, 5])

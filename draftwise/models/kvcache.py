@@ -1,0 +1,230 @@
+"""A KV cache draftwise owns: written by position, with one length per row.
+
+Layout: per layer, keys and values are `[rows, kv_heads, capacity, head_dim]` buffers.
+Row `b` holds valid entries at positions `0 .. lengths[b] - 1`. A forward over `n`
+tokens of row `b` writes them at `lengths[b] + arange(n)`; rolling row `b` back is
+`lengths[b] = keep`: no copy, no concatenation, and rows roll back by different
+amounts. Stale entries past a row's length are never read: the 4-D mask built by
+`attention_mask` lets a query at position `t` see keys `0 .. t` only, and every
+query of a live token sits below its row's new length.
+
+A forward runs over a contiguous block of rows (`begin`: row offset, `rows` many),
+so the buffers are sliced (views), never gathered. The engine keeps its live rows
+contiguous by moving the last live row into a freed slot (`move_row`).
+
+The buffers grow when a row outgrows them: capacity doubles (rounded up to
+`BLOCK` positions); the row dimension doubles too. Attention reads only up to the
+longest row touched by the forward (`kv_length`), not the whole buffer.
+
+It plugs into transformers' causal LMs through the `Cache` interface: the model
+calls `update(keys, values, layer_idx)` once per layer; everything else (where
+to write, what each query may see, the positions) is set by `begin_forward`
+before the model runs. Sliding-window attention is applied in the mask, so models
+whose every layer uses the same window (Mistral, Qwen2 with a window) work;
+models that mix full and windowed layers are refused by `check_supported`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+
+from ..errors import DraftwiseError
+
+BLOCK = 256  # capacity grows in multiples of this many positions
+
+
+def sliding_window(config) -> int | None:
+    """The attention window every layer shares, or None for full attention.
+
+    Raises DraftwiseError for models mixing full and windowed layers (one 4-D mask serves all layers)."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds == {"sliding_attention"} and window:
+            return int(window)
+        raise DraftwiseError(
+            f"{getattr(config, 'model_type', 'this model')} mixes attention layer types {sorted(kinds)}; draftwise's "
+            "KV cache applies one mask to every layer, so this architecture is not supported"
+        )
+    return int(window) if window else None
+
+
+def check_supported(config) -> None:
+    """Refuse, before any weights load, a config the position-indexed cache cannot serve."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise DraftwiseError(f"{config.model_type} is an encoder-decoder model; draftwise decodes causal LMs only")
+    sliding_window(config)
+
+
+@dataclass
+class _Step:
+    """What the forward in flight writes and reads (set by `begin_forward`)."""
+
+    begin: int  # first row of the block
+    rows: int  # rows in the block
+    write_index: torch.Tensor  # [rows, n] positions the n fed tokens are written at
+    kv_length: int  # keys read: up to the longest row after the write
+
+
+class PositionCache(Cache):
+    def __init__(self, *, rows: int = 1, capacity: int = BLOCK, window: int | None = None) -> None:
+        super().__init__(layers=[])
+        self.lengths = [0] * rows  # host-side lengths: building masks never waits on a device
+        self.capacity = capacity
+        self.window = window
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+        self._step: _Step | None = None
+
+    # ---- the draftwise side -------------------------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    def begin_forward(self, counts: list[int], *, begin: int = 0, width: int | None = None,
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+        """Prepare a forward feeding `counts[i]` tokens to row `begin + i` (right-padded to `width`).
+
+        Returns (position_ids [rows, width], kv_length). Padded slots are written past their row's
+        new length, where nothing reads them; `commit` then advances each row by its count."""
+        rows = len(counts)
+        width = max(counts) if width is None else width
+        if begin + rows > self.num_rows:
+            self.add_rows(begin + rows - self.num_rows)
+        starts = self.lengths[begin : begin + rows]
+        need = max(s + width for s in starts)
+        if need > self.capacity:
+            self._grow(need)
+        base = torch.tensor(starts, dtype=torch.long, device=device)
+        positions = base[:, None] + torch.arange(width, device=device)  # [rows, width]
+        kv_length = max(s + c for s, c in zip(starts, counts))
+        # padded slots of a short row may reach past kv_length: the buffer has room (need), and
+        # the slice read below ends at the longest padded write so every write lands in it.
+        self._step = _Step(begin, rows, positions, max(kv_length, need))
+        return positions, kv_length
+
+    def attention_mask(self, positions: torch.Tensor, dtype: torch.dtype, *, additive: bool) -> torch.Tensor:
+        """[rows, 1, width, kv] mask: query at position t sees keys 0..t (and t - window < key)."""
+        assert self._step is not None
+        keys = torch.arange(self._step.kv_length, device=positions.device)  # [kv]
+        visible = keys[None, None, :] <= positions[:, :, None]  # [rows, width, kv]
+        if self.window is not None:
+            visible &= keys[None, None, :] > positions[:, :, None] - self.window
+        visible = visible[:, None]  # [rows, 1, width, kv]
+        if not additive:
+            return visible
+        return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
+            ~visible, torch.finfo(dtype).min)
+
+    def commit(self, counts: list[int]) -> None:
+        """Advance the rows of the finished forward by the tokens they really fed."""
+        assert self._step is not None
+        begin = self._step.begin
+        for i, count in enumerate(counts):
+            self.lengths[begin + i] += count
+        self._step = None
+
+    def abort(self) -> None:
+        self._step = None
+
+    def trim(self, row: int, keep: int) -> None:
+        """Roll row `row` back to its first `keep` positions (the rewind phase's only operation)."""
+        if not 0 <= keep <= self.lengths[row]:
+            raise ValueError(f"cannot trim row {row} of {self.lengths[row]} tokens to {keep}")
+        self.lengths[row] = keep
+
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows (buffers grow by doubling when they run out)."""
+        self.lengths.extend([0] * count)
+        allocated = self.keys[0].shape[0] if self.keys else 0
+        if self.keys and self.num_rows > allocated:
+            target = max(self.num_rows, 2 * allocated)
+            for store in (self.keys, self.values):
+                for i, buf in enumerate(store):
+                    grown = buf.new_zeros((target, *buf.shape[1:]))
+                    grown[:allocated] = buf
+                    store[i] = grown
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Make row `dst` a copy of row `src` (its valid positions only)."""
+        n = self.lengths[src]
+        if src != dst and n:
+            for store in (self.keys, self.values):
+                for buf in store:
+                    buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst] = n
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """New row i is old row rows[i] (beam search: broadcast, reorder, pick). A gather copy."""
+        index = rows.long()
+        host = index.tolist()
+        self.lengths = [self.lengths[r] for r in host]
+        for store in (self.keys, self.values):
+            for i, buf in enumerate(store):
+                store[i] = buf.index_select(0, index.to(buf.device))
+
+    def drop_rows(self, keep: int) -> None:
+        """Forget rows past the first `keep` (their buffers stay allocated for reuse)."""
+        del self.lengths[keep:]
+
+    def _grow(self, need: int) -> None:
+        capacity = self.capacity
+        while capacity < need:
+            capacity *= 2
+        capacity = -(-capacity // BLOCK) * BLOCK
+        for store in (self.keys, self.values):
+            for i, buf in enumerate(store):
+                grown = buf.new_zeros((buf.shape[0], buf.shape[1], capacity, buf.shape[3]))
+                grown[:, :, : self.capacity] = buf
+                store[i] = grown
+        self.capacity = capacity
+
+    # ---- the transformers side ----------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this layer's new keys/values by position; return the block's keys/values up to kv_length.
+
+        key_states, value_states: [rows, kv_heads, width, head_dim]."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("PositionCache.update outside begin_forward/commit (use ModelRunner)")
+        if layer_idx == len(self.keys):  # lazy: shapes and dtype come from the first forward
+            rows = max(self.num_rows, 1)
+            shape = (rows, key_states.shape[1], self.capacity, key_states.shape[3])
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros((*shape[:3], value_states.shape[3])))
+        keys = self.keys[layer_idx][step.begin : step.begin + step.rows]  # views: no gather
+        values = self.values[layer_idx][step.begin : step.begin + step.rows]
+        index = step.write_index[:, None, :, None]  # [rows, 1, width, 1]
+        keys.scatter_(2, index.expand_as(key_states), key_states)
+        values.scatter_(2, index.expand(*value_states.shape), value_states)
+        return keys[:, :, : step.kv_length], values[:, :, : step.kv_length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths, default=0)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return (self._step.kv_length if self._step else self.get_seq_length() + query_length), 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * max(len(self.keys), 1)
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.num_rows
