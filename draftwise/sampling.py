@@ -52,20 +52,89 @@ def warp(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if config.top_p < 1.0:
-        probs = _top_p(probs, config.top_p)
+        # with top-k on, its k tokens and one zero past them are all top-p needs to look at
+        top_k_on = 0 < config.top_k < vocab
+        probs = _top_p(probs, config.top_p, (config.top_k + 1,) if top_k_on else TOP_P_CANDIDATES)
     return probs
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    # Keep the smallest set of most likely tokens whose mass reaches top_p: a token
-    # is dropped when the mass strictly before it (in descending order) already does.
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+TOP_P_CANDIDATES = (128, 2048)  # top-p looks at this many likely tokens first (top-k off); then the full sort
+
+
+def _dropped(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p on probabilities sorted in descending order: [..., n] -> [..., n] bool, True = dropped.
+
+    A token is dropped when the mass strictly before it already reaches top_p; the most
+    likely token is always kept.
+    """
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop_sorted = mass_before >= top_p
-    drop_sorted[..., 0] = False  # always keep the most likely token
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    kept = probs.masked_fill(drop, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    drop_sorted[..., 0] = False
+    return drop_sorted
+
+
+def _top_p_kept_full(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: sort the whole vocabulary. [rows, vocab] -> kept probabilities, unnormalised."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool).scatter(-1, order, _dropped(sorted_probs, top_p))
+    return probs.masked_fill(drop, 0.0)
+
+
+def _top_p_candidates(probs: torch.Tensor, top_p: float, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-p from the m most likely tokens of each row [rows, vocab]: (index [rows, m], their kept
+    probabilities [rows, m] (0 = dropped), exact [rows] bool).
+
+    A row's answer is `exact` (bit-identical to `_top_p_kept_full`) when
+    - everything past the candidates is dropped: the candidates' last value group (the tokens
+      tied with the smallest candidate, which may continue past the candidates) starts at a
+      dropped position, and the mass before a position only grows, so every later position is
+      dropped too. Or that smallest value is 0: then every token past the candidates is 0, and
+      dropping it or not changes nothing;
+    - no group of tied values straddles the cut: which tokens of such a group the full sort
+      keeps depends on its (unstable) order of ties.
+    The candidates' cumulative sums equal the first entries of the full row's (the CPU kernel
+    sums sequentially), so the decisions before the cut are the same numbers.
+    """
+    values, index = torch.topk(probs, m, dim=-1)  # [rows, m], descending
+    drop_sorted = _dropped(values, top_p)
+    smallest = values[:, -1:]
+    group_start = (values > smallest).sum(-1, keepdim=True)  # [rows, 1]
+    rest_dropped = drop_sorted.gather(-1, group_start)[:, 0] | (smallest[:, 0] == 0)
+    straddles = ((values[:, 1:] == values[:, :-1]) & (drop_sorted[:, 1:] != drop_sorted[:, :-1])).any(-1)
+    return index, values.masked_fill(drop_sorted, 0.0), rest_dropped & ~straddles
+
+
+def _top_p(probs: torch.Tensor, top_p: float, candidates: tuple[int, ...] = TOP_P_CANDIDATES) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised. [..., vocab].
+
+    Sorting all 49k tokens of a row costs ~2.8 ms on CPU. `torch.topk` of 128 costs ~0.1 ms,
+    and 128 tokens hold the top-0.9 nucleus of ~88% of SmolLM2's decoding steps (2048: all of
+    the 404 measured). So each row tries the candidate counts in turn (with top-k on, its k
+    tokens and one zero past them), keeps the answer where it is provably the full sort's, and
+    only the rows left over take the full sort (a flat row pays for the tries: ~1.3x the sort).
+    """
+    vocab = probs.shape[-1]
+    flat = probs.reshape(-1, vocab)
+    kept: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # rows still without an answer; None = all of them
+    for m in candidates:
+        if not 0 < m < vocab:
+            break
+        pending = flat if rows is None else flat[rows]
+        index, values, exact = _top_p_candidates(pending, top_p, m)
+        if rows is None:  # first try: every row at once (wrong rows are overwritten below)
+            kept = torch.zeros_like(flat).scatter_(-1, index, values)
+            rows = (~exact).nonzero().squeeze(-1)
+        else:
+            kept[rows[exact]] = torch.zeros_like(pending[exact]).scatter_(-1, index[exact], values[exact])
+            rows = rows[~exact]
+        if rows.numel() == 0:
+            break
+    if kept is None:
+        kept = _top_p_kept_full(flat, top_p)
+    elif rows.numel():
+        kept[rows] = _top_p_kept_full(flat[rows], top_p)
+    return (kept / kept.sum(dim=-1, keepdim=True)).reshape(probs.shape)
 
 
 def unwarped(logits: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,94 @@ def test_warp_matches_transformers_logits_processors(temperature: float, top_k: 
     assert torch.allclose(ours.sum(-1), torch.ones(64))
 
 
+# ----------------------------------------------------------------------------- top-p on candidates
+
+
+def old_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The full-sort top-p that `_top_p` replaced, kept here as its reference."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def top_p_cases(vocab: int, rows: int, seed: int) -> list[torch.Tensor]:
+    """Random and adversarial [rows, vocab] distributions: peaked, flat, top-k-masked, tied."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = [torch.softmax(scale * torch.randn(rows, vocab, generator=gen), -1) for scale in (0.5, 2.0, 4.0, 8.0)]
+    logits = 3.0 * torch.randn(rows, vocab, generator=gen)
+    kth = torch.topk(logits, 7, dim=-1).values[:, -1:]
+    cases.append(torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1))  # top-k 7: zeros past it
+    # ties everywhere: logits on a coarse grid (groups of equal values, also across the candidate boundary)
+    cases.append(torch.softmax(torch.randint(0, 6, (rows, vocab), generator=gen).float(), -1))
+    cases.append(torch.softmax(torch.randint(0, 3, (rows, vocab), generator=gen).float() * 4, -1))
+    cases.append(torch.full((rows, vocab), 1.0 / vocab))  # uniform: one tie group over the whole row
+    two = torch.zeros(rows, vocab)  # two equal tokens and zeros
+    two[:, 3] = two[:, vocab - 2] = 0.5
+    cases.append(two)
+    # a cut falling inside a tied group: 0.2 then many tokens of 0.8 / n
+    tied = torch.zeros(rows, vocab)
+    tied[:, 0] = 0.2
+    tied[:, 1:41] = 0.8 / 40
+    cases.append(tied)
+    return cases
+
+
+TOP_PS = (1e-6, 0.1, 0.3, 0.5, 0.9, 0.95, 0.999, 0.9999999)
+
+
+@pytest.mark.parametrize("candidates", [(1,), (2,), (8,), (33,), (4, 40), (2, 8, 96)])
+def test_top_p_on_candidates_equals_the_full_sort(candidates: tuple[int, ...]):
+    from draftwise.sampling import _top_p
+
+    for seed in range(3):
+        for probs in top_p_cases(vocab=97, rows=6, seed=seed):
+            for top_p in TOP_PS:
+                expected = old_top_p(probs, top_p)
+                assert torch.equal(_top_p(probs, top_p, candidates), expected), (candidates, top_p)
+                assert torch.equal(_top_p(probs[None], top_p, candidates)[0], expected)  # [..., rows, vocab]
+
+
+def test_top_p_equals_the_full_sort_at_a_49k_vocabulary():
+    """The default candidate count on the real vocabulary size, through `warp` (top-k on and off)."""
+    from draftwise.sampling import _top_p
+
+    vocab = 49152
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.cat([scale * torch.randn(2, vocab, generator=gen) for scale in (1.0, 3.0, 6.0, 12.0)])
+    logits[0, :5000] = 9.0  # a tie group straddling the candidates
+    for top_p in (0.5, 0.9, 0.99):
+        probs = torch.softmax(logits, -1)
+        assert torch.equal(_top_p(probs, top_p), old_top_p(probs, top_p)), top_p
+        for top_k in (1, 50, 2000):
+            config = SamplingConfig(top_k=top_k, top_p=top_p, temperature=0.8)
+            kth = torch.topk(logits / 0.8, top_k, dim=-1).values[:, -1:]
+            masked = torch.softmax((logits / 0.8).masked_fill(logits / 0.8 < kth, float("-inf")), -1)
+            assert torch.equal(warp(logits, config), old_top_p(masked, top_p)), (top_k, top_p)
+
+
+def test_top_p_candidate_path_is_taken(monkeypatch):
+    """Peaked rows never reach the full sort (else the speed-up would be gone without any test noticing)."""
+    import draftwise.sampling as sampling
+
+    calls = []
+    full = sampling._top_p_kept_full
+    monkeypatch.setattr(sampling, "_top_p_kept_full", lambda probs, top_p: calls.append(probs.shape) or full(probs, top_p))
+    peaked = torch.softmax(8.0 * torch.randn(4, 5000, generator=torch.Generator().manual_seed(0)), -1)
+    sampling._top_p(peaked, 0.9)
+    wider = torch.softmax(2.5 * torch.randn(4, 5000, generator=torch.Generator().manual_seed(0)), -1)
+    nucleus = (torch.sort(wider, -1, descending=True).values.cumsum(-1) < 0.9).sum(-1) + 1
+    assert bool(((128 < nucleus) & (nucleus < 2048)).all())  # the second candidate count answers these rows
+    sampling._top_p(wider, 0.9)
+    warp(torch.randn(4, 5000), SamplingConfig(top_k=20, top_p=0.9))
+    assert calls == []
+    sampling._top_p(torch.full((2, 5000), 1 / 5000), 0.9)  # one tie group: only the full sort knows its order
+    assert calls == [(2, 5000)]
+
+
 # ----------------------------------------------------------------------------- sample / generator
 
 
