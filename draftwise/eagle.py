@@ -151,8 +151,12 @@ class EagleDrafter:
         self.num_features = 0
         self.calls = 0
         usable = head.vocab_ids < vocab_size  # padded vocabularies: draft ids past the shared size are dropped
+        if not bool(usable.any()):
+            raise DraftwiseError(f"no id of this EAGLE head's draft vocabulary is below the vocabulary size {vocab_size}")
         self.scatter_ids = head.vocab_ids[usable]  # [usable] full-vocabulary ids
         self.usable = usable
+        # masked to -inf before warping, so they are never drafted and the rest renormalise
+        self.unusable = None if bool(usable.all()) else ~usable
 
     def observe(self, hidden: torch.Tensor) -> None:
         """Features of the tokens the target just processed: [n_fed, H], in sequence order."""
@@ -173,7 +177,10 @@ class EagleDrafter:
         self.pending = self.pending[:0]
         draft_tokens, draft_probs = [], []
         for step in range(max_tokens):
-            probs_small = warp(self.head.logits(predicted), self.sampling)  # [1, draft_vocab]
+            logits = self.head.logits(predicted)  # [1, draft_vocab]
+            if self.unusable is not None:
+                logits = logits.masked_fill(self.unusable, float("-inf"))
+            probs_small = warp(logits, self.sampling)  # [1, draft_vocab]
             index = probs_small.argmax(-1) if self.sampling.greedy else sample(probs_small, generator)  # [1]
             token = self.head.vocab_ids[index]  # [1]
             probs = torch.zeros(1, self.vocab_size, device=self.device)
