@@ -391,6 +391,8 @@ def _split_prompts(prompt_or_prompts: Any) -> tuple[list[Any], bool]:
     one chat (a list of message dicts). A batch: a list of those (strings, id lists, chats), a 2-D tensor or
     array, or a BatchEncoding with several rows. For the batched `generate` / `stream`."""
     value = prompt_or_prompts
+    if value is None:
+        raise DraftwiseError(f"no prompt: give {PROMPT_FORMS}, or a list of them")
     if isinstance(value, str) or _is_messages(value):
         return [value], False
     rows = _rows(value)

@@ -283,6 +283,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    "lossy method runs): target perplexity and agreement, ROUGE-2 / BLEU where references exist")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the results here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and mean accepted length per method")
+    p.add_argument("--save-outputs", action="store_true",
+                   help="keep every run's output text and token ids in the --json results, to re-score quality later")
+
+
+def _warn_if_fewer(found: int, asked: int, dataset: str, categories: Sequence[str]) -> None:
+    if found < asked:
+        where = f" in {', '.join(categories)}" if categories else ""
+        warnings.warn(f"--num-prompts {asked}: {dataset} has only {found} evaluation prompts{where}; running {found}",
+                      DraftwiseWarning, stacklevel=2)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -302,7 +311,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, gamma=args.gamma, repeats=args.repeats,
         warmup=args.warmup, dtype=args.dtype, device=args.device, seed=args.seed, threads=args.threads,
         method_options=_parse_option_values(args.option), quality=args.quality,
-        prefix_fraction=args.prefix_fraction, compare_to=args.compare_to,
+        prefix_fraction=args.prefix_fraction, compare_to=args.compare_to, save_outputs=args.save_outputs,
     )
     if config.compare_to is not None and config.compare_to not in methods:
         raise DraftwiseError(f"--compare-to {config.compare_to!r} is not among --methods")
@@ -312,18 +321,63 @@ def _run_bench(args: argparse.Namespace) -> int:
     if config.gamma < 1 or config.repeats < 1 or config.max_new_tokens < 1:
         raise DraftwiseError("--gamma, --repeats and --max-new-tokens must be >= 1")
     n_prompts = len(load_prompts(config.dataset, categories=list(categories) or None, num_prompts=config.num_prompts))
+    _warn_if_fewer(n_prompts, config.num_prompts, config.dataset, categories)
+    from .bench.harness import plan_drafts
+
+    plan_drafts(config)  # every method and its draft checked before any model loads
     with tqdm(total=n_prompts * len(methods) * config.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
         results = run_bench(config, progress=bar.update)
     print(format_table(results))
     if args.json:
         write_json(results, args.json)
         print(f"wrote {args.json}")
-    if args.plot:
+    if args.plot:  # after the JSON: a plotting failure never loses the results
         from .bench.report import plot
 
-        plot(results, args.plot)
-        print(f"wrote {args.plot}")
+        _plot_safely(lambda: plot(results, args.plot), args)
     return 0
+
+
+def _check_output(path: str, flag: str) -> None:
+    """An output file's folder is created (as for every output) and must be writable, before any work starts."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise DraftwiseError(f"{flag} {path} is a directory; give a file name")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DraftwiseError(f"{flag} {path}: cannot create the folder {file.parent} ({error.strerror or error})") \
+            from None
+    if not os.access(file.parent, os.W_OK | os.X_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        raise DraftwiseError(f"{flag} {path}: not writable")
+    if flag == "--plot":
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        kinds = FigureCanvasAgg.get_supported_filetypes()
+        if file.suffix.lstrip(".").lower() not in kinds:
+            raise DraftwiseError(f"--plot {path}: unknown image type {file.suffix or '(none)'!r}; use one of "
+                                 f"{', '.join('.' + k for k in sorted(kinds))}")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    for attr, flag in (("json", "--json"), ("plot", "--plot")):
+        value = getattr(args, attr, None)
+        if isinstance(value, str):
+            _check_output(value, flag)
+    if args.command == "train-verifier":
+        _check_output(args.out, "--out")
+
+
+def _plot_safely(draw: Any, args: argparse.Namespace) -> None:
+    try:
+        draw()
+    except Exception as error:  # noqa: BLE001 - the results are saved; the plot alone failed
+        saved = f"; the results are in {args.json}" if getattr(args, "json", None) else ""
+        raise DraftwiseError(f"--plot {args.plot}: plotting failed ({type(error).__name__}: {error}){saved}") from None
+    print(f"wrote {args.plot}")
 
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
@@ -390,6 +444,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
         SamplingConfig(t, config.top_k, config.top_p)
     labels = sweep_labels(config)
     n_prompts = len(load_prompts(config.dataset, categories=list(categories), num_prompts=config.num_prompts))
+    _warn_if_fewer(n_prompts, config.num_prompts, config.dataset, categories)
     total = n_prompts * len(labels) * config.repeats * len(config.temperatures)
     with tqdm(total=total, desc="sweep", unit="run", file=sys.stderr) as bar:
         result = run_sweep(config, progress=bar.update)
@@ -705,6 +760,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         warnings.simplefilter("always", DraftwiseWarning)
         try:
+            _check_outputs(args)
             return _COMMANDS[args.command](args)
         except DraftwiseError as error:
             print(f"draftwise: error: {error}", file=sys.stderr)

@@ -21,8 +21,8 @@ import torch
 from ..api import generate
 from ..errors import DraftwiseError
 from ..methods import METHODS
-from ..eagle import EagleHead, is_eagle_dir
-from ..models.loading import LoadedModel, load_model, resolve_path
+from ..eagle import EagleHead
+from ..models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from ..sampling import SamplingConfig
 from .datasets import Prompt, load_prompts
 from .energy import find_meter
@@ -103,6 +103,7 @@ class BenchConfig:
     quality: bool = False  # quality fields for every method (always on when a lossy method runs)
     prefix_fraction: float = 0.0  # > 0: continue the first fraction of each prompt's words, no chat template
     compare_to: str | None = None  # a method whose outputs every other is compared with (ROUGE, win-tie, speed)
+    save_outputs: bool = False  # keep every run's output text and token ids in the results (re-score later)
 
 
 def check_methods(methods: tuple[str, ...]) -> None:
@@ -244,10 +245,58 @@ def _draftwise_run(
 
 
 def _load_bench_draft(spec: str, target: LoadedModel, config: BenchConfig) -> LoadedModel | EagleHead:
-    path = resolve_path(spec)
-    if path is not None and is_eagle_dir(path):
-        return EagleHead.load(path).attach(target.model).to(target.device, target.dtype)
-    return load_model(spec, device=config.device, dtype=config.dtype)
+    return load_draft(spec, target, device=config.device, dtype=config.dtype)
+
+
+def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
+    """Method label -> the draft it runs with (None: none), every method checked before any model loads.
+
+    `--draft` serves every method that can use it; without it each method gets the registry's best
+    draft for a registry target (the EAGLE head where the method drafts with one, else the
+    independent draft). `draft-only` and `hf-assisted` need an independent draft model.
+    """
+    from ..api import EAGLE_METHODS, check_options, default_draft
+    from ..models import registry
+
+    check_methods(config.methods)
+    independent = registry.default_draft_for(config.target, eagle_ok=False) if config.target in registry.names() \
+        else None
+    hint = f" (for {config.target}: {independent})" if independent else ""
+    drafts: dict[str, str | None] = {}
+    for label in config.methods:
+        name, fixed = parse_label(label)
+        if name in (DRAFT_ONLY, "hf-assisted"):
+            given = config.draft
+            if name == "hf-assisted":  # --draft serves it unless it is a head (then the registry's independent one)
+                given = config.hf_draft or (config.draft if config.draft and not is_eagle_spec(config.draft) else None)
+            flag = "--hf-draft or --draft" if name == "hf-assisted" else "--draft"
+            if given is not None and is_eagle_spec(given):
+                raise DraftwiseError(f"method {label}: {given} is an EAGLE draft head, which cannot decode on its "
+                                     f"own; {name} needs an independent draft model ({flag}){hint}")
+            drafts[label] = given or independent
+            if drafts[label] is None:
+                raise DraftwiseError(f"method {label} needs an independent draft model: pass {flag}")
+            continue
+        if name in HF_METHODS:
+            drafts[label] = None
+            continue
+        spec = METHODS[name]
+        options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
+        draft = config.draft if spec.needs_draft else None
+        try:
+            check_options(method=name, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                          top_k=config.top_k, top_p=config.top_p, seed=config.seed, gamma=config.gamma, stop=None,
+                          ignore_eos=False, draft_given=draft is not None, target=config.target, draft=draft,
+                          **options)
+        except DraftwiseError as error:
+            raise DraftwiseError(f"method {label}: {error}") from None
+        if spec.needs_draft and draft is None:
+            draft = default_draft(config.target, name)
+        if draft is not None and is_eagle_spec(draft) and name not in EAGLE_METHODS:  # noqa: SIM102
+            raise DraftwiseError(f"method {label}: an EAGLE draft head cannot draft for it; give an independent "
+                                 f"draft model{hint}")
+        drafts[label] = draft
+    return drafts
 
 
 def reference_text(prompt: Prompt) -> str | None:
@@ -283,26 +332,16 @@ def resolve_drafts(config: BenchConfig) -> BenchConfig:
 
 def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns {"config", "machine", "methods"} (see `metrics.report`)."""
-    check_methods(config.methods)
-    config = resolve_drafts(config)
+    drafts = plan_drafts(config)  # every method checked, and its draft chosen, before any model loads
     labels = {m: parse_label(m)[0] for m in config.methods}
-    needs_draft = [m for m, name in labels.items() if name == DRAFT_ONLY or (name in METHODS and METHODS[name].needs_draft)]
-    if needs_draft and not config.draft:
-        raise DraftwiseError(f"method(s) {', '.join(needs_draft)} need --draft")
-    if "hf-assisted" in config.methods and not (config.hf_draft or config.draft):  # noqa: SIM102
-        raise DraftwiseError("hf-assisted needs --hf-draft (an independent draft model)")
     prompts = load_prompts(config.dataset, categories=list(config.categories) or None, num_prompts=config.num_prompts)
     if config.threads:
         torch.set_num_threads(config.threads)
 
     target = load_model(config.target, device=config.device, dtype=config.dtype)
-    draft = _load_bench_draft(config.draft, target, config) if config.draft else None
-    hf_draft = None
-    if "hf-assisted" in config.methods:
-        hf_draft = draft if config.hf_draft in (None, config.draft) else load_model(
-            config.hf_draft, device=config.device, dtype=config.dtype)
-        if not isinstance(hf_draft, LoadedModel):
-            raise DraftwiseError("hf-assisted needs an independent draft model (--hf-draft), not an EAGLE head")
+    loaded = {spec: _load_bench_draft(spec, target, config) for spec in dict.fromkeys(drafts.values()) if spec}
+    draft_of = {label: loaded[spec] if spec else None for label, spec in drafts.items()}
+    hf_draft = draft_of.get("hf-assisted")
     encoded = [(p, _prompt_ids(target, p, config.prefix_fraction)) for p in prompts]
     # Quality fields (perplexity, agreement, ROUGE-2 / BLEU where Spec-Bench has references)
     # whenever a lossy method runs, or on request; then for every method, `ar` being the reference.
@@ -316,7 +355,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
         if method in HF_METHODS:
             result = _hf_run(method, target, hf_draft, ids, config, seed)
         else:
-            result = _draftwise_run(method, target, draft, ids, config, seed)
+            result = _draftwise_run(method, target, draft_of[method], ids, config, seed)
         if meter:
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
@@ -327,7 +366,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     for method in config.methods:  # warm-up: allocator, kernels, first-call caches
         for _, ids in encoded[: config.warmup]:
             (_hf_run(method, target, hf_draft, ids, warm, 0) if method in HF_METHODS
-             else _draftwise_run(method, target, draft, ids, warm, 0))
+             else _draftwise_run(method, target, draft_of[method], ids, warm, 0))
 
     records: list[RunRecord] = []
     for repeat in range(config.repeats):
@@ -345,10 +384,20 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
                     progress(1)
     methods = report(records, compare_identical=SamplingConfig(config.temperature).greedy,
                      compare_to=config.compare_to if config.compare_to in config.methods else None)
-    return {
-        "config": {**asdict(config), "prompts": [p.question_id for p in prompts]},
+    out = {
+        "config": {**asdict(config), "prompts": [p.question_id for p in prompts], "drafts": drafts},
         "machine": machine_description(target.device) | {"dtype": str(target.dtype)},
         "energy": {"available": True, "source": meter.source} if meter else {"available": False,
                                                                               "reason": energy_reason},
         "methods": methods,
     }
+    if config.save_outputs:
+        decode = target.tokenizer.decode if target.tokenizer is not None else None
+        out["outputs"] = {
+            method: [{"question_id": r.question_id, "category": r.category, "repeat": r.repeat,
+                      "token_ids": r.token_ids,
+                      "text": decode(r.token_ids, skip_special_tokens=True) if decode else None}
+                     for r in records if r.method == method]
+            for method in config.methods
+        }
+    return out

@@ -41,6 +41,9 @@ def write_json(results: dict[str, Any], path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; results are ordinary files
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(results, f, indent=2)

@@ -168,7 +168,8 @@ def load_draft(
         except Exception as error:  # noqa: BLE001 - a damaged head file is bad input, reported in one line
             raise DraftwiseError(f"{spec}: cannot read the EAGLE head ({_one_line(error)})") from None
     head.attach(target.model)
-    return head if head.fc.weight.device == target.device else head.to(target.device)
+    weight = head.fc.weight
+    return head if (weight.device, weight.dtype) == (target.device, target.dtype) else head.to(target.device, target.dtype)
 
 
 def is_eagle_spec(spec: Any) -> bool:

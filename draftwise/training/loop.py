@@ -28,6 +28,9 @@ def atomic_save(obj, path: Path) -> None:
     """torch.save to a temporary file, then rename: an interruption never leaves half a checkpoint."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a saved model is an ordinary file
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
