@@ -210,19 +210,29 @@ class FLyRule:
     def lenient(self, step: StepDistributions) -> torch.Tensor:
         """[k] bool: the positions where a disagreement is forgiven."""
         p = unwarped(step.target_logits[:-1])  # [k, vocab]
-        k = p.shape[0]
         aligned = p.argmax(-1) == step.draft_tokens  # [k]
         uncertain = -neg_entropy(p) >= self.entropy_threshold  # [k]
-        # ahead[j] = all of aligned[j+1 : j+1+window], and that many drafted tokens exist.
-        ahead = torch.zeros(k, dtype=torch.bool, device=p.device)
-        for j in range(max(0, k - self.window)):
-            ahead[j] = bool(aligned[j + 1 : j + 1 + self.window].all())
-        return uncertain & ahead
+        return uncertain & aligned_ahead(aligned, self.window)
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
         lenient = self.lenient(step)
         one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[:, None], 1.0)
         return torch.where(lenient[:, None], one_hot, step.target_probs[:-1])
+
+
+def aligned_ahead(aligned: torch.Tensor, window: int) -> torch.Tensor:
+    """ahead[..., j] = all of aligned[..., j+1 : j+1+window], and that many drafted tokens exist.
+
+    aligned: [..., k] bool -> [..., k] bool, no loop over positions: with
+    misses[..., i] = the misaligned count in aligned[..., :i] (an exclusive cumulative sum),
+    the window after j is all aligned when misses[j+1+window] == misses[j+1].
+    """
+    k = aligned.shape[-1]
+    ahead = torch.zeros_like(aligned, dtype=torch.bool)
+    if k > window:
+        misses = torch.nn.functional.pad((~aligned).long().cumsum(-1), (1, 0))  # [..., k + 1]
+        ahead[..., : k - window] = misses[..., window + 1 :] == misses[..., 1 : k - window + 1]
+    return ahead
 
 
 def chow_stop(alpha: float) -> Callable[[torch.Tensor], bool]:
