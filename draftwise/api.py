@@ -525,6 +525,7 @@ class _Run:
                 runner, plan.sampling, plan.vocab_size,
                 keep_raw=getattr(rule, "needs_draft_raw", False),
                 stop_when=spec.make_stop(plan.options) if spec.make_stop else None,
+                eos_token_ids=plan.eos_token_ids,
             )
         if plan.method.drafter == "sprinter":
             from .sprinter import SprinterDrafter

@@ -74,6 +74,9 @@ def decode(
     Invariant at the top of each step: `sequence` = prompt + committed tokens; the
     target's and the draft's caches hold a prefix of `sequence` that excludes at
     least its last token (fed with the next forward pass).
+
+    Counters are recorded after the EOS cut: when an accepted drafted token is an EOS, the
+    step counts the drafted tokens up to it as drafted and accepted, and none after it.
     """
     sequence = list(prompt_ids)
     wants_features = getattr(drafter, "needs_target_hidden", False)  # feature-level drafters (EAGLE)
@@ -107,10 +110,11 @@ def decode(
         bonus: torch.Tensor | Callable[[], torch.Tensor] = (
             pi_bonus if getattr(rule, "bonus_from_pi", False) else target_probs[keep])
         outcome = speculative_sample(draft.tokens[:keep], draft.probs[:keep], pi[:keep], bonus, generator)
-        committed = draft.tokens[: outcome.num_accepted].tolist() + [outcome.next_token]
-        counters.record(k, outcome.num_accepted)
-
-        committed = limits.cut_at_eos(committed)
+        accepted = outcome.num_accepted
+        committed = limits.cut_at_eos(draft.tokens[:accepted].tolist() + [outcome.next_token])
+        if len(committed) <= accepted:  # an accepted drafted token is an EOS: the drafts after it do not count
+            k = accepted = len(committed)
+        counters.record(k, accepted)
         sequence.extend(committed)
         counters.new_tokens += len(committed)
 

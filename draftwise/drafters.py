@@ -8,7 +8,7 @@ decoding loop's rewind phase after every verification.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -61,16 +61,19 @@ class ModelDrafter:
     `keep_raw` also returns the unwarped distributions (cascade rules decide on them).
     `stop_when(q)`, given the unwarped distribution of the next position, ends the draft
     before that token is sampled (the small model's own deferral: token-level cascades, BiLD's
-    fallback); the target then produces that token.
+    fallback); the target then produces that token. A drafted token in `eos_token_ids` ends the
+    draft after it: nothing past an EOS can be committed.
     """
 
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, *, keep_raw: bool = False,
-                 stop_when: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 stop_when: Callable[[torch.Tensor], bool] | None = None,
+                 eos_token_ids: Collection[int] = ()) -> None:
         self.runner = runner
         self.sampling = sampling
         self.vocab_size = vocab_size
         self.keep_raw = keep_raw or stop_when is not None
         self.stop_when = stop_when
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     @property
     def calls(self) -> int:
@@ -90,6 +93,8 @@ class ModelDrafter:
             token = step_probs.argmax(-1) if self.sampling.greedy else sample(step_probs, generator)  # [1]
             tokens.append(token)
             probs.append(step_probs)
+            if self.eos_token_ids and int(token) in self.eos_token_ids:
+                break
             feed = token
         if not tokens:
             draft = empty_draft(self.vocab_size, self.runner.device)
@@ -116,11 +121,13 @@ class PromptLookupDrafter:
 
     calls = 0
 
-    def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int = 3, min_ngram: int = 1,
+                 eos_token_ids: Collection[int] = ()) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.eos_token_ids = frozenset(eos_token_ids)  # a proposal ends after its first EOS
 
     def lookup(self, sequence: Sequence[int], max_tokens: int) -> list[int]:
         if max_tokens <= 0:
@@ -137,6 +144,10 @@ class PromptLookupDrafter:
 
     def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
         found = self.lookup(sequence, max_tokens)
+        for i, token in enumerate(found):
+            if token in self.eos_token_ids:
+                found = found[: i + 1]
+                break
         tokens = torch.tensor(found, dtype=torch.long, device=self.device)
         probs = torch.zeros(len(found), self.vocab_size, device=self.device)
         if found:
