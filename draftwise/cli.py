@@ -156,6 +156,18 @@ def _as_chat(prompts: list[Any], target: Any, args: argparse.Namespace) -> list[
     return chats
 
 
+def _batches(spec: Any, options: dict[str, Any], draft: Any) -> bool:
+    """Whether the batched `generate` runs this method with this draft; otherwise the CLI decodes the prompts
+    one at a time (same tokens per prompt, as a seeded request does not depend on its batch)."""
+    from . import api
+    from .eagle import EagleHead
+
+    if "max_batch_size" not in inspect.signature(generate).parameters or isinstance(draft, EagleHead):
+        return False
+    refuses = getattr(api, "_method_refuses", None)
+    return refuses is None or refuses(spec, spec.resolve_options(options)) is None
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise DraftwiseError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
@@ -188,7 +200,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if len(prompts) == 1:
         print(json.dumps(generate(target, prompts[0], draft=draft, **kwargs).to_dict(), indent=2))
         return 0
-    if "max_batch_size" in inspect.signature(generate).parameters:  # the batched API: a list in, a list out
+    if _batches(spec, options, draft):  # the batched API: a list in, a list out
         batch = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
         results = generate(target, prompts, draft=draft, **batch, **kwargs)
     else:

@@ -545,3 +545,15 @@ def test_cli_without_any_prompt_is_a_clear_error(capsys, dirs):
     _one_line_error(code, out, err, "no prompt")
 
 
+
+
+def test_cli_several_prompts_with_the_default_eagle_draft(capsys, dirs):
+    """The engine batches no EAGLE head: the CLI then decodes the prompts one at a time, same tokens."""
+    code, out, err = _run(capsys, ["generate", "--temperature", "0", "--max-new-tokens", "3", "--json", "--seed", "1",
+                                   "the cat", "the dog"])
+    assert code == 0, err
+    results = json.loads(out)
+    for result, text in zip(results, ["the cat", "the dog"]):
+        single = draftwise.generate(TARGET, [{"role": "user", "content": text}], temperature=0, max_new_tokens=3,
+                                    seed=1)
+        assert result["token_ids"] == single.token_ids and result["stats"]["method"] == "sd"
