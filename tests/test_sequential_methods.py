@@ -119,3 +119,252 @@ def test_fly_forgives_an_uncertain_mismatch_followed_by_aligned_drafts():
 def test_fly_leniency_by_hand(case, lenient):
     tokens, rows, window, threshold = case
     assert FLyRule(window=window, entropy_threshold=threshold).lenient(fly_step(tokens, rows)).tolist() == lenient
+
+
+# ----------------------------------------------------------------------------- bild, token-cascade: the pieces
+
+
+def test_bild_rollback_keeps_a_token_while_its_surprise_is_within_alpha():
+    # draft 1 then 2. Position 0: -log p(1) = -log 0.2 = 1.61 <= 2: kept although the argmax is 0.
+    # Position 1: -log p(2) = -log 0.1 = 2.30 > 2: replaced by the target's argmax 3.
+    rows = [[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.1, 0.1, 0.6, 0.05, 0.05], CERTAIN]
+    step = fly_step([1, 2], rows, greedy=True)
+    pi = BildRollbackRule(alpha=2.0)(step)
+    assert pi.argmax(-1).tolist() == [1, 3] and torch.equal(pi.sum(-1), torch.ones(2))
+    out = speculative_sample(step.draft_tokens, step.draft_probs, pi, step.target_probs[-1], make_generator(0))
+    assert (out.num_accepted, out.next_token) == (1, 3)
+    # alpha 2.5 keeps both: the bonus is the target's argmax after them (0)
+    pi = BildRollbackRule(alpha=2.5)(step)
+    out = speculative_sample(step.draft_tokens, step.draft_probs, pi, step.target_probs[-1], make_generator(0))
+    assert (out.num_accepted, out.next_token) == (2, 0)
+    # alpha 1.0 rolls back at once; the target's argmax 0 replaces the draft's 1
+    pi = BildRollbackRule(alpha=1.0)(step)
+    out = speculative_sample(step.draft_tokens, step.draft_probs, pi, step.target_probs[-1], make_generator(0))
+    assert (out.num_accepted, out.next_token) == (0, 0)
+
+
+def test_accept_draft_rule_keeps_every_drafted_token():
+    gen = torch.Generator().manual_seed(1)
+    draft_probs = torch.softmax(torch.randn(5, VOCAB, generator=gen), -1)
+    tokens = sample(draft_probs, gen)
+    logits = torch.randn(6, VOCAB, generator=gen)
+    step = StepDistributions(tokens, draft_probs, torch.softmax(logits, -1), logits)
+    pi = AcceptDraftRule()(step)
+    for seed in range(50):
+        out = speculative_sample(tokens, draft_probs, pi, step.target_probs[-1], make_generator(seed))
+        assert out.num_accepted == 5
+
+
+def test_chow_stop_and_sequence_confidence_by_hand():
+    q = torch.tensor([0.6, 0.3, 0.1])
+    assert chow_stop(0.3)(q)  # 0.6 < 1 - 0.3: the draft defers
+    assert not chow_stop(0.5)(q)  # 0.6 >= 0.5
+    logs = [math.log(0.5), math.log(0.8)]
+    assert sequence_confidence(logs, "product") == pytest.approx(0.4)
+    assert sequence_confidence(logs, "mean") == pytest.approx(math.sqrt(0.4))
+    assert sequence_confidence([], "mean") == 1.0
+
+
+# ----------------------------------------------------------------------------- whole runs against references
+
+N = 16
+PROMPTS = [[3, 17, 42, 8, 25], [1, 2, 3], [60]]
+
+
+def near_copy(model, scale: float, seed: int = 5):
+    """The target with each weight perturbed by `scale` of its std: a draft that agrees often, not always."""
+    import copy
+
+    near = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
+    return near
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(0)
+    return target, near_copy(target, 0.15)
+
+
+def last_logits(model, sequence: list[int], n: int = 1) -> torch.Tensor:
+    """Cache-free: one full forward; the logits of the last n positions [n, vocab]."""
+    with torch.no_grad():
+        return model(torch.tensor([sequence])).logits[0, -n:].float()
+
+
+def greedy(model, prompt: list[int], n: int = N) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(last_logits(model, prompt + out).argmax()))
+    return out
+
+
+def run(models, method: str, prompt: list[int], **options):
+    target, draft = models
+    return draftwise.generate(target=target, draft=draft, prompt=prompt, method=method, temperature=0,
+                              max_new_tokens=N, ignore_eos=True, **options)
+
+
+def fly_reference(models, prompt, *, gamma: int, window: int, threshold: float) -> tuple[list[int], int, int]:
+    """(tokens, accepted drafted tokens, forgiven mismatches) of greedy FLy, spelled out."""
+    target, draft = models
+    out: list[int] = []
+    accepted = forgiven = 0
+    while len(out) < N:
+        k = min(gamma, N - len(out) - 1)
+        drafted: list[int] = []
+        for _ in range(k):
+            drafted.append(int(last_logits(draft, prompt + out + drafted).argmax()))
+        p = torch.softmax(last_logits(target, prompt + out + drafted, k + 1), -1)  # [k + 1, vocab]
+        best = p.argmax(-1).tolist()
+        entropy = (-torch.special.xlogy(p, p).sum(-1)).tolist()
+        aligned = [drafted[j] == best[j] for j in range(k)]
+        committed = []
+        for j in range(k):
+            lenient = entropy[j] >= threshold and j + window < k and all(aligned[j + 1 : j + 1 + window])
+            if aligned[j] or lenient:
+                committed.append(drafted[j])
+                forgiven += not aligned[j]
+            else:
+                committed.append(best[j])
+                break
+        else:
+            committed.append(best[k])
+        accepted += len(committed) - 1
+        out += committed
+    return out, accepted, forgiven
+
+
+@pytest.mark.parametrize("gamma, window, threshold", [(4, 2, 0.0), (5, 1, 0.3), (6, 2, 0.0)])
+def test_fly_greedy_matches_a_cache_free_reference(models, gamma: int, window: int, threshold: float):
+    forgiven_somewhere = False
+    for prompt in PROMPTS:
+        expected, accepted, forgiven = fly_reference(models, prompt, gamma=gamma, window=window, threshold=threshold)
+        out = run(models, "fly", prompt, gamma=gamma, window=window, entropy_threshold=threshold)
+        assert out.token_ids == expected, prompt
+        assert out.stats["accepted"] == accepted
+        forgiven_somewhere |= forgiven > 0
+    assert forgiven_somewhere  # FLy's leniency did change something (else this is plain sd)
+
+
+def oracle_reference(models, prompt, *, alpha: float, sampling: SamplingConfig, seed: int) -> tuple[list[int], int]:
+    """Algorithm 3 with the Diff rule: defer when max q < max p - alpha (unwarped), draw from the warped choice."""
+    target, draft = models
+    gen = make_generator(seed)
+    out: list[int] = []
+    kept = 0
+    while len(out) < N:
+        q_logits, p_logits = last_logits(draft, prompt + out), last_logits(target, prompt + out)
+        defer = bool(unwarped(q_logits).max() < unwarped(p_logits).max() - alpha)
+        pi = warp(p_logits if defer else q_logits, sampling)
+        out.append(int(sample(pi, gen)))
+        kept += not defer
+    return out, kept
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, top_k=10)])
+def test_oracle_diff_matches_a_cache_free_reference(models, sampling: SamplingConfig):
+    target, draft = models
+    mixed = False
+    for prompt in PROMPTS:
+        for alpha in (0.0, 0.05):
+            expected, kept = oracle_reference(models, prompt, alpha=alpha, sampling=sampling, seed=3)
+            out = draftwise.generate(target=target, draft=draft, prompt=prompt, method="oracle-diff", alpha=alpha,
+                                     max_new_tokens=N, ignore_eos=True, seed=3, temperature=sampling.temperature,
+                                     top_k=sampling.top_k)
+            assert out.token_ids == expected, (prompt, alpha)
+            assert (out.stats["drafted"], out.stats["accepted"]) == (N, kept)
+            mixed |= 0 < kept < N
+    assert mixed  # both models' tokens were taken somewhere
+
+
+def test_seq_cascade_keeps_or_discards_the_whole_draft_at_its_threshold(models):
+    target, draft = models
+    for prompt in PROMPTS[:2]:
+        response = greedy(draft, prompt)
+        with torch.no_grad():
+            logits = draft(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+        log_probs = torch.log_softmax(logits, -1)[torch.arange(N), response].tolist()
+        target_alone = greedy(target, prompt)
+        assert response != target_alone
+        for aggregate in ("mean", "product"):
+            confidence = math.exp(sum(log_probs) / (N if aggregate == "mean" else 1))
+            for margin, keeps in ((1e-4, True), (-1e-4, False)):
+                alpha = 1 - confidence * (1 - margin)  # keep iff confidence >= 1 - alpha
+                out = run(models, "seq-cascade", prompt, alpha=alpha, aggregate=aggregate)
+                assert out.token_ids == (response if keeps else target_alone), (aggregate, margin)
+                assert out.stats["drafted"] == N
+                assert out.stats["accepted"] == (N if keeps else 0)
+                assert (out.stats["target_calls"] == 0) == keeps
+
+
+def bild_reference(models, prompt, *, alpha: float, fallback: float, max_window: int) -> list[int]:
+    """Original BiLD, greedy: the draft runs until max q < 1 - fallback (or the window is full); the target
+    keeps drafted tokens while -log p(x) <= alpha (or x is its argmax), then its own token."""
+    target, draft = models
+    out: list[int] = []
+    while len(out) < N:
+        drafted: list[int] = []
+        while len(drafted) < min(max_window, N - len(out) - 1):
+            q = torch.softmax(last_logits(draft, prompt + out + drafted)[0], -1)
+            if q.max() < 1 - fallback:
+                break
+            drafted.append(int(q.argmax()))
+        p = torch.softmax(last_logits(target, prompt + out + drafted, len(drafted) + 1), -1)
+        committed = []
+        for j, x in enumerate(drafted):
+            if -math.log(p[j, x]) <= alpha or x == int(p[j].argmax()):
+                committed.append(x)
+            else:
+                committed.append(int(p[j].argmax()))
+                break
+        else:
+            committed.append(int(p[-1].argmax()))
+        out += committed
+    return out
+
+
+@pytest.mark.parametrize("alpha, fallback, max_window", [(2.0, 0.5, 10), (3.0, 0.7, 3), (4.0, 0.9, 6)])
+def test_bild_matches_a_cache_free_reference(models, alpha: float, fallback: float, max_window: int):
+    target, draft = models
+    lossy = False
+    for prompt in PROMPTS:
+        expected = bild_reference(models, prompt, alpha=alpha, fallback=fallback, max_window=max_window)
+        out = run(models, "bild", prompt, alpha=alpha, fallback=fallback, max_window=max_window)
+        assert out.token_ids == expected, prompt
+        lossy |= expected != greedy(target, prompt)
+    assert lossy  # a rollback threshold that kept a token the target would not have chosen
+
+
+def token_cascade_reference(models, prompt, *, alpha: float, max_run: int) -> tuple[list[int], int]:
+    """Sequential token-level cascade, greedy: the draft writes while max q >= 1 - alpha (at most max_run
+    tokens), every drafted token is kept, then the target writes one token."""
+    target, draft = models
+    out: list[int] = []
+    drafted_total = 0
+    while len(out) < N:
+        drafted: list[int] = []
+        while len(drafted) < min(max_run, N - len(out) - 1):
+            q = torch.softmax(last_logits(draft, prompt + out + drafted)[0], -1)
+            if q.max() < 1 - alpha:
+                break
+            drafted.append(int(q.argmax()))
+        out += drafted + [int(last_logits(target, prompt + out + drafted).argmax())]
+        drafted_total += len(drafted)
+    return out, drafted_total
+
+
+@pytest.mark.parametrize("alpha, max_run", [(0.5, 10), (0.3, 4), (0.8, 2)])
+def test_token_cascade_matches_a_cache_free_reference(models, alpha: float, max_run: int):
+    target, draft = models
+    both = False
+    for prompt in PROMPTS:
+        expected, drafted = token_cascade_reference(models, prompt, alpha=alpha, max_run=max_run)
+        out = run(models, "token-cascade", prompt, alpha=alpha, max_run=max_run)
+        assert out.token_ids == expected, prompt
+        assert out.stats["accepted"] == out.stats["drafted"] == drafted
+        both |= 0 < drafted < N - 1
+    assert both  # the draft wrote some tokens and deferred some
