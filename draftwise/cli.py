@@ -49,7 +49,8 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (action.option_strings and default not in (None, False, argparse.SUPPRESS) and "default" not in text
+        if (action.option_strings and default is not None and default is not False and default != argparse.SUPPRESS
+                and "default" not in text
                 and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
             text = f"{text} (default: %(default)s)" if text else "default: %(default)s"
         return text
@@ -62,8 +63,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-file", default=None, metavar="PATH",
                    help="more prompts: one per line, or a .jsonl file whose lines hold a 'prompt' string, "
                    "'turns' (the first one is used, as in Spec-Bench) or OpenAI-style 'messages'")
-    p.add_argument("--max-batch-size", type=int, default=None,
-                   help="at most this many prompts decode together (default: the API's)")
+    p.add_argument("--max-batch-size", type=int, default=_API_DEFAULTS.get("max_batch_size"),
+                   help="at most this many prompts decode together")
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local directory, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="draft model or EAGLE head, same forms as --target (default: the "
                    "registry's best draft for the method when the target is a registry model)")
@@ -223,7 +224,7 @@ def _run_methods(args: argparse.Namespace) -> int:
             for m in METHODS.values()
         }, indent=2))
         return 0
-    common = ", ".join(f"{k}={v}" for k, v in _API_DEFAULTS.items() if k not in ("draft", "method"))
+    common = ", ".join(f"{k}={v}" for k, v in _API_DEFAULTS.items() if k not in ("prompt", "messages", "draft", "method"))
     print(f"common options (all methods): {common}\n")
     for m in METHODS.values():
         kind = "exact" if m.exact else "lossy"
