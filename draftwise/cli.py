@@ -295,9 +295,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quality", action="store_true", help="quality fields for every method (on by default when a "
                    "lossy method runs): target perplexity and agreement, ROUGE-2 / BLEU where references exist")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the results here")
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and mean accepted length per method")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="speedup and mean accepted length per method; "
+                   "with --batch-sizes, throughput against batch size per method")
     p.add_argument("--save-outputs", action="store_true",
                    help="keep every run's output text and token ids in the --json results, to re-score quality later")
+    p.add_argument("--batch-sizes", default=None, metavar="B1,B2,...",
+                   help="the batched bench: every prompt submitted at once to generate(target, prompts, "
+                   "max_batch_size=B) for each B (e.g. 1,4,16,32); reports throughput, latency percentiles, mean "
+                   "accepted length and verified tokens per committed token, in the JSON's \"batched\" section")
 
 
 def _warn_if_fewer(found: int, asked: int, dataset: str, categories: Sequence[str]) -> None:
@@ -318,6 +323,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     check_methods(methods)
     categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
     expand_categories(list(categories))
+    from .bench.batched import parse_batch_sizes
+
+    batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes is not None else ()
     config = BenchConfig(
         target=args.target, draft=args.draft, hf_draft=args.hf_draft, methods=methods, dataset=args.dataset,
         categories=categories, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
@@ -325,6 +333,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup, dtype=args.dtype, device=args.device, seed=args.seed, threads=args.threads,
         method_options=_parse_option_values(args.option), quality=args.quality,
         prefix_fraction=args.prefix_fraction, compare_to=args.compare_to, save_outputs=args.save_outputs,
+        batch_sizes=batch_sizes,
     )
     if config.compare_to is not None and config.compare_to not in methods:
         raise DraftwiseError(f"--compare-to {config.compare_to!r} is not among --methods")
@@ -338,16 +347,23 @@ def _run_bench(args: argparse.Namespace) -> int:
     from .bench.harness import plan_drafts
 
     plan_drafts(config)  # every method and its draft checked before any model loads
-    with tqdm(total=n_prompts * len(methods) * config.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
+    runs = len(batch_sizes) if batch_sizes else n_prompts  # a batched run decodes every prompt at once
+    with tqdm(total=runs * len(methods) * config.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
         results = run_bench(config, progress=bar.update)
-    print(format_table(results))
+    if batch_sizes:
+        from .bench.batched import format_batched_table
+
+        print(format_batched_table(results["batched"]))
+    else:
+        print(format_table(results))
     if args.json:
         write_json(results, args.json)
         print(f"wrote {args.json}")
     if args.plot:  # after the JSON: a plotting failure never loses the results
-        from .bench.report import plot
+        from .bench.report import plot, plot_batched
 
-        _plot_safely(lambda: plot(results, args.plot), args)
+        draw = plot_batched if batch_sizes else plot
+        _plot_safely(lambda: draw(results, args.plot), args)
     return 0
 
 

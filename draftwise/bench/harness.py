@@ -104,6 +104,7 @@ class BenchConfig:
     prefix_fraction: float = 0.0  # > 0: continue the first fraction of each prompt's words, no chat template
     compare_to: str | None = None  # a method whose outputs every other is compared with (ROUGE, win-tie, speed)
     save_outputs: bool = False  # keep every run's output text and token ids in the results (re-score later)
+    batch_sizes: tuple[int, ...] = ()  # non-empty: the batched bench (bench.batched) at these max batch sizes
 
 
 def check_methods(methods: tuple[str, ...]) -> None:
@@ -259,6 +260,8 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
     from ..models import registry
 
     check_methods(config.methods)
+    if config.batch_sizes:
+        _check_batched(config)
     independent = registry.default_draft_for(config.target, eagle_ok=False) if config.target in registry.names() \
         else None
     hint = f" (for {config.target}: {independent})" if independent else ""
@@ -296,6 +299,58 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
             raise DraftwiseError(f"method {label}: an EAGLE draft head cannot draft for it; give an independent "
                                  f"draft model{hint}")
         drafts[label] = draft
+    if config.batch_sizes:
+        drafts = _plan_batched(config, drafts)
+    return drafts
+
+
+def _check_batched(config: BenchConfig) -> None:
+    """Before any draft is chosen: the batched bench runs only what `generate` batches."""
+    from .batched import engine_refusal
+
+    if config.quality or config.compare_to or config.save_outputs:
+        raise DraftwiseError("--batch-sizes reports speed only: drop --quality, --compare-to and --save-outputs")
+    for label in config.methods:
+        name, fixed = parse_label(label)
+        if name in HF_METHODS:
+            raise DraftwiseError(f"--batch-sizes: {name} runs transformers' generate one prompt at a time; "
+                                 f"leave it out of --methods")
+        if name == DRAFT_ONLY:
+            continue
+        options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
+        refused = engine_refusal(name, options, False)
+        if refused:
+            from ..api import batched_methods
+
+            raise DraftwiseError(f"--batch-sizes: method {label}: {refused}; batched methods: "
+                                 f"{', '.join(batched_methods())}")
+
+
+def _plan_batched(config: BenchConfig, drafts: dict[str, str | None]) -> dict[str, str | None]:
+    """A default EAGLE head the engine cannot batch gives way to the registry's independent draft; one
+    given with --draft is an error."""
+    from ..models import registry
+    from .batched import engine_refusal
+
+    for label in config.methods:
+        name, fixed = parse_label(label)
+        if name in HF_METHODS or name == DRAFT_ONLY:
+            continue
+        options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
+        draft = drafts[label]
+        eagle = draft is not None and is_eagle_spec(draft)
+        refused = engine_refusal(name, options, eagle)
+        if refused and eagle and config.draft is None:
+            independent = registry.default_draft_for(config.target, eagle_ok=False) \
+                if config.target in registry.names() else None
+            if independent is not None and engine_refusal(name, options, False) is None:
+                drafts[label] = independent
+                continue
+        if refused:
+            from ..api import batched_methods
+
+            raise DraftwiseError(f"--batch-sizes: method {label}: {refused}; batched methods: "
+                                 f"{', '.join(batched_methods())}")
     return drafts
 
 
@@ -331,7 +386,8 @@ def resolve_drafts(config: BenchConfig) -> BenchConfig:
 
 
 def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    """Run the benchmark; returns {"config", "machine", "methods"} (see `metrics.report`)."""
+    """Run the benchmark; returns {"config", "machine", "energy", "methods"} (see `metrics.report`), or with
+    `batch_sizes` {"config", "machine", "energy", "batched"} (see `batched.batched_report`)."""
     drafts = plan_drafts(config)  # every method checked, and its draft chosen, before any model loads
     labels = {m: parse_label(m)[0] for m in config.methods}
     prompts = load_prompts(config.dataset, categories=list(config.categories) or None, num_prompts=config.num_prompts)
@@ -349,6 +405,17 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
         labels[m] == DRAFT_ONLY or (labels[m] in METHODS and not METHODS[labels[m]].exact) for m in config.methods)
 
     meter, energy_reason = find_meter(target.device)
+    if config.batch_sizes:
+        from .batched import run_batched
+
+        return {
+            "config": {**asdict(config), "prompts": [p.question_id for p in prompts], "drafts": drafts},
+            "machine": machine_description(target.device) | {"dtype": str(target.dtype)},
+            "energy": {"available": True, "source": meter.source} if meter else {"available": False,
+                                                                                  "reason": energy_reason},
+            "batched": run_batched(config, target, draft_of, [ids for _, ids in encoded], meter=meter,
+                                   progress=progress),
+        }
 
     def run_one(method: str, ids: list[int], seed: int) -> dict[str, Any]:
         before = meter.read() if meter else 0.0

@@ -85,3 +85,43 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_batched(results: dict[str, Any], path: str | os.PathLike) -> None:
+    """Throughput (tokens/s over the whole batch run) against batch size, one line per method; written
+    atomically (a temporary file in the same folder, then renamed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batched = results["batched"]
+    sizes = batched["batch_sizes"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, by_b in batched["methods"].items():
+        ax.plot(sizes, [by_b[str(b)]["throughput_tok_s"] for b in sizes], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("max batch size")
+    ax.set_ylabel("throughput (new tokens/s, whole batch)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    cfg = results["config"]
+    ax.set_title(f"{cfg['target']} | {len(cfg['prompts'])} prompts, {cfg['max_new_tokens']} new tokens, "
+                 f"T={cfg['temperature']} gamma={cfg['gamma']}\n{results['machine'].get('cpu', '')}", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".").lower() or None)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
