@@ -48,7 +48,12 @@ ZERO_RESIDUAL = 1e-5
 
 @dataclass(frozen=True)
 class StepDistributions:
-    """What a rule may read at one verification step with k drafted tokens."""
+    """What a rule may read at one verification step with k drafted tokens.
+
+    The batched engine passes the same fields with a leading rows dimension ([rows, k], [rows, k, vocab],
+    ...), positions past a row's `num_drafted` being padding; rules index the last dimensions only, so
+    one call serves a batch.
+    """
 
     draft_tokens: torch.Tensor  # [k] int64
     draft_probs: torch.Tensor  # [k, vocab] warped draft distributions the tokens were drawn from
@@ -58,6 +63,7 @@ class StepDistributions:
     greedy: bool = False  # temperature 0
     verifier_accepts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
     draft_joint: torch.Tensor | None = None  # [k] log q(x_{1:j}), MTAD's beam drafter
+    num_drafted: torch.Tensor | None = None  # [rows] drafted tokens per row (batched steps only)
 
 
 class TargetRule(Protocol):
@@ -75,7 +81,7 @@ class ExactRule:
     name: str = "exact"
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
-        return step.target_probs[:-1]
+        return step.target_probs[..., :-1, :]
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,7 @@ class LossyRule:
             raise DraftwiseError(f"lossy: beta must be >= 1 - alpha = {1.0 - self.alpha:g}, got {self.beta!r}")
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
-        draft, target = step.draft_probs, step.target_probs[:-1]
+        draft, target = step.draft_probs, step.target_probs[..., :-1, :]
         return torch.maximum(torch.minimum(draft, target / (1.0 - self.alpha)), target / self.beta)
 
 
@@ -123,12 +129,11 @@ class LossyGreedyRule:
             raise DraftwiseError(f"lossy-greedy: alpha must be in [0, 1], got {self.alpha!r}")
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
-        raw = unwarped(step.target_logits[:-1])  # [k, vocab]
+        raw = unwarped(step.target_logits[..., :-1, :])  # [k, vocab]
         tokens = step.draft_tokens
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        in_top_set = raw[rows, tokens] >= (1.0 - self.alpha) * raw.max(dim=-1).values  # [k]
-        keep_draft = torch.zeros_like(raw).scatter_(-1, tokens[:, None], 1.0)
-        return torch.where(in_top_set[:, None], keep_draft, step.target_probs[:-1])
+        in_top_set = raw.gather(-1, tokens[..., None]).squeeze(-1) >= (1.0 - self.alpha) * raw.max(dim=-1).values  # [k]
+        keep_draft = torch.zeros_like(raw).scatter_(-1, tokens[..., None], 1.0)
+        return torch.where(in_top_set[..., None], keep_draft, step.target_probs[..., :-1, :])
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from .cascades import deferral, sequence_confidence
 from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
 from .errors import DraftwiseError, DraftwiseWarning
-from .methods import Method, get_method
+from .engine import Engine, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
+from .methods import METHODS, Method, get_method
 from .eagle import EagleDrafter, EagleHead
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
@@ -72,12 +73,15 @@ class _Plan:
     seed: int | None
     verifier: Any = None  # SPRINTER's verifier or SpecDec++'s head, loaded and checked with the plan
     context_limited: bool = False  # max_new_tokens was cut to fit the context window: finish_reason "context"
+    window: int = 10**12  # the smallest context window of the models the plan runs
+    requested_new_tokens: int = 0  # max_new_tokens as asked, before the window cut (other prompts of a batch)
 
 
 def generate(
     target: Any,
-    prompt: str | Sequence[int],
+    prompt: Any = None,
     *,
+    messages: Any = None,
     draft: Any = None,
     method: str = "sd",
     max_new_tokens: int = 128,
@@ -88,19 +92,46 @@ def generate(
     gamma: int = 4,
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
+    max_batch_size: int = 16,
     **method_options: Any,
-) -> Generation:
-    """Decode `prompt` with `method`; returns the new tokens, their text and the step counters."""
-    run = _Run(_plan(**locals()), streaming=False)
-    for _ in run.pieces():
-        pass
-    return run.result()
+) -> Generation | list[Generation]:
+    """Decode `prompt` with `method`; returns the new tokens, their text and the step counters.
+
+    A list of prompts (strings, token-id lists, chats) is decoded batched, `max_batch_size` rows at a
+    time with continuous batching, and returns a list of `Generation`s in prompt order. `seed` seeds
+    every request alike: request i gives the same tokens as `generate(target, prompts[i], seed=seed)`.
+    """
+    prompts, batch = _split_prompts(messages if prompt is None and messages is not None else prompt)
+    if prompt is not None and messages is not None:
+        raise DraftwiseError("give a prompt or messages=..., not both")
+    _check_batch_size(max_batch_size)
+    for other in prompts[1:]:
+        _check_prompt(other)
+    plan = _plan(target=target, prompt=prompts[0], draft=draft, method=method, max_new_tokens=max_new_tokens,
+                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, gamma=gamma, stop=stop,
+                 ignore_eos=ignore_eos, method_options=method_options)
+    if not batch:
+        run = _Run(plan, streaming=False)
+        for _ in run.pieces():
+            pass
+        return run.result()
+    refused = _engine_refuses(plan)
+    if refused:
+        raise DraftwiseError(f"{refused}: decode these prompts one at a time, or pick a batched method "
+                             f"({', '.join(batched_methods())})")
+    requests = [_request(plan, plan.prompt_ids)] + [
+        _request(plan, _prompt_ids(p, plan.target, plan.vocab_size)) for p in prompts[1:]]
+    engine, _ = _engine(plan, max_batch_size)
+    ids = [engine.submit(request) for request in requests]
+    engine.run()
+    return [_generation(engine.result(i)) for i in ids]
 
 
 def stream(
     target: Any,
-    prompt: str | Sequence[int],
+    prompt: Any = None,
     *,
+    messages: Any = None,
     draft: Any = None,
     method: str = "sd",
     max_new_tokens: int = 128,
@@ -117,7 +148,69 @@ def stream(
 
     Arguments are checked (and models loaded) here, before the first piece is asked for.
     """
-    return _Run(_plan(**locals()), streaming=True).pieces()
+    if prompt is not None and messages is not None:
+        raise DraftwiseError("give a prompt or messages=..., not both")
+    plan = _plan(target=target, prompt=prompt if messages is None else None, messages=messages, draft=draft,
+                 method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 seed=seed, gamma=gamma, stop=stop, ignore_eos=ignore_eos, method_options=method_options)
+    return _Run(plan, streaming=True).pieces()
+
+
+def _check_batch_size(value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DraftwiseError(f"max_batch_size must be an integer >= 1, got {value!r}")
+
+
+def batched_methods() -> list[str]:
+    """Methods the batched engine runs (the others decode one request at a time)."""
+    return [name for name, spec in METHODS.items() if _method_refuses(spec, spec.resolve_options({})) is None]
+
+
+def _method_refuses(spec: Method, options: dict[str, Any]) -> str | None:
+    """Why the batched engine cannot run this method (None when it can)."""
+    if spec.loop != "speculative" or spec.drafter not in ("none", "model", "ngram"):
+        return f"method {spec.name!r} decodes one request at a time"
+    return None
+
+
+def _engine_refuses(plan: _Plan) -> str | None:
+    if isinstance(plan.draft, EagleHead):
+        return "an EAGLE draft head drafts one request at a time"
+    return _method_refuses(plan.method, plan.options)
+
+
+def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
+    if len(prompt_ids) >= plan.window:
+        raise DraftwiseError(f"prompt has {len(prompt_ids)} tokens but the context window is {plan.window}: shorten it")
+    return Request(prompt_ids=tuple(prompt_ids), sampling=plan.sampling,
+                   max_new_tokens=min(plan.requested_new_tokens, plan.window - len(prompt_ids)),
+                   eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed)
+
+
+def _engine(plan: _Plan, max_batch_size: int) -> tuple[Engine, Any]:
+    """The batched engine for a plan: the target's runner, the method's drafter and rule."""
+    spec = plan.method
+    target = ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0)
+    rule = spec.make_rule(plan.options)
+    gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
+    device = plan.target.device
+    if spec.drafter == "model":
+        drafter: Any = ModelRowsDrafter(
+            ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, rows=0), plan.vocab_size,
+            eos_token_ids=plan.eos_token_ids, keep_raw=getattr(rule, "needs_draft_raw", False),
+            stop_when=spec.make_stop(plan.options) if spec.make_stop else None)
+    elif spec.drafter == "ngram":
+        drafter = LookupRowsDrafter(plan.vocab_size, device, max_ngram=plan.options["max_ngram"],
+                                    min_ngram=plan.options["min_ngram"])
+    else:
+        drafter = NoRowsDrafter(plan.vocab_size, device)
+    engine = Engine(target, drafter, rule, gamma=gamma, tokenizer=plan.target.tokenizer,
+                    max_batch_size=max_batch_size, method=spec.name)
+    return engine, drafter
+
+
+def _generation(result: Result) -> Generation:
+    return Generation(token_ids=result.token_ids, text=result.text, stats=result.stats)
 
 
 # Methods that can draft with an EAGLE feature head (the head drafts one token distribution per step).
@@ -263,7 +356,7 @@ def _plan(
         target=target_model, draft=draft_model, method=spec, options=options, sampling=sampling, gamma=gamma,
         prompt_ids=prompt_ids, max_new_tokens=min(max_new_tokens, room), stop=stops,
         eos_token_ids=frozenset() if ignore_eos else target_model.eos_token_ids, vocab_size=vocab_size, seed=seed,
-        verifier=verifier, context_limited=max_new_tokens > room,
+        verifier=verifier, context_limited=max_new_tokens > room, window=window, requested_new_tokens=max_new_tokens,
     )
 
 
@@ -563,6 +656,32 @@ class _Run:
         return NoDrafter(plan.vocab_size, generator_device)
 
     def pieces(self) -> Iterator[str]:
+        if _engine_refuses(self.plan) is None:  # one engine: a single request is a batch of one
+            yield from self._engine_pieces()
+            return
+        yield from self._sequential_pieces()
+
+    def _engine_pieces(self) -> Iterator[str]:
+        plan = self.plan
+        engine, drafter = _engine(plan, 1)
+        request_id = engine.submit(_request(plan, plan.prompt_ids))
+        try:
+            while engine.has_work:
+                for event in engine.step():
+                    self.token_ids.extend(event.token_ids)
+                    if self.streaming and event.text:
+                        yield event.text
+        finally:
+            if engine.has_work:
+                engine.cancel(request_id)
+            result = engine.result(request_id)
+            if result is not None:  # None only when a forward raised: the error propagates
+                self.text = result.text
+                self.stats = dict(result.stats, draft_calls=drafter.calls)
+                if plan.context_limited and result.finish_reason == "length":
+                    self.stats["finish_reason"] = "context"
+
+    def _sequential_pieces(self) -> Iterator[str]:
         plan = self.plan
         device = plan.target.device
         generator = make_generator(plan.seed, device)

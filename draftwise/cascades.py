@@ -137,8 +137,8 @@ class CascadeRule:
         q = step.draft_raw
         if q is None:
             raise DraftwiseError("cascade rules need the draft's unwarped distributions (a draft model drafter)")
-        p = unwarped(step.target_logits[:-1])
-        return cascade_pi(self.rule, self.alpha, q, p, step.draft_probs, step.target_probs[:-1], greedy=step.greedy)
+        p = unwarped(step.target_logits[..., :-1, :])
+        return cascade_pi(self.rule, self.alpha, q, p, step.draft_probs, step.target_probs[..., :-1, :], greedy=step.greedy)
 
     def bonus(self, q: torch.Tensor, q_warped: torch.Tensor, p: torch.Tensor, p_warped: torch.Tensor,
               greedy: bool) -> torch.Tensor:
@@ -176,11 +176,10 @@ class BildRollbackRule:
             raise DraftwiseError(f"bild: the rollback threshold alpha must be >= 0, got {self.alpha!r}")
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
-        p = unwarped(step.target_logits[:-1])
-        rows = torch.arange(step.draft_tokens.shape[0], device=p.device)
-        keep = -torch.log(p[rows, step.draft_tokens]) <= self.alpha
-        one_hot = torch.zeros_like(p).scatter_(-1, step.draft_tokens[:, None], 1.0)
-        return torch.where(keep[:, None], one_hot, step.target_probs[:-1])
+        p = unwarped(step.target_logits[..., :-1, :])
+        keep = -torch.log(p.gather(-1, step.draft_tokens[..., None]).squeeze(-1)) <= self.alpha
+        one_hot = torch.zeros_like(p).scatter_(-1, step.draft_tokens[..., None], 1.0)
+        return torch.where(keep[..., None], one_hot, step.target_probs[..., :-1, :])
 
 
 @dataclass(frozen=True)
@@ -209,15 +208,18 @@ class FLyRule:
 
     def lenient(self, step: StepDistributions) -> torch.Tensor:
         """[k] bool: the positions where a disagreement is forgiven."""
-        p = unwarped(step.target_logits[:-1])  # [k, vocab]
+        p = unwarped(step.target_logits[..., :-1, :])  # [k, vocab]
         aligned = p.argmax(-1) == step.draft_tokens  # [k]
+        if step.num_drafted is not None:  # batched rows: padding past a row's drafts is never aligned
+            positions = torch.arange(aligned.shape[-1], device=aligned.device)
+            aligned &= positions < step.num_drafted.to(aligned.device)[..., None]
         uncertain = -neg_entropy(p) >= self.entropy_threshold  # [k]
         return uncertain & aligned_ahead(aligned, self.window)
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
         lenient = self.lenient(step)
-        one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[:, None], 1.0)
-        return torch.where(lenient[:, None], one_hot, step.target_probs[:-1])
+        one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[..., None], 1.0)
+        return torch.where(lenient[..., None], one_hot, step.target_probs[..., :-1, :])
 
 
 def aligned_ahead(aligned: torch.Tensor, window: int) -> torch.Tensor:

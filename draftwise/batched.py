@@ -1,0 +1,103 @@
+"""The speculative sampler over a batch of rows: Algorithm 4 of seed 003, vectorised.
+
+Row b drafted `num_drafted[b]` tokens (rows differ; positions past a row's count are
+padding and never read). Per row, exactly as `acceptance.speculative_sample`:
+token j is *accepted* with probability min(1, pi_j(x_j) / draft_j(x_j)); at the first
+rejection a *recovered* token is drawn from norm(max(0, pi - draft)); when every
+drafted token is accepted a *bonus* token is drawn from `bonus_probs[b, k_b]`.
+
+Randomness: row b draws `num_drafted[b] + 1` uniforms from its own generator, so its
+outcome does not depend on which rows share the batch. Everything else runs on the
+device as [rows, ...] tensors, and the result crosses to the host in one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .acceptance import ZERO_RESIDUAL
+from .sampling import SamplingConfig, warp
+
+
+@dataclass(frozen=True)
+class RowsAcceptance:
+    num_accepted: list[int]  # [rows] drafted tokens kept, a prefix of each row's draft
+    next_tokens: list[int]  # [rows] recovered (num_accepted < num_drafted) or bonus token
+
+
+def draw_uniforms(generators: Sequence[torch.Generator], counts: Sequence[int], width: int,
+                  device: torch.device) -> torch.Tensor:
+    """[rows, width] float64 uniforms; row b's first counts[b] come from generators[b], the rest are 0."""
+    out = torch.zeros(len(counts), width, dtype=torch.float64, device=device)
+    for b, (generator, count) in enumerate(zip(generators, counts)):
+        if count:
+            out[b, :count] = torch.rand(count, generator=generator, device=generator.device,
+                                        dtype=torch.float64).to(device)
+    return out
+
+
+def residual_rows(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """max(0, pi - draft) per row, unnormalised (the sampler scales by the total), with the
+    zero-residual fallback of `acceptance.residual`: pi itself where the mass is below ZERO_RESIDUAL.
+    [rows, vocab] x 2 -> [rows, vocab]."""
+    leftover = torch.clamp(pi - draft_probs, min=0.0)
+    mass = leftover.sum(-1, keepdim=True)
+    return torch.where(mass < ZERO_RESIDUAL, pi, leftover)
+
+
+def speculative_sample_rows(
+    draft_tokens: torch.Tensor,  # [rows, k] int64 (padding past num_drafted[b]: any valid id)
+    draft_probs: torch.Tensor,  # [rows, k, vocab]
+    pi: torch.Tensor,  # [rows, k, vocab] target distribution at the drafted positions
+    bonus_probs: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],  # [rows, k + 1, vocab]: row b's bonus
+    num_drafted: Sequence[int],  # [rows] host ints                      comes from position num_drafted[b];
+    generators: Sequence[torch.Generator],  # one per row                or a callable given the rows that need
+) -> RowsAcceptance:                                                   # a bonus ([rows] bool), run only if any do
+    assert draft_tokens.ndim == 2 and draft_probs.ndim == 3 and pi.ndim == 3
+    rows, k = draft_tokens.shape
+    device = draft_tokens.device
+    counts = torch.tensor(list(num_drafted), dtype=torch.long, device=device)  # [rows]
+    uniforms = draw_uniforms(generators, [c + 1 for c in num_drafted], k + 1, device)  # [rows, k + 1]
+    if k:
+        draft_at_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
+        pi_at_x = pi.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
+        # u < pi/q written without the division; q(x) > 0 because x was drawn from q.
+        accepted = uniforms[:, :k] * draft_at_x < pi_at_x  # [rows, k]
+        accepted &= torch.arange(k, device=device)[None] < counts[:, None]
+        num_accepted = accepted.long().cumprod(1).sum(1)  # [rows]
+    else:
+        num_accepted = torch.zeros(rows, dtype=torch.long, device=device)
+    rejected = num_accepted < counts  # [rows]
+    at = num_accepted.clamp(max=max(k - 1, 0))  # [rows] the rejected position (when rejected)
+    index = torch.arange(rows, device=device)
+    if callable(bonus_probs):
+        bonus_probs = bonus_probs(~rejected)
+    bonus = bonus_probs[index, num_accepted.clamp(max=k)]  # [rows, vocab] (== position counts[b] when not rejected)
+    if k:
+        recover = residual_rows(pi[index, at], draft_probs[index, at])  # [rows, vocab]
+        probs = torch.where(rejected[:, None], recover, bonus)
+    else:
+        probs = bonus
+    u_last = uniforms.gather(1, counts[:, None].clamp(max=k))  # [rows, 1]: each row's last uniform
+    # one uniform per row, drawn at index counts[b]: the sample below inverts the CDF with it
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [rows, vocab]
+    next_tokens = torch.searchsorted(cdf, u_last * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
+    both = torch.stack([num_accepted, next_tokens.squeeze(-1)]).tolist()  # the one device-to-host copy
+    return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
+
+
+def warp_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:
+    """Warp row b of logits [rows, ..., vocab] with configs[b]; rows sharing a config warp together."""
+    if len(set(configs)) == 1:
+        return warp(logits, configs[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[SamplingConfig, list[int]] = {}
+    for b, config in enumerate(configs):
+        groups.setdefault(config, []).append(b)
+    for config, members in groups.items():
+        index = torch.tensor(members, device=logits.device)
+        out[index] = warp(logits[index], config)
+    return out

@@ -1,0 +1,642 @@
+"""The batched engine: continuous batching over one target and one drafter.
+
+A request is one row of the target's position-indexed KV cache (and of the
+drafter's, when it has one). Live rows are kept contiguous (`0 .. rows - 1`): a
+finished or cancelled row is replaced by the last live row (`move_row`), so every
+forward runs on a slice of the cache, never a gather.
+
+One `step()`:
+1. **admit**: waiting requests join while the batch has room and the KV budget
+   allows; each is prefilled alone (in chunks) on its new row, with its last
+   prompt token left for the first decoding step;
+2. **draft**: the drafter proposes up to `min(gamma, budget - 1)` tokens per row;
+   rows stop on their own rule (EOS, a stop rule, a lookup miss);
+3. **verify**: one target forward feeds each row its pending token and its drafts
+   (`1 + k_b` tokens, right-padded);
+4. **accept**: the rule gives pi, the vectorised sampler accepts / recovers /
+   draws a bonus per row, one device-to-host copy;
+5. **rewind**: each row keeps its sequence minus the newest token, in the target
+   and in the drafter; then **record** (counters) and emit text.
+
+Interface (for the API, the server and Speculative Verification): `submit`,
+`step`, `cancel`, `results` / `result`, `has_work`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from .acceptance import StepDistributions, TargetRule
+from .batched import speculative_sample_rows, warp_rows
+from .errors import DraftwiseError
+from .models.runner import ModelRunner
+from .sampling import SamplingConfig, make_generator
+
+
+# ---------------------------------------------------------------- requests and counters
+
+@dataclass(frozen=True)
+class Request:
+    """What a caller asks for; validated by the API before it reaches the engine."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingConfig = SamplingConfig()
+    max_new_tokens: int = 128
+    eos_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class RowCounters:
+    """Raw counts of one request; rates are computed when reported."""
+
+    gamma: int
+    steps: int = 0  # decoding steps = target verification calls this request took part in
+    drafted: int = 0  # drafted tokens sent to verification
+    accepted: int = 0  # drafted tokens kept (and committed: none past an EOS or a stop)
+    target_tokens: int = 0  # tokens this request fed the target (prefill included)
+    prefill_calls: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.gamma
+        self.drafted_per_position = [0] * self.gamma
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.steps += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        for i in range(min(num_drafted, self.gamma)):
+            self.drafted_per_position[i] += 1
+        for i in range(min(num_accepted, self.gamma)):
+            self.accepted_per_position[i] += 1
+
+
+class Detokenizer:
+    """Incremental detokenisation: each push decodes a short window, never the whole output.
+
+    The window starts at the previous release point (`prefix`), so byte-level pieces and
+    leading spaces decode as in the full text; text is released only when the window's
+    text grew and does not end in an incomplete character (U+FFFD)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # tokens whose text has been released
+
+    def push(self, tokens: Sequence[int]) -> str:
+        self.tokens.extend(tokens)
+        if self.tokenizer is None:
+            return ""
+        before = self.tokenizer.decode(self.tokens[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.tokens[self.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.tokens)
+            return after[len(before) :]
+        return ""
+
+
+@dataclass
+class _Row:
+    id: int
+    request: Request
+    generator: torch.Generator
+    counters: RowCounters
+    detok: Detokenizer
+    sequence: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # text so far (stop strings cut)
+    emitted: int = 0  # characters of `text` handed out as events
+    finish_reason: str | None = None
+    submitted: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def budget(self) -> int:
+        return self.request.max_new_tokens - len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a step produced for one request: new tokens, new safe text, and whether it ended."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class Result:
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict[str, Any]
+
+
+# ---------------------------------------------------------------- drafters over rows
+
+@dataclass(frozen=True)
+class RowsDraft:
+    tokens: torch.Tensor  # [rows, k] int64, padded past counts[b]
+    probs: torch.Tensor  # [rows, k, vocab] the distributions the tokens were drawn from
+    counts: list[int]  # [rows] drafted tokens per row (k = max)
+    raw_probs: torch.Tensor | None = None  # [rows, k, vocab] unwarped, when the rule reads them
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+class RowsDrafter(Protocol):
+    """Proposes per-row drafts and follows the rows the engine keeps (admit / move / rewind)."""
+
+    calls: int
+    wants_features: bool  # the verify forward hands it the target's last-layer states (`observe`)
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft: ...
+
+    def rewind(self, row: int, keep: int) -> None: ...
+
+    def move_row(self, src: int, dst: int) -> None: ...
+
+    def release(self, live: int) -> None: ...
+
+    def observe(self, row: int, start: int, states: torch.Tensor) -> None: ...
+
+
+def _empty(rows: int, vocab: int, device: torch.device) -> RowsDraft:
+    return RowsDraft(torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab, device=device),
+                     [0] * rows)
+
+
+class NoRowsDrafter:
+    """Proposes nothing: every step is one target token per row (`ar`)."""
+
+    calls = 0
+    wants_features = False
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+
+    def admit(self, row, prompt_ids) -> None: pass
+
+    def propose(self, rows, limits) -> RowsDraft:
+        return _empty(len(rows), self.vocab_size, self.device)
+
+    def rewind(self, row, keep) -> None: pass
+
+    def move_row(self, src, dst) -> None: pass
+
+    def release(self, live) -> None: pass
+
+    def observe(self, row, start, states) -> None: pass
+
+
+class LookupRowsDrafter(NoRowsDrafter):
+    """Prompt lookup per row (n-gram continuation of the row's own text), one-hot draft distributions."""
+
+    def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int, min_ngram: int) -> None:
+        super().__init__(vocab_size, device)
+        from .drafters import PromptLookupDrafter
+
+        self._lookup = PromptLookupDrafter(vocab_size, device, max_ngram=max_ngram, min_ngram=min_ngram)
+
+    def propose(self, rows, limits) -> RowsDraft:
+        found = [self._lookup.lookup(r.sequence, limit) for r, limit in zip(rows, limits)]
+        width = max((len(f) for f in found), default=0)
+        if width == 0:
+            return _empty(len(rows), self.vocab_size, self.device)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, f in enumerate(found):
+            tokens[b, : len(f)] = torch.tensor(f, dtype=torch.long)
+        tokens = tokens.to(self.device)
+        probs = torch.zeros(len(rows), width, self.vocab_size, device=self.device).scatter_(-1, tokens[..., None], 1.0)
+        return RowsDraft(tokens, probs, [len(f) for f in found])
+
+
+class ModelRowsDrafter:
+    """An independent draft model over rows: each row samples from its own warped distribution with its
+    own generator. A row stops drafting at EOS, at its limit, or when `stop_when(q_raw)` says so."""
+
+    wants_features = False
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, *, eos_token_ids: frozenset[int] = frozenset(),
+                 keep_raw: bool = False, stop_when=None) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=runner.device)
+        self.keep_raw = keep_raw or stop_when is not None
+        self.stop_when = stop_when
+        self.prefill_calls = 0
+
+    @property
+    def calls(self) -> int:
+        """Drafting forwards (prefill forwards are counted apart, in `prefill_calls`)."""
+        return self.runner.calls - self.prefill_calls
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        _reset_row(self.runner, row)
+        self.prefill_calls += len(_prefill(self.runner, row, prompt_ids[:-1]))
+
+    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
+        from .sampling import unwarped
+
+        width = max(limits, default=0)
+        n = len(rows)
+        if width == 0:
+            return _empty(n, self.vocab_size, self.runner.device)
+        device = self.runner.device
+        lengths = self.runner.lengths
+        pending = [r.sequence[lengths[b]:] for b, r in enumerate(rows)]
+        counts = [len(p) for p in pending]
+        feed = torch.zeros(n, max(counts), dtype=torch.long)
+        for b, p in enumerate(pending):
+            feed[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
+        configs = [r.request.sampling for r in rows]
+        generators = [r.generator for r in rows]
+        active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
+        limit_t = torch.tensor(list(limits), device=device)
+        drafted = torch.zeros(n, dtype=torch.long, device=device)
+        tokens, probs, raws = [], [], []
+        for step in range(width):
+            logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
+            if self.keep_raw:
+                raw = unwarped(logits)  # [rows, vocab]
+                if self.stop_when is not None:
+                    stop = torch.tensor([bool(self.stop_when(raw[b])) for b in range(n)], device=device)
+                    active &= ~stop
+                raws.append(raw)
+            step_probs = warp_rows(logits, configs)  # [rows, vocab]
+            token = _sample_rows(step_probs, generators, active.tolist())  # [rows]
+            drafted += active.long()
+            tokens.append(token)
+            probs.append(step_probs)
+            # a row stops after drafting EOS or reaching its limit; the rest go on
+            active &= ~torch.isin(token, self.eos) & (drafted < limit_t)
+            if step + 1 < width:
+                if not bool(active.any()):
+                    break
+                feed, counts, at = token[:, None], [1] * n, None
+        counts_out = drafted.tolist()
+        k = max(counts_out)
+        if k == 0:
+            return _empty(n, self.vocab_size, device)
+        tokens_t = torch.stack(tokens, 1)[:, :k]  # [rows, k]
+        probs_t = torch.stack(probs, 1)[:, :k]  # [rows, k, vocab]
+        raws_t = torch.stack(raws, 1)[:, :k] if self.keep_raw else None
+        return RowsDraft(tokens_t, probs_t, counts_out, raws_t)
+
+    def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unwarped, warped) draft distributions after each row's context: one forward over the rows."""
+        from .sampling import unwarped
+
+        lengths = self.runner.lengths
+        for b, context in enumerate(contexts):  # rows that drafted past their own stop hold extra tokens
+            if lengths[b] >= len(context):
+                self.runner.trim_row(b, len(context) - 1)
+        pending = [list(context[lengths[b]:]) for b, context in enumerate(contexts)]
+        counts = [len(p) for p in pending]
+        feed = torch.zeros(len(pending), max(counts), dtype=torch.long)
+        for b, p in enumerate(pending):
+            feed[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
+        logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
+        return unwarped(logits), warp_rows(logits, configs)
+
+    def rewind(self, row: int, keep: int) -> None:
+        # the last drafted token was never fed, so the row may already be shorter than `keep`
+        self.runner.trim_row(row, min(keep, self.runner.lengths[row]))
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.runner.cache.move_row(src, dst)
+
+    def release(self, live: int) -> None:
+        self.runner.cache.drop_rows(live)
+
+    def observe(self, row, start, states) -> None: pass
+
+
+def _sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator], drawing: Sequence[bool]) -> torch.Tensor:
+    """One token per row by inverting the CDF with one uniform from the row's own generator. [rows, vocab] -> [rows].
+
+    Only rows still `drawing` consume a uniform (the others' tokens are discarded), so a row's
+    randomness does not depend on how long its batch-mates draft."""
+    from .batched import draw_uniforms
+
+    u = draw_uniforms(generators, [int(d) for d in drawing], 1, probs.device)  # [rows, 1]
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+def _reset_row(runner: ModelRunner, row: int) -> None:
+    cache = runner.cache
+    if row >= cache.num_rows:
+        cache.add_rows(row + 1 - cache.num_rows)
+    cache.lengths[row] = 0
+
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the activations of a long prompt
+
+
+def _prefill(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:
+    """Feed `tokens` to one row in chunks (one forward each); returns the last-layer states per chunk
+    when `hidden`, else an empty tensor per chunk."""
+    states = []
+    for start in range(0, len(tokens), PREFILL_CHUNK):
+        chunk = torch.tensor([list(tokens[start : start + PREFILL_CHUNK])], dtype=torch.long)
+        out = runner.forward_rows(chunk, [chunk.shape[1]], begin=row, logits_at=torch.zeros(1, 1, dtype=torch.long),
+                                  hidden=hidden)
+        states.append(out.hidden[0] if hidden else chunk[0, :0])
+    return states
+
+
+# ---------------------------------------------------------------- the engine
+
+class Engine:
+    """Continuous batching of one method over many requests. See the module docstring."""
+
+    def __init__(
+        self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
+        max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "",
+    ) -> None:
+        if max_batch_size < 1:
+            raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+        self.target = target
+        self.drafter = drafter
+        self.rule = rule
+        self.gamma = gamma
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
+        self.method = method
+        self.bonus_from_pi = bool(getattr(rule, "bonus_from_pi", False))  # read once: cascades' Algorithm 4 bonus
+        self.waiting: list[_Row] = []
+        self.live: list[_Row] = []  # row i of every cache is live[i]
+        self.finished: dict[int, Result] = {}
+        self._ids = itertools.count()
+        self.target_calls = 0  # batched verification forwards
+        self.verified_tokens = 0  # tokens fed to verification (bonus positions included)
+        self.committed_tokens = 0
+
+    # ---- interface ----
+
+    def submit(self, request: Request) -> int:
+        row = _Row(
+            id=next(self._ids), request=request,
+            generator=make_generator(request.seed, self.target.device),
+            counters=RowCounters(gamma=self.gamma), detok=Detokenizer(self.tokenizer),
+            sequence=list(request.prompt_ids), submitted=time.perf_counter(),
+        )
+        self.waiting.append(row)
+        return row.id
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now; its row is freed, other rows are untouched. False when unknown or done."""
+        for i, row in enumerate(self.waiting):
+            if row.id == request_id:
+                self.waiting.pop(i)
+                self._finish(row, "cancelled")
+                return True
+        for i, row in enumerate(self.live):
+            if row.id == request_id:
+                self._finish(row, "cancelled")
+                self._free(i)
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.live)
+
+    def result(self, request_id: int) -> Result | None:
+        return self.finished.get(request_id)
+
+    def results(self) -> dict[int, Result]:
+        return dict(self.finished)
+
+    @torch.inference_mode()
+    def step(self) -> list[Event]:
+        """Admit what fits, then one draft -> verify -> accept -> rewind step over the live rows."""
+        self._admit()
+        rows = self.live
+        if not rows:
+            return []
+        limits = [max(0, min(self.gamma, row.budget - 1)) for row in rows]
+
+        draft = self.drafter.propose(rows, limits)  # draft
+        k = draft.width
+        counts = [1 + c for c in draft.counts]  # verify: the pending token and the drafts
+        last = torch.tensor([row.sequence[-1] for row in rows], dtype=torch.long, device=draft.tokens.device)
+        feed = torch.cat([last[:, None], draft.tokens], 1)  # [rows, 1 + k]
+        verified = self.target.forward_rows(feed, counts, hidden=self.drafter.wants_features)
+        self.target_calls += 1
+        self.verified_tokens += sum(counts)
+        if self.drafter.wants_features:
+            for b, row in enumerate(rows):
+                self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, : counts[b]])
+        target_logits = verified.logits  # [rows, k + 1, vocab]
+        target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
+
+        pi = self._pi(draft, target_probs, target_logits, rows) if k else target_probs[:, :0]  # accept
+        bonus = target_probs
+        if self.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
+            def bonus(needed: torch.Tensor) -> torch.Tensor:
+                if not bool(needed.any()):
+                    return target_probs
+                return self._bonus_from_pi(rows, draft, target_probs, target_logits)
+
+        outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
+                                          [row.generator for row in rows])
+        drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
+
+        events, done = [], []
+        now = time.perf_counter()
+        for b, row in enumerate(rows):
+            accepted = outcome.num_accepted[b]
+            committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
+            committed = _cut_at_eos(committed, row.request.eos_token_ids)
+            row.counters.record(draft.counts[b], min(accepted, len(committed)))  # record: nothing past EOS
+            row.counters.target_tokens += counts[b]
+            events.append(self._commit(row, committed, now))
+            # rewind: the row keeps everything but its newest token
+            self.target.trim_row(b, len(row.sequence) - 1)
+            self.drafter.rewind(b, len(row.sequence) - 1)
+            if row.finish_reason is not None:
+                done.append(b)
+        for b in reversed(done):  # highest first: moving the last row never touches a pending index
+            self._free(b)
+        return events
+
+    def run(self) -> dict[int, Result]:
+        while self.has_work:
+            self.step()
+        return self.results()
+
+    # ---- phases ----
+
+    def _pi(self, draft: RowsDraft, target_probs: torch.Tensor, target_logits: torch.Tensor,
+            rows: Sequence[_Row]) -> torch.Tensor:
+        """pi = rule(draft, target) at the drafted positions: [rows, k, vocab], one rule call per
+        greedy / sampling group (rules read `greedy` as one flag)."""
+        greedy = [row.request.sampling.greedy for row in rows]
+        counts = torch.tensor(draft.counts, device=draft.tokens.device)
+        if len(set(greedy)) == 1:
+            return self.rule(StepDistributions(draft.tokens, draft.probs, target_probs, target_logits,
+                                               draft.raw_probs, greedy[0], num_drafted=counts))
+        pi = torch.empty_like(draft.probs)
+        for flag in (False, True):
+            index = torch.tensor([b for b, g in enumerate(greedy) if g == flag], device=draft.tokens.device)
+            raw = draft.raw_probs[index] if draft.raw_probs is not None else None
+            pi[index] = self.rule(StepDistributions(draft.tokens[index], draft.probs[index], target_probs[index],
+                                                    target_logits[index], raw, flag, num_drafted=counts[index]))
+        return pi
+
+    def _bonus_from_pi(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
+                       target_logits: torch.Tensor) -> torch.Tensor:
+        """target_probs with row b's position counts[b] replaced by rule.bonus(q, p) there: [rows, k + 1, vocab]."""
+        from .sampling import unwarped
+
+        contexts = [row.sequence + draft.tokens[b, : draft.counts[b]].tolist() for b, row in enumerate(rows)]
+        q_raw, q_warped = self.drafter.next_distribution(contexts, [row.request.sampling for row in rows])
+        index = torch.arange(len(rows), device=target_probs.device)
+        at = torch.tensor(draft.counts, device=target_probs.device)
+        p_raw, p_warped = unwarped(target_logits[index, at]), target_probs[index, at]  # [rows, vocab]
+        out = target_probs.clone()
+        for flag in (False, True):
+            members = [b for b, row in enumerate(rows) if row.request.sampling.greedy == flag]
+            if members:
+                m = torch.tensor(members, device=target_probs.device)
+                out[m, at[m]] = self.rule.bonus(q_raw[m], q_warped[m], p_raw[m], p_warped[m], flag)
+        return out
+
+    def _commit(self, row: _Row, committed: list[int], now: float) -> Event:
+        stop_hit = False
+        if row.request.stop and self.tokenizer is not None:
+            kept = []
+            for token in committed:  # token by token, so the cut is exact
+                kept.append(token)
+                row.text += row.detok.push([token])
+                cut = _find_stop(row.text, row.request.stop)
+                if cut is not None:
+                    row.text = row.text[:cut]
+                    stop_hit = True
+                    break
+            committed = kept
+        else:
+            row.text += row.detok.push(committed)
+        row.sequence.extend(committed)
+        row.token_ids.extend(committed)
+        self.committed_tokens += len(committed)
+        if row.first_token_at is None:
+            row.first_token_at = now
+        if stop_hit:
+            row.finish_reason = "stop"
+        elif committed and committed[-1] in row.request.eos_token_ids:
+            row.finish_reason = "eos"
+        elif row.budget <= 0:
+            row.finish_reason = "length"
+        if row.finish_reason is not None:
+            self._finish(row, row.finish_reason)
+            ready = len(row.text)
+        else:
+            ready = _safe_prefix(row.text, row.request.stop)
+        piece = row.text[row.emitted:ready] if ready > row.emitted else ""
+        row.emitted = max(row.emitted, ready)
+        return Event(row.id, committed, piece, row.finish_reason is not None, row.finish_reason)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.live) < self.max_batch_size:
+            candidate = self.waiting[0]
+            if self.kv_budget_tokens is not None and self.live:
+                reserved = sum(len(r.request.prompt_ids) + r.request.max_new_tokens for r in self.live)
+                need = len(candidate.request.prompt_ids) + candidate.request.max_new_tokens
+                if reserved + need > self.kv_budget_tokens:
+                    return
+            self.waiting.pop(0)
+            index = len(self.live)
+            prompt = candidate.request.prompt_ids
+            _reset_row(self.target, index)
+            states = _prefill(self.target, index, prompt[:-1], hidden=self.drafter.wants_features)
+            candidate.counters.target_tokens += len(prompt) - 1
+            candidate.counters.prefill_calls += len(states)
+            self.drafter.admit(index, prompt)
+            if states and self.drafter.wants_features:
+                self.drafter.observe(index, 0, torch.cat(states))
+            self.live.append(candidate)
+
+    def _free(self, index: int) -> None:
+        last = len(self.live) - 1
+        if index != last:
+            self.target.cache.move_row(last, index)
+            self.drafter.move_row(last, index)
+            self.live[index] = self.live[last]
+        self.live.pop()
+        self.target.cache.drop_rows(len(self.live))
+        self.drafter.release(len(self.live))
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        row.finish_reason = reason
+        row.finished_at = time.perf_counter()
+        if self.tokenizer is not None and reason != "stop":
+            row.text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        c = row.counters
+        stats = {
+            "method": self.method,
+            "new_tokens": len(row.token_ids),
+            "target_calls": c.steps,
+            "draft_calls": None,  # filled by the API for batch-of-one runs; per-row draft calls are shared
+            "target_tokens": c.target_tokens,
+            "steps": c.steps,
+            "drafted": c.drafted,
+            "accepted": c.accepted,
+            "accepted_per_position": c.accepted_per_position,
+            "drafted_per_position": c.drafted_per_position,
+            "prompt_tokens": len(row.request.prompt_ids),
+            "prefill_calls": c.prefill_calls,
+            "finish_reason": reason,
+            "seed": row.generator.initial_seed(),
+            "wall_time_s": row.finished_at - row.submitted,
+            "time_to_first_token_s": (row.first_token_at - row.submitted) if row.first_token_at else None,
+        }
+        self.finished[row.id] = Result(row.id, list(row.token_ids), row.text, reason, stats)
+
+
+def _cut_at_eos(committed: list[int], eos: frozenset[int]) -> list[int]:
+    for i, token in enumerate(committed):
+        if token in eos:
+            return committed[: i + 1]
+    return committed
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _safe_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """How much of `text` can be shown: not a trailing incomplete character, not a possible stop-string start."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    for s in stops:
+        for n in range(min(len(s) - 1, end), 0, -1):
+            if text[end - n : end] == s[:n]:
+                end -= n
+                break
+    return end
