@@ -142,6 +142,7 @@ class PositionCache(Cache):
             raise ValueError(f"cannot trim row {row} of {self.lengths[row]} tokens to {keep}")
         self.lengths[row] = keep
 
+    @torch.inference_mode()
     def add_rows(self, count: int) -> None:
         """Append `count` empty rows (buffers grow by doubling when they run out)."""
         self.lengths.extend([0] * count)
@@ -154,6 +155,7 @@ class PositionCache(Cache):
                     grown[:allocated] = buf
                     store[i] = grown
 
+    @torch.inference_mode()
     def move_row(self, src: int, dst: int) -> None:
         """Make row `dst` a copy of row `src` (its valid positions only)."""
         n = self.lengths[src]
@@ -163,6 +165,7 @@ class PositionCache(Cache):
                     buf[dst, :, :n] = buf[src, :, :n]
         self.lengths[dst] = n
 
+    @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor) -> None:
         """New row i is old row rows[i] (beam search: broadcast, reorder, pick). A gather copy."""
         index = rows.long()
@@ -176,6 +179,7 @@ class PositionCache(Cache):
         """Forget rows past the first `keep` (their buffers stay allocated for reuse)."""
         del self.lengths[keep:]
 
+    @torch.inference_mode()
     def _grow(self, need: int) -> None:
         capacity = self.capacity
         while capacity < need:

@@ -1,0 +1,325 @@
+"""The batched engine: the position-indexed cache under per-row rollback, batch invariance with
+requests joining and leaving, the scheduler's bookkeeping, the row drafter against a cache-free
+rollout under forced acceptance patterns, and batched exactness at mixed sampling settings."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import draftwise
+from conftest import tiny_gpt2, tiny_llama, tiny_tokenizer
+from draftwise.acceptance import ExactRule
+from draftwise.engine import Engine, ModelRowsDrafter, NoRowsDrafter, Request
+from draftwise.errors import DraftwiseError
+from draftwise.models.kvcache import PositionCache, check_supported
+from draftwise.models.loading import load_model
+from draftwise.models.runner import ModelRunner
+from draftwise.sampling import SamplingConfig, make_generator, warp
+
+MODELS = {"llama": lambda: tiny_llama(0), "gpt2": lambda: tiny_gpt2(0)}
+PROMPTS = [[3, 17, 42, 8, 25], [5, 6], [9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 3], [40, 41, 7]]
+GREEDY = SamplingConfig(temperature=0)
+
+
+def _full_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+
+# ---------------------------------------------------------------- the cache
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_random_per_row_rollbacks_then_replay_match_a_cache_free_forward(name):
+    """Rows of different lengths roll back by different amounts; replaying gives cache-free logits."""
+    model = MODELS[name]()
+    rng = random.Random(0)
+    runner = ModelRunner(model, rows=0)
+    sequences = [list(p) for p in PROMPTS[:4]]
+    counts = [len(s) for s in sequences]
+    feed = torch.zeros(4, max(counts), dtype=torch.long)
+    for b, s in enumerate(sequences):
+        feed[b, : len(s)] = torch.tensor(s)
+    runner.forward_rows(feed, counts)
+    for _ in range(6):
+        # each row appends 1-4 random tokens, then rolls back a random amount
+        new = [[rng.randrange(64) for _ in range(rng.randint(1, 4))] for _ in sequences]
+        width = max(len(n) for n in new)
+        feed = torch.zeros(4, width, dtype=torch.long)
+        for b, n in enumerate(new):
+            feed[b, : len(n)] = torch.tensor(n)
+        out = runner.forward_rows(feed, [len(n) for n in new])
+        for b, n in enumerate(new):
+            reference = _full_logits(model, sequences[b] + n)[len(sequences[b]):]
+            assert torch.allclose(out.logits[b, : len(n)], reference, atol=1e-4), (name, b)
+            sequences[b] += n
+            keep = rng.randint(1, len(sequences[b]))
+            runner.trim_row(b, keep)
+            del sequences[b][keep:]
+        assert runner.lengths == [len(s) for s in sequences]
+
+
+def test_rollback_is_a_length_write_and_growth_keeps_contents():
+    model = tiny_llama(0)
+    runner = ModelRunner(model)
+    runner.prefill(list(range(1, 40)))
+    runner.cache._grow(4 * runner.cache.capacity)  # force growth: contents survive
+    runner.trim(10)
+    assert runner.length == 10
+    logits = runner.forward([5, 6]).logits
+    assert torch.allclose(logits, _full_logits(model, list(range(1, 11)) + [5, 6])[-2:], atol=1e-4)
+    with pytest.raises(ValueError):
+        runner.trim(50)
+
+
+def test_attention_reads_only_up_to_the_longest_row():
+    cache = PositionCache(rows=2, capacity=512)
+    cache.lengths = [3, 7]
+    positions, kv = cache.begin_forward([2, 1])
+    # the longest row after the write is 8; row 1's padding slot (position 8) widens the read to 9
+    assert kv == 8 and positions.tolist() == [[3, 4], [7, 8]]
+    mask = cache.attention_mask(positions, torch.float32, additive=False)
+    assert mask.shape == (2, 1, 2, 9)
+    assert mask[0, 0, 0].tolist() == [True] * 4 + [False] * 5
+    cache.abort()
+
+
+def test_sliding_window_models_mixing_layer_types_are_refused():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2)
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.sliding_window = 16
+    with pytest.raises(DraftwiseError, match="mixes attention layer types"):
+        check_supported(config)
+
+
+def test_a_uniform_sliding_window_is_applied_in_the_mask():
+    cache = PositionCache(rows=1, capacity=256, window=3)
+    positions, _ = cache.begin_forward([6])
+    mask = cache.attention_mask(positions, torch.float32, additive=False)[0, 0]
+    assert mask[5].tolist() == [False, False, False, True, True, True]
+    cache.abort()
+
+
+# ---------------------------------------------------------------- batch invariance
+
+def _engine(target, draft=None, *, gamma=3, max_batch_size=8):
+    runner = ModelRunner(target, rows=0)
+    drafter = (ModelRowsDrafter(ModelRunner(draft, rows=0), 64) if draft is not None else NoRowsDrafter(64, runner.device))
+    return Engine(runner, drafter, ExactRule(), gamma=gamma, max_batch_size=max_batch_size)
+
+
+def _alone(target, draft, request):
+    engine = _engine(target, draft)
+    rid = engine.submit(request)
+    engine.run()
+    return engine.result(rid).token_ids
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_batched_requests_equal_requests_decoded_alone_with_joins_and_leaves(llama_pair, with_draft):
+    """Mixed settings per row (greedy, T=1, top-k + top-p), different budgets and prompt lengths; requests
+    join mid-run (submitted between steps) and leave early; every one equals its solo run."""
+    target, draft = llama_pair
+    draft = draft if with_draft else None
+    settings = [GREEDY, SamplingConfig(1.0), SamplingConfig(0.8, top_k=10, top_p=0.9), GREEDY, SamplingConfig(1.0)]
+    requests = [Request(tuple(p), s, max_new_tokens=n, seed=seed)
+                for p, s, n, seed in zip(PROMPTS, settings, (12, 3, 20, 7, 15), (0, 1, 2, 3, 4))]
+    engine = _engine(target, draft, max_batch_size=3)
+    ids = [engine.submit(r) for r in requests[:3]]
+    engine.step()
+    engine.step()
+    ids += [engine.submit(r) for r in requests[3:]]  # join while others decode; batch size 3 queues them
+    engine.run()
+    for rid, request in zip(ids, requests):
+        assert engine.result(rid).token_ids == _alone(target, draft, request), request
+
+
+# ---------------------------------------------------------------- the scheduler
+
+def test_scheduler_frees_rows_cancels_cleanly_and_counts_per_request(llama_pair):
+    target, draft = llama_pair
+    engine = _engine(target, draft, max_batch_size=2)
+    short = engine.submit(Request((1, 2, 3), GREEDY, max_new_tokens=2))
+    long = engine.submit(Request((4, 5, 6, 7), GREEDY, max_new_tokens=30))
+    waiting = engine.submit(Request((8, 9), GREEDY, max_new_tokens=10))
+    engine.step()
+    assert len(engine.live) == 2 and len(engine.waiting) == 1
+    while engine.result(short) is None:
+        engine.step()
+    engine.step()  # the freed row goes to the waiting request
+    assert {r.id for r in engine.live} == {long, waiting}
+    assert engine.cancel(long)
+    assert [r.id for r in engine.live] == [waiting]
+    engine.run()
+    assert engine.result(long).finish_reason == "cancelled"
+    assert engine.result(waiting).token_ids == _alone(target, draft, Request((8, 9), GREEDY, max_new_tokens=10))
+    for rid in (short, waiting):
+        stats = engine.result(rid).stats
+        assert stats["new_tokens"] == stats["accepted"] + stats["steps"]  # one recovered/bonus token per step
+        assert stats["accepted"] <= stats["drafted"]
+    assert not engine.cancel(short)  # finished: nothing to cancel
+
+
+def test_counters_never_count_accepted_tokens_past_eos():
+    """EOS at draft position 0: the step commits 1 token and records at most 0 accepted past it."""
+    target = tiny_llama(0, eos=7)
+    runner = ModelRunner(target, rows=0)
+
+    class EosDrafter(NoRowsDrafter):
+        def propose(self, rows, limits):
+            from draftwise.engine import RowsDraft
+
+            tokens = torch.tensor([[7, 7, 7]] * len(rows))
+            probs = torch.zeros(len(rows), 3, 64).scatter_(-1, tokens[..., None], 1.0)
+            return RowsDraft(tokens, probs, [3] * len(rows))
+
+    class AcceptAll:
+        def __call__(self, step):
+            return step.draft_probs
+
+    engine = Engine(runner, EosDrafter(64, runner.device), AcceptAll(), gamma=3)
+    rid = engine.submit(Request((1, 2), GREEDY, max_new_tokens=10, eos_token_ids=frozenset({7})))
+    engine.run()
+    result = engine.result(rid)
+    assert result.token_ids == [7] and result.finish_reason == "eos"
+    assert result.stats["accepted"] <= result.stats["new_tokens"]
+
+
+# ---------------------------------------------------------------- the row drafter, checked directly
+
+def test_row_drafter_equals_a_cache_free_rollout_under_forced_acceptance(llama_pair):
+    """Random accepted counts per row each round: every proposal equals a greedy cache-free rollout
+    of the draft model from that row's current sequence."""
+    _, draft = llama_pair
+    rng = random.Random(1)
+    drafter = ModelRowsDrafter(ModelRunner(draft, rows=0), 64)
+
+    class Row:
+        def __init__(self, sequence):
+            self.sequence = sequence
+            self.request = Request(tuple(sequence), GREEDY)
+            self.generator = make_generator(0)
+
+    rows = [Row(list(p)) for p in PROMPTS[:3]]
+    for b, row in enumerate(rows):
+        drafter.admit(b, row.sequence)
+    for _ in range(8):
+        limits = [rng.randint(0, 4) for _ in rows]
+        proposal = drafter.propose(rows, limits)
+        for b, row in enumerate(rows):
+            expected, seq = [], list(row.sequence)
+            for _ in range(limits[b]):
+                token = int(_full_logits(draft, seq)[-1].argmax())
+                expected.append(token)
+                seq.append(token)
+            assert proposal.tokens[b, : proposal.counts[b]].tolist() == expected
+            # force a random acceptance: keep a prefix, then a random "recovered" token
+            keep = rng.randint(0, proposal.counts[b])
+            row.sequence += proposal.tokens[b, :keep].tolist() + [rng.randrange(64)]
+            drafter.rewind(b, len(row.sequence) - 1)
+
+
+# ---------------------------------------------------------------- batched exactness
+
+N = 3000
+ALPHA = 1e-3
+
+
+def _joint(target, sampling, prompt, length=2):
+    """Exact distribution of the first `length` tokens under the warped target, enumerated."""
+    vocab = 64
+    out = np.zeros([vocab] * length)
+    first = warp(_full_logits(target, prompt)[-1], sampling)
+    for a in range(vocab):
+        if first[a] == 0:
+            continue
+        second = warp(_full_logits(target, prompt + [a])[-1], sampling)
+        out[a] = first[a].item() * second.numpy()
+    return out
+
+
+@pytest.mark.parametrize("method", ["sd", "prompt-lookup"])
+def test_batched_rows_follow_the_target_distribution_at_mixed_settings(method):
+    """Batch of 4 rows with different prompt lengths and settings (T=1, top-k + top-p, greedy, T=0.7):
+    the first two tokens of each row follow the exact warped target joint (chi-square at 1e-3)."""
+    for b, p_value in enumerate(_batched_p_values(method, N)):
+        assert p_value > ALPHA, (method, b, p_value)
+
+
+def test_control_batched_residual_bug_is_rejected(monkeypatch):
+    """Recovering from pi instead of max(0, pi - draft) in the batched sampler fails the same test."""
+    import draftwise.batched as batched
+
+    monkeypatch.setattr(batched, "residual_rows", lambda pi, draft_probs: pi)
+    assert min(_batched_p_values("sd", N)) < ALPHA
+
+
+def _batched_p_values(method: str, n: int) -> list[float]:
+    target = tiny_llama(0, init=0.05, vocab=64)
+    draft = tiny_llama(1, layers=1, init=0.05, vocab=64)
+    t = load_model(target)
+    kwargs = {"draft": load_model(draft)} if method == "sd" else {}
+    settings = [SamplingConfig(1.0), SamplingConfig(1.0, top_k=8, top_p=0.8), GREEDY, SamplingConfig(0.7, top_k=5)]
+    prompts = [[3, 17, 42, 8, 25], [5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [1, 2, 3]]
+    runner = ModelRunner(t.model, vocab_size=64, rows=0)
+    if method == "sd":
+        drafter = ModelRowsDrafter(ModelRunner(kwargs["draft"].model, vocab_size=64, rows=0), 64)
+    else:
+        from draftwise.engine import LookupRowsDrafter
+        drafter = LookupRowsDrafter(64, runner.device, max_ngram=3, min_ngram=1)
+    engine = Engine(runner, drafter, ExactRule(), gamma=2, max_batch_size=4)
+    counts = [np.zeros((64, 64)) for _ in prompts]
+    ids = []
+    for i in range(n):
+        for b, (p, s) in enumerate(zip(prompts, settings)):
+            ids.append((b, engine.submit(Request(tuple(p), s, max_new_tokens=2, seed=i * 4 + b))))
+    engine.run()
+    drafted = 0
+    for b, rid in ids:
+        result = engine.result(rid)
+        counts[b][tuple(result.token_ids)] += 1
+        drafted += result.stats["drafted"]
+    assert drafted > 0
+    p_values = []
+    for b, (p, s) in enumerate(zip(prompts, settings)):
+        expected = _joint(target, s, p)
+        if counts[b][expected == 0].sum():
+            p_values.append(0.0)  # a token outside the warped support
+            continue
+        support = expected > 1e-12
+        if support.sum() == 1:
+            p_values.append(1.0 if counts[b][support].sum() == n else 0.0)
+            continue
+        e = expected[support] * n
+        o = counts[b][support]
+        # pool rare cells so every expected count is >= 5
+        order = np.argsort(e)
+        e, o = e[order], o[order]
+        small = np.cumsum(e) < 5 * 4
+        e = np.concatenate([[e[small].sum()], e[~small]]) if small.any() else e
+        o = np.concatenate([[o[small].sum()], o[~small]]) if small.any() else o
+        p_values.append(float(chisquare(o, e * o.sum() / e.sum()).pvalue))
+    return p_values
+
+
+def test_batched_generate_api_returns_one_generation_per_prompt(llama_pair):
+    target, draft = llama_pair
+    tok = tiny_tokenizer(64)
+    t = load_model(target, tokenizer=tok)
+    out = draftwise.generate(t, ["the cat", "a small draft"], method="ar", temperature=0, max_new_tokens=5,
+                             ignore_eos=True, max_batch_size=2)
+    assert isinstance(out, list) and len(out) == 2
+    for text, g in zip(["the cat", "a small draft"], out):
+        assert g.token_ids == draftwise.generate(t, text, method="ar", temperature=0, max_new_tokens=5,
+                                                 ignore_eos=True).token_ids
+    with pytest.raises(DraftwiseError, match="max_batch_size"):
+        draftwise.generate(t, ["a", "b"], method="ar", max_batch_size=0)
+    with pytest.raises(DraftwiseError, match="one request at a time"):
+        draftwise.generate(t, ["a", "b"], method="mtjd", temperature=0)
