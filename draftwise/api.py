@@ -27,6 +27,7 @@ from .eagle import EagleDrafter, EagleHead
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from .models.runner import ModelRunner
+from .policies import FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
 from .sampling import SamplingConfig, make_generator
 
 
@@ -124,7 +125,7 @@ def generate(
     engine, _ = _engine(plan, max_batch_size)
     ids = [engine.submit(request) for request in requests]
     engine.run()
-    return [_generation(engine.result(i)) for i in ids]
+    return [_generation(engine.result(i), plan.method) for i in ids]
 
 
 def stream(
@@ -168,7 +169,7 @@ def batched_methods() -> list[str]:
 
 def _method_refuses(spec: Method, options: dict[str, Any]) -> str | None:
     """Why the batched engine cannot run this method (None when it can)."""
-    if spec.loop != "speculative" or spec.drafter not in ("none", "model", "ngram"):
+    if spec.loop != "speculative" or spec.drafter not in ("none", "model", "ngram", "sprinter", "stophead"):
         return f"method {spec.name!r} decodes one request at a time"
     return None
 
@@ -194,11 +195,11 @@ def _engine(plan: _Plan, max_batch_size: int) -> tuple[Engine, Any]:
     rule = spec.make_rule(plan.options)
     gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
     device = plan.target.device
-    if spec.drafter == "model":
+    if spec.needs_draft:
         drafter: Any = ModelRowsDrafter(
             ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, rows=0), plan.vocab_size,
             eos_token_ids=plan.eos_token_ids, keep_raw=getattr(rule, "needs_draft_raw", False),
-            stop_when=spec.make_stop(plan.options) if spec.make_stop else None)
+            policy=_policy(plan))
     elif spec.drafter == "ngram":
         drafter = LookupRowsDrafter(plan.vocab_size, device, max_ngram=plan.options["max_ngram"],
                                     min_ngram=plan.options["min_ngram"])
@@ -209,8 +210,27 @@ def _engine(plan: _Plan, max_batch_size: int) -> tuple[Engine, Any]:
     return engine, drafter
 
 
-def _generation(result: Result) -> Generation:
-    return Generation(token_ids=result.token_ids, text=result.text, stats=result.stats)
+def _policy(plan: _Plan) -> LengthPolicy:
+    """The method's length policy: SPRINTER's verifier, SpecDec++'s head, a stop rule, or fixed gamma."""
+    spec = plan.method
+    if spec.drafter in ("sprinter", "stophead"):
+        embedding = plan.draft.model.get_input_embeddings()
+        verifier = plan.verifier.to(plan.target.device)
+        if spec.drafter == "sprinter":
+            return VerifierStop(verifier, plan.options["tau"], embedding)
+        return StopHead(verifier, plan.options["threshold"], embedding)
+    if spec.make_stop:
+        return StopBefore(spec.make_stop(plan.options))
+    return FixedLength()
+
+
+def _generation(result: Result, spec: Method) -> Generation:
+    stats = dict(result.stats)
+    if spec.drafter in ("sprinter", "stophead"):
+        stats["verifier_calls"] = stats["drafted"]  # the verifier scores every drafted token
+    else:
+        stats.pop("verifier_accepted", None)
+    return Generation(token_ids=result.token_ids, text=result.text, stats=stats)
 
 
 # Methods that can draft with an EAGLE feature head (the head drafts one token distribution per step).
@@ -677,7 +697,7 @@ class _Run:
             result = engine.result(request_id)
             if result is not None:  # None only when a forward raised: the error propagates
                 self.text = result.text
-                self.stats = dict(result.stats, draft_calls=drafter.calls)
+                self.stats = dict(_generation(result, plan.method).stats, draft_calls=drafter.calls)
                 if plan.context_limited and result.finish_reason == "length":
                     self.stats["finish_reason"] = "context"
 

@@ -35,6 +35,7 @@ from .acceptance import StepDistributions, TargetRule
 from .batched import speculative_sample_rows, warp_rows
 from .errors import DraftwiseError
 from .models.runner import ModelRunner
+from .policies import FixedLength, LengthPolicy
 from .sampling import SamplingConfig, make_generator
 
 
@@ -62,6 +63,7 @@ class RowCounters:
     accepted: int = 0  # drafted tokens kept (and committed: none past an EOS or a stop)
     target_tokens: int = 0  # tokens this request fed the target (prefill included)
     prefill_calls: int = 0
+    verifier_accepted: int = 0  # drafted tokens kept on a verifier's word (SPRINTER)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
@@ -153,6 +155,7 @@ class RowsDraft:
     probs: torch.Tensor  # [rows, k, vocab] the distributions the tokens were drawn from
     counts: list[int]  # [rows] drafted tokens per row (k = max)
     raw_probs: torch.Tensor | None = None  # [rows, k, vocab] unwarped, when the rule reads them
+    verdicts: torch.Tensor | None = None  # [rows, k] bool: a verifier's word per drafted token (SPRINTER)
 
     @property
     def width(self) -> int:
@@ -230,17 +233,17 @@ class LookupRowsDrafter(NoRowsDrafter):
 
 class ModelRowsDrafter:
     """An independent draft model over rows: each row samples from its own warped distribution with its
-    own generator. A row stops drafting at EOS, at its limit, or when `stop_when(q_raw)` says so."""
+    own generator. A row stops drafting at EOS, at its limit, or when its length policy says so."""
 
     wants_features = False
 
     def __init__(self, runner: ModelRunner, vocab_size: int, *, eos_token_ids: frozenset[int] = frozenset(),
-                 keep_raw: bool = False, stop_when=None) -> None:
+                 keep_raw: bool = False, policy: LengthPolicy | None = None) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=runner.device)
-        self.keep_raw = keep_raw or stop_when is not None
-        self.stop_when = stop_when
+        self.policy = policy or FixedLength()
+        self.keep_raw = keep_raw
         self.prefill_calls = 0
 
     @property
@@ -260,6 +263,7 @@ class ModelRowsDrafter:
         if width == 0:
             return _empty(n, self.vocab_size, self.runner.device)
         device = self.runner.device
+        policy = self.policy
         lengths = self.runner.lengths
         pending = [r.sequence[lengths[b]:] for b, r in enumerate(rows)]
         counts = [len(p) for p in pending]
@@ -272,34 +276,41 @@ class ModelRowsDrafter:
         active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
         limit_t = torch.tensor(list(limits), device=device)
         drafted = torch.zeros(n, dtype=torch.long, device=device)
-        tokens, probs, raws = [], [], []
+        tokens, probs, raws, verdicts = [], [], [], []
+        policy.start(n, device)
         for step in range(width):
-            logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
+            out = self.runner.forward_rows(feed, counts, logits_at=at, hidden=policy.needs_hidden)
+            logits = out.logits[:, -1]  # [rows, vocab]
+            raw = unwarped(logits) if self.keep_raw or policy.needs_raw else None  # [rows, vocab]
+            active &= ~policy.stop_before(raw)
             if self.keep_raw:
-                raw = unwarped(logits)  # [rows, vocab]
-                if self.stop_when is not None:
-                    stop = torch.tensor([bool(self.stop_when(raw[b])) for b in range(n)], device=device)
-                    active &= ~stop
                 raws.append(raw)
             step_probs = warp_rows(logits, configs)  # [rows, vocab]
             token = _sample_rows(step_probs, generators, active.tolist())  # [rows]
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)
-            # a row stops after drafting EOS or reaching its limit; the rest go on
-            active &= ~torch.isin(token, self.eos) & (drafted < limit_t)
+            hidden = out.hidden.gather(1, at[:, :, None].expand(-1, -1, out.hidden.shape[-1]))[:, -1] \
+                if policy.needs_hidden else None  # [rows, hidden] at the last fed position
+            stop, verdict = policy.after(hidden, token, raw)
+            if verdict is not None:
+                verdicts.append(verdict)
+            # a row stops after drafting EOS, on its policy's word, or at its limit; the rest go on
+            active &= ~torch.isin(token, self.eos) & ~stop & (drafted < limit_t)
             if step + 1 < width:
                 if not bool(active.any()):
                     break
-                feed, counts, at = token[:, None], [1] * n, None
+                feed, counts = token[:, None], [1] * n
+                at = torch.zeros(n, 1, dtype=torch.long, device=device)
         counts_out = drafted.tolist()
         k = max(counts_out)
         if k == 0:
             return _empty(n, self.vocab_size, device)
-        tokens_t = torch.stack(tokens, 1)[:, :k]  # [rows, k]
-        probs_t = torch.stack(probs, 1)[:, :k]  # [rows, k, vocab]
-        raws_t = torch.stack(raws, 1)[:, :k] if self.keep_raw else None
-        return RowsDraft(tokens_t, probs_t, counts_out, raws_t)
+        return RowsDraft(
+            torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
+            torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
+            torch.stack(verdicts, 1)[:, :k] if verdicts else None,
+        )
 
     def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,6 +475,7 @@ class Engine:
         outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
                                           [row.generator for row in rows])
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
+        verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
 
         events, done = [], []
         now = time.perf_counter()
@@ -473,6 +485,8 @@ class Engine:
             committed = _cut_at_eos(committed, row.request.eos_token_ids)
             row.counters.record(draft.counts[b], min(accepted, len(committed)))  # record: nothing past EOS
             row.counters.target_tokens += counts[b]
+            if verdicts_host is not None:
+                row.counters.verifier_accepted += sum(verdicts_host[b][: draft.counts[b]])
             events.append(self._commit(row, committed, now))
             # rewind: the row keeps everything but its newest token
             self.target.trim_row(b, len(row.sequence) - 1)
@@ -498,13 +512,15 @@ class Engine:
         counts = torch.tensor(draft.counts, device=draft.tokens.device)
         if len(set(greedy)) == 1:
             return self.rule(StepDistributions(draft.tokens, draft.probs, target_probs, target_logits,
-                                               draft.raw_probs, greedy[0], num_drafted=counts))
+                                               draft.raw_probs, greedy[0], draft.verdicts, num_drafted=counts))
         pi = torch.empty_like(draft.probs)
         for flag in (False, True):
             index = torch.tensor([b for b, g in enumerate(greedy) if g == flag], device=draft.tokens.device)
             raw = draft.raw_probs[index] if draft.raw_probs is not None else None
+            verdicts = draft.verdicts[index] if draft.verdicts is not None else None
             pi[index] = self.rule(StepDistributions(draft.tokens[index], draft.probs[index], target_probs[index],
-                                                    target_logits[index], raw, flag, num_drafted=counts[index]))
+                                                    target_logits[index], raw, flag, verdicts,
+                                                    num_drafted=counts[index]))
         return pi
 
     def _bonus_from_pi(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
@@ -609,6 +625,7 @@ class Engine:
             "drafted_per_position": c.drafted_per_position,
             "prompt_tokens": len(row.request.prompt_ids),
             "prefill_calls": c.prefill_calls,
+            "verifier_accepted": c.verifier_accepted,
             "finish_reason": reason,
             "seed": row.generator.initial_seed(),
             "wall_time_s": row.finished_at - row.submitted,

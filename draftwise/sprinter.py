@@ -250,8 +250,8 @@ class SprinterRule:
         verdicts = step.verifier_accepts
         if verdicts is None:
             raise DraftwiseError("the sprinter rule needs the verifier's verdicts (a SprinterDrafter)")
-        one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[:, None], 1.0)
-        return torch.where(verdicts[:, None], one_hot, step.target_probs[:-1])
+        one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[..., None], 1.0)
+        return torch.where(verdicts[..., None], one_hot, step.target_probs[..., :-1, :])
 
 
 def check_tau(tau: float) -> float:

@@ -126,6 +126,25 @@ class ModelRunner:
             logits = logits[..., : self.vocab_size]
         return RowsOutput(logits=logits, hidden=states if hidden else None)
 
+    @torch.inference_mode()
+    def forward_states(self, embeds: torch.Tensor, counts: Sequence[int], *, begin: int = 0) -> torch.Tensor:
+        """A base-model forward from input embeddings (feature-level draft heads): embeds [rows, width, hidden]
+        -> last hidden states [rows, width, hidden], written to rows `begin ..` like `forward_rows`."""
+        counts = [int(c) for c in counts]
+        positions, _ = self.cache.begin_forward(counts, begin=begin, width=embeds.shape[1], device=self.device)
+        try:
+            mask = self.cache.attention_mask(positions, embeds.dtype, additive=self._additive)
+            with _cpu_gqa(self.device):
+                states = self.model.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
+                                               past_key_values=self.cache, use_cache=True).last_hidden_state
+        except BaseException:
+            self.cache.abort()
+            raise
+        self.cache.commit(counts)
+        self.calls += 1
+        self.tokens_processed += sum(counts)
+        return states
+
     def trim_row(self, row: int, keep: int) -> None:
         """Drop row `row`'s cached tokens past its first `keep` (rollback of rejected tokens)."""
         self.cache.trim(row, keep)
