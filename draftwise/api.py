@@ -24,6 +24,7 @@ from .errors import DraftwiseError, DraftwiseWarning
 from .engine import Engine, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
 from .methods import METHODS, Method, get_method
 from .eagle import EagleDrafter, EagleHead
+from .eagle_rows import EagleRowsDrafter
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from .models.runner import ModelRunner
@@ -175,8 +176,6 @@ def _method_refuses(spec: Method, options: dict[str, Any]) -> str | None:
 
 
 def _engine_refuses(plan: _Plan) -> str | None:
-    if isinstance(plan.draft, EagleHead):
-        return "an EAGLE draft head drafts one request at a time"
     return _method_refuses(plan.method, plan.options)
 
 
@@ -195,8 +194,11 @@ def _engine(plan: _Plan, max_batch_size: int) -> tuple[Engine, Any]:
     rule = spec.make_rule(plan.options)
     gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
     device = plan.target.device
-    if spec.needs_draft:
-        drafter: Any = ModelRowsDrafter(
+    if isinstance(plan.draft, EagleHead):
+        drafter: Any = EagleRowsDrafter(plan.draft, plan.vocab_size, device, eos_token_ids=plan.eos_token_ids,
+                                        policy=_policy(plan))
+    elif spec.needs_draft:
+        drafter = ModelRowsDrafter(
             ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, rows=0), plan.vocab_size,
             eos_token_ids=plan.eos_token_ids, keep_raw=getattr(rule, "needs_draft_raw", False),
             policy=_policy(plan))

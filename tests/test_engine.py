@@ -323,3 +323,61 @@ def test_batched_generate_api_returns_one_generation_per_prompt(llama_pair):
         draftwise.generate(t, ["a", "b"], method="ar", max_batch_size=0)
     with pytest.raises(DraftwiseError, match="one request at a time"):
         draftwise.generate(t, ["a", "b"], method="mtjd", temperature=0)
+
+
+def test_eagle_row_drafter_equals_a_cache_free_rollout_under_forced_acceptance():
+    """The EAGLE row drafter over 3 rows, random accepted counts each round: every proposal equals a
+    cache-free rollout of the head (true target features, then its own predicted ones)."""
+    from draftwise.eagle import EagleConfig, EagleHead
+    from draftwise.eagle_rows import EagleRowsDrafter
+
+    target = tiny_llama(0, width=16, vocab=64)
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig(hidden_size=16, num_heads=4, num_kv_heads=2, intermediate_size=32,
+                                 target_vocab_size=64), torch.arange(0, 64, 2))  # a reduced draft vocabulary
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(3.0)
+    head.attach(target)
+    drafter = EagleRowsDrafter(head, 64, torch.device("cpu"))
+
+    def features(seq):
+        with torch.no_grad():
+            return target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+
+    def rollout(seq, limit):
+        feats = list(features(seq)[: len(seq) - 1])
+        nexts = list(seq[1:])
+        out = []
+        for _ in range(limit):
+            with torch.no_grad():
+                predicted = head(torch.stack(feats)[None], torch.tensor([nexts]))[0, -1]
+                token = int(head.vocab_ids[head.logits(predicted).argmax()])
+            out.append(token)
+            feats.append(predicted)
+            nexts.append(token)
+        return out
+
+    class Row:
+        def __init__(self, sequence):
+            self.sequence = sequence
+            self.request = Request(tuple(sequence), GREEDY)
+            self.generator = make_generator(0)
+
+    rng = random.Random(2)
+    rows = [Row(list(p)) for p in PROMPTS[:3]]
+    for b, row in enumerate(rows):
+        drafter.admit(b, row.sequence)
+        drafter.observe(b, 0, features(row.sequence)[: len(row.sequence) - 1])
+    for _ in range(6):
+        limits = [rng.randint(1, 4) for _ in rows]
+        proposal = drafter.propose(rows, limits)
+        for b, row in enumerate(rows):
+            drafted = proposal.tokens[b, : proposal.counts[b]].tolist()
+            assert drafted == rollout(row.sequence, limits[b]), b
+            # the verify forward's features for the pending token and the drafts, then a forced outcome
+            fed = row.sequence + drafted
+            drafter.observe(b, len(row.sequence) - 1, features(fed)[len(row.sequence) - 1 :])
+            keep = rng.randint(0, len(drafted))
+            row.sequence += drafted[:keep] + [rng.randrange(64)]
+            drafter.rewind(b, len(row.sequence) - 1)

@@ -1,0 +1,155 @@
+"""The EAGLE head drafting for rows of the batched engine.
+
+Same alignment as `eagle.EagleDrafter`: head position i reads (target feature_i,
+token_{i+1}) and predicts feature_{i+1}, whose LM-head logits score token_{i+2}. The
+head's one decoder layer keeps its own position-indexed KV cache, one row per request.
+
+Per row: `features[row]` holds the target's true last-layer features of positions
+`cached[row] .. num_features[row] - 1` not yet read by the head; head positions before
+`cached[row]` were computed from true features and stay in its cache. Drafting steps
+append predicted positions, which the rewind drops.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .eagle import EagleHead
+from .errors import DraftwiseError
+from .models.runner import ModelRunner
+from .policies import FixedLength, LengthPolicy
+
+
+class EagleRowsDrafter:
+    wants_features = True
+
+    def __init__(self, head: EagleHead, vocab_size: int, device: torch.device, *,
+                 eos_token_ids: frozenset[int] = frozenset(), policy: LengthPolicy | None = None) -> None:
+        self.head = head
+        self.vocab_size = vocab_size
+        self.device = device
+        self.runner = ModelRunner(head.body, rows=0)
+        self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
+        self.policy = policy or FixedLength()
+        if self.policy.needs_hidden:
+            raise DraftwiseError("an EAGLE head has no draft-model states for a verifier policy")
+        usable = head.vocab_ids < vocab_size  # padded vocabularies: draft ids past the shared size are never drafted
+        if not bool(usable.any()):
+            raise DraftwiseError(f"no id of this EAGLE head's draft vocabulary is below the vocabulary size {vocab_size}")
+        self.usable = usable  # [draft_vocab] bool
+        self.usable_ids = head.vocab_ids[usable]  # [usable] full-vocabulary ids
+        self.features: list[torch.Tensor] = []  # per row [n, hidden]
+        self.cached: list[int] = []
+        self.num_features: list[int] = []
+
+    @property
+    def calls(self) -> int:
+        return self.runner.calls
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        while len(self.features) <= row:
+            self.features.append(torch.empty(0, self.head.config.hidden_size, device=self.device))
+            self.cached.append(0)
+            self.num_features.append(0)
+        cache = self.runner.cache
+        if row >= cache.num_rows:
+            cache.add_rows(row + 1 - cache.num_rows)
+        cache.lengths[row] = 0
+        self.features[row] = self.features[row][:0]
+        self.cached[row] = self.num_features[row] = 0
+
+    def observe(self, row: int, start: int, states: torch.Tensor) -> None:
+        """The target's features of positions start .. start + n - 1 (earlier unread ones past `start` drop)."""
+        keep = max(0, start - self.cached[row])
+        self.features[row] = torch.cat([self.features[row][:keep], states.to(self.features[row].dtype)])
+        self.num_features[row] = start + states.shape[0]
+
+    def _embed_fuse(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[rows, n, H] features, [rows, n] next tokens -> fused head inputs [rows, n, H]."""
+        embedded = self.head._shared["embed"](tokens).to(features.dtype)
+        return self.head.fc(torch.cat([features, embedded], dim=-1))
+
+    @torch.inference_mode()
+    def propose(self, rows, limits) -> "RowsDraft":
+        from .batched import warp_rows
+        from .engine import RowsDraft, _empty, _sample_rows
+        from .sampling import unwarped
+
+        n = len(rows)
+        width = max(limits, default=0)
+        if width == 0:
+            return _empty(n, self.vocab_size, self.device)
+        # a row without any target feature yet (a one-token prompt) drafts nothing this step; it feeds
+        # one dummy position that is rolled back below
+        bare = [b for b in range(n) if self.num_features[b] == 0]
+        limits = [0 if b in bare else limit for b, limit in enumerate(limits)]
+        dtype = self.head.fc.weight.dtype
+        # catch up: head positions cached .. num_features - 1 read (feature_i, token_{i+1})
+        counts = [max(self.num_features[b] - self.cached[b], 1) for b in range(n)]
+        span = max(counts)
+        feats = torch.zeros(n, span, self.head.config.hidden_size, dtype=dtype, device=self.device)
+        nexts = torch.zeros(n, span, dtype=torch.long)
+        for b, row in enumerate(rows):
+            if b in bare:
+                continue
+            c, start = counts[b], self.cached[b]
+            feats[b, :c] = self.features[b][:c].to(dtype)
+            nexts[b, :c] = torch.tensor(row.sequence[start + 1 : start + 1 + c], dtype=torch.long)
+        states = self.runner.forward_states(self._embed_fuse(feats, nexts.to(self.device)), counts)
+        at = torch.tensor(counts, device=self.device)[:, None, None] - 1
+        predicted = states.gather(1, at.expand(-1, -1, states.shape[-1]))[:, 0]  # [rows, H]
+        for b in range(n):
+            self.cached[b] = self.num_features[b]
+            self.features[b] = self.features[b][:0]
+        for b in bare:
+            self.runner.trim_row(b, 0)
+        configs = [r.request.sampling for r in rows]
+        generators = [r.generator for r in rows]
+        active = torch.tensor([limit > 0 for limit in limits], device=self.device)
+        limit_t = torch.tensor(list(limits), device=self.device)
+        drafted = torch.zeros(n, dtype=torch.long, device=self.device)
+        tokens, probs = [], []
+        self.policy.start(n, self.device)
+        for step in range(width):
+            logits = self.head.logits(predicted)  # [rows, draft_vocab]
+            # zero probability outside the draft vocabulary (and past a padded target vocabulary): exact
+            full = torch.full((n, self.vocab_size), float("-inf"), device=self.device, dtype=logits.dtype)
+            full[:, self.usable_ids] = logits[:, self.usable]  # [rows, vocab]
+            if self.policy.needs_raw:
+                active &= ~self.policy.stop_before(unwarped(full))
+            step_probs = warp_rows(full, configs)  # [rows, vocab], zero outside the draft vocabulary
+            token = _sample_rows(step_probs, generators, active.tolist())
+            drafted += active.long()
+            tokens.append(token)
+            probs.append(step_probs)
+            stop, _ = self.policy.after(None, token, None)
+            active &= ~torch.isin(token, self.eos) & ~stop & (drafted < limit_t)
+            if step + 1 < width:
+                if not bool(active.any()):
+                    break
+                fused = self._embed_fuse(predicted[:, None].to(dtype), token[:, None])
+                predicted = self.runner.forward_states(fused, [1] * n)[:, 0]
+        counts_out = drafted.tolist()
+        k = max(counts_out)
+        if k == 0:
+            return _empty(n, self.vocab_size, self.device)
+        return RowsDraft(torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out)
+
+    def rewind(self, row: int, keep: int) -> None:
+        """The row keeps `keep` positions with true features; predicted head positions are dropped."""
+        self.num_features[row] = min(self.num_features[row], keep)
+        self.features[row] = self.features[row][: max(0, self.num_features[row] - self.cached[row])]
+        self.cached[row] = min(self.cached[row], self.num_features[row])
+        self.runner.trim_row(row, min(self.runner.lengths[row], self.cached[row]))
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.runner.cache.move_row(src, dst)
+        self.features[dst] = self.features[src]
+        self.cached[dst] = self.cached[src]
+        self.num_features[dst] = self.num_features[src]
+
+    def release(self, live: int) -> None:
+        self.runner.cache.drop_rows(live)
+        del self.features[live:], self.cached[live:], self.num_features[live:]
