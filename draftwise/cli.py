@@ -263,9 +263,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
     d = BenchConfig(target="")
     p = sub.add_parser("bench", help="measure methods on Spec-Bench prompts (speed, target calls, acceptance)")
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", default=None, help="draft for sd / lossy / ... methods")
-    p.add_argument("--hf-draft", default=None, help="independent draft for hf-assisted (default: --draft)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local directory, .gguf file or hub id")
+    p.add_argument("--draft", default=None, help="draft for every method that can use it (default: the registry's "
+                   "best draft per method for a registry target)")
+    p.add_argument("--hf-draft", default=None, help="independent draft for hf-assisted (default: --draft unless it "
+                   "is an EAGLE head, else the registry's independent draft)")
     p.add_argument("--methods", default=",".join(d.methods), help="comma-separated; see `draftwise methods`, "
                    "plus hf-assisted and prompt-lookup-hf")
     p.add_argument("--dataset", default=d.dataset, help=f"one of: {', '.join(DATASETS)}")
@@ -426,7 +428,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     d = SweepConfig(target="", methods=(), alpha_grid=())
     p = sub.add_parser("sweep", help="quality against latency for lossy methods over alpha grids (seed 003 Fig. 4, "
                        "Table 2)")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local directory, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="draft model (default: the registry's independent draft)")
     p.add_argument("--methods", required=True, help="comma-separated labels: cascade:RULE (RULE one of chow, diff, "
                    "opt, opt-log, bild, token-v1, token-v2, token-v3), lossy, token-cascade, seq-cascade, oracle-diff, "
