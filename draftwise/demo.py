@@ -41,6 +41,7 @@ def main() -> int:
           f"{config.max_new_tokens} new tokens, greedy, {config.dtype}", flush=True)
     results = run_bench(config)
     print(format_table(results))
+    _batched_section()
     from .api import generate
 
     sample = generate(target, SAMPLE_CHAT, method=SAMPLE_METHOD, temperature=0, max_new_tokens=48)
@@ -49,6 +50,20 @@ def main() -> int:
     print(f"  user: {SAMPLE_CHAT[-1]['content']}\n  assistant: {sample.text.strip()}")
     print(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _batched_section() -> None:
+    """`ar` through the batched engine at batch 1 and batch 8 on the same prompts (`bench --batch-sizes`)."""
+    sizes, n, tokens = (1, 8), 8, 32
+    config = BenchConfig(target=TARGET, methods=("ar",), num_prompts=n, max_new_tokens=tokens, temperature=0.0,
+                         repeats=1, warmup=1, dtype="auto", threads=torch.get_num_threads(), batch_sizes=sizes)
+    print(f"\nbatched decoding: generate(target, {n} prompts, max_batch_size=B), ar, {tokens} new tokens each, greedy",
+          flush=True)
+    by_b = run_bench(config)["batched"]["methods"]["ar"]
+    for b in sizes:
+        m = by_b[str(b)]
+        print(f"  batch {b}: {m['throughput_tok_s']:6.1f} tokens/s  ({m['speedup_vs_ar_b1']:.2f}x batch 1; "
+              f"median request latency {m['latency_p50_s']:.1f} s)")
 
 
 if __name__ == "__main__":
