@@ -21,7 +21,7 @@ from .cascades import deferral, sequence_confidence
 from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
 from .errors import DraftwiseError, DraftwiseWarning
-from .engine import Engine, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
+from .engine import Engine, kv_bytes_per_token, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
 from .methods import METHODS, Method, get_method
 from .eagle import EagleDrafter, EagleHead
 from .eagle_rows import EagleRowsDrafter
@@ -95,6 +95,7 @@ def generate(
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
     max_batch_size: int = 16,
+    kv_budget_mb: float | None = None,
     **method_options: Any,
 ) -> Generation | list[Generation]:
     """Decode `prompt` with `method`; returns the new tokens, their text and the step counters.
@@ -102,11 +103,16 @@ def generate(
     A list of prompts (strings, token-id lists, chats) is decoded batched, `max_batch_size` rows at a
     time with continuous batching, and returns a list of `Generation`s in prompt order. `seed` seeds
     every request alike: request i gives the same tokens as `generate(target, prompts[i], seed=seed)`.
+    `kv_budget_mb` bounds the target's KV cache: a request joins only when its prompt plus
+    `max_new_tokens` fits beside the live ones (one request always runs, whatever its size).
     """
     prompts, batch = _split_prompts(messages if prompt is None and messages is not None else prompt)
     if prompt is not None and messages is not None:
         raise DraftwiseError("give a prompt or messages=..., not both")
     _check_batch_size(max_batch_size)
+    if kv_budget_mb is not None and (not isinstance(kv_budget_mb, (int, float)) or isinstance(kv_budget_mb, bool)
+                                     or not kv_budget_mb > 0):
+        raise DraftwiseError(f"kv_budget_mb must be a number > 0 (megabytes), got {kv_budget_mb!r}")
     for other in prompts[1:]:
         _check_prompt(other)
     plan = _plan(target=target, prompt=prompts[0], draft=draft, method=method, max_new_tokens=max_new_tokens,
@@ -124,6 +130,8 @@ def generate(
     requests = [_request(plan, plan.prompt_ids)] + [
         _request(plan, _prompt_ids(p, plan.target, plan.vocab_size)) for p in prompts[1:]]
     engine, _ = _engine(plan, max_batch_size)
+    if kv_budget_mb is not None:
+        engine.kv_budget_tokens = int(kv_budget_mb * 2**20 // kv_bytes_per_token(plan.target.model))
     ids = [engine.submit(request) for request in requests]
     engine.run()
     return [_generation(engine.result(i), plan.method) for i in ids]

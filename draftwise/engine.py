@@ -634,6 +634,16 @@ class Engine:
         self.finished[row.id] = Result(row.id, list(row.token_ids), row.text, reason, stats)
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token takes in a model's cache (all layers)."""
+    config = model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
 def _cut_at_eos(committed: list[int], eos: frozenset[int]) -> list[int]:
     for i, token in enumerate(committed):
         if token in eos:

@@ -381,3 +381,32 @@ def test_eagle_row_drafter_equals_a_cache_free_rollout_under_forced_acceptance()
             keep = rng.randint(0, len(drafted))
             row.sequence += drafted[:keep] + [rng.randrange(64)]
             drafter.rewind(b, len(row.sequence) - 1)
+
+
+def test_a_kv_budget_limits_the_live_rows_without_changing_outputs(llama_pair):
+    from draftwise.engine import kv_bytes_per_token
+
+    target, _ = llama_pair
+    t = load_model(target)
+    prompts = [p for p in PROMPTS]
+    free = draftwise.generate(t, prompts, method="ar", temperature=0, max_new_tokens=6, ignore_eos=True)
+    per_token = kv_bytes_per_token(target)
+    assert per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads of 16, fp32
+    budget_mb = 20 * per_token / 2**20  # room for about one request of 5-8 + 6 tokens at a time
+    tight = draftwise.generate(t, prompts, method="ar", temperature=0, max_new_tokens=6, ignore_eos=True,
+                               kv_budget_mb=budget_mb)
+    assert [g.token_ids for g in tight] == [g.token_ids for g in free]
+    with pytest.raises(DraftwiseError, match="kv_budget_mb"):
+        draftwise.generate(t, prompts, method="ar", kv_budget_mb=0)
+
+
+def test_the_kv_budget_admits_only_what_fits(llama_pair):
+    target, _ = llama_pair
+    engine = _engine(target)
+    engine.kv_budget_tokens = 25
+    for p in PROMPTS[:3]:  # needs 5+10, 2+10, 8+10 tokens
+        engine.submit(Request(tuple(p), GREEDY, max_new_tokens=10))
+    engine.step()
+    assert len(engine.live) == 1 and len(engine.waiting) == 2  # 15 + 12 > 25
+    engine.run()
+    assert len(engine.results()) == 3
