@@ -161,9 +161,8 @@ def _batches(spec: Any, options: dict[str, Any], draft: Any) -> bool:
     """Whether the batched `generate` runs this method with this draft; otherwise the CLI decodes the prompts
     one at a time (same tokens per prompt, as a seeded request does not depend on its batch)."""
     from . import api
-    from .eagle import EagleHead
 
-    if "max_batch_size" not in inspect.signature(generate).parameters or isinstance(draft, EagleHead):
+    if "max_batch_size" not in inspect.signature(generate).parameters:
         return False
     refuses = getattr(api, "_method_refuses", None)
     return refuses is None or refuses(spec, spec.resolve_options(options)) is None

@@ -548,7 +548,7 @@ def test_cli_without_any_prompt_is_a_clear_error(capsys, dirs):
 
 
 def test_cli_several_prompts_with_the_default_eagle_draft(capsys, dirs):
-    """The engine batches no EAGLE head: the CLI then decodes the prompts one at a time, same tokens."""
+    """Several prompts with the registry's default (EAGLE) draft: each gets the tokens it gets alone."""
     code, out, err = _run(capsys, ["generate", "--temperature", "0", "--max-new-tokens", "3", "--json", "--seed", "1",
                                    "the cat", "the dog"])
     assert code == 0, err
