@@ -5,6 +5,7 @@ Both take the same arguments; every check on them runs before any model does.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import numbers
@@ -77,6 +78,8 @@ class _Plan:
     context_limited: bool = False  # max_new_tokens was cut to fit the context window: finish_reason "context"
     window: int = 10**12  # the smallest context window of the models the plan runs
     requested_new_tokens: int = 0  # max_new_tokens as asked, before the window cut (other prompts of a batch)
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
 
 
 def generate(
@@ -94,6 +97,8 @@ def generate(
     gamma: int = 4,
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
+    repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
     max_batch_size: int = 16,
     kv_budget_mb: float | None = None,
     **method_options: Any,
@@ -115,9 +120,11 @@ def generate(
         raise DraftwiseError(f"kv_budget_mb must be a number > 0 (megabytes), got {kv_budget_mb!r}")
     for other in prompts[1:]:
         _check_prompt(other)
+    _check_processors(repetition_penalty, min_new_tokens)
     plan = _plan(target=target, prompt=prompts[0], draft=draft, method=method, max_new_tokens=max_new_tokens,
                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, gamma=gamma, stop=stop,
                  ignore_eos=ignore_eos, method_options=method_options)
+    plan = _with_processors(plan, repetition_penalty, min_new_tokens)
     if not batch:
         run = _Run(plan, streaming=False)
         for _ in run.pieces():
@@ -152,18 +159,63 @@ def stream(
     gamma: int = 4,
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
+    repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
+    events: bool = False,
     **method_options: Any,
-) -> Iterator[str]:
+) -> Iterator[str] | Iterator[StreamEvent]:
     """Like `generate`, but yields text pieces as tokens are committed; they join to `generate(...).text`.
 
+    With `events=True` it yields `StreamEvent`s instead: each piece of text with the token ids committed
+    since the previous event, and a last event (`finished=True`) carrying `finish_reason` and the stats.
     Arguments are checked (and models loaded) here, before the first piece is asked for.
     """
     if prompt is not None and messages is not None:
         raise DraftwiseError("give a prompt or messages=..., not both")
+    _check_processors(repetition_penalty, min_new_tokens)
     plan = _plan(target=target, prompt=prompt if messages is None else None, messages=messages, draft=draft,
                  method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, gamma=gamma, stop=stop, ignore_eos=ignore_eos, method_options=method_options)
-    return _Run(plan, streaming=True).pieces()
+    run = _Run(_with_processors(plan, repetition_penalty, min_new_tokens), streaming=True)
+    return _stream_events(run) if events else run.pieces()
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of `stream(..., events=True)`."""
+
+    text: str  # new text (may be empty)
+    token_ids: list[int]  # tokens committed since the previous event
+    finished: bool = False
+    finish_reason: str | None = None  # on the last event: "eos", "length", "stop", "context"
+    stats: dict[str, Any] | None = None  # on the last event: the same stats as `generate`
+
+
+def _stream_events(run: "_Run") -> Iterator[StreamEvent]:
+    seen = 0
+    for piece in run.pieces():
+        yield StreamEvent(piece, list(run.token_ids[seen:]))
+        seen = len(run.token_ids)
+    yield StreamEvent("", list(run.token_ids[seen:]), True, run.stats.get("finish_reason"), dict(run.stats))
+
+
+def _check_processors(repetition_penalty: Any, min_new_tokens: Any) -> None:
+    if (not isinstance(repetition_penalty, (int, float)) or isinstance(repetition_penalty, bool)
+            or not repetition_penalty > 0 or repetition_penalty == float("inf")):
+        raise DraftwiseError(f"repetition_penalty must be a number > 0 (1 turns it off), got {repetition_penalty!r}")
+    if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) or min_new_tokens < 0:
+        raise DraftwiseError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
+
+
+def _with_processors(plan: _Plan, repetition_penalty: float, min_new_tokens: int) -> _Plan:
+    """The plan with its logits processors, refused (with the reason) where the method cannot apply them."""
+    if repetition_penalty == 1.0 and min_new_tokens == 0:
+        return plan
+    refused = _method_refuses(plan.method, plan.options)
+    if refused:
+        raise DraftwiseError(f"repetition_penalty and min_new_tokens are applied by the batched engine, and "
+                             f"{refused}: drop them for {plan.method.name!r}")
+    return dataclasses.replace(plan, repetition_penalty=float(repetition_penalty), min_new_tokens=min_new_tokens)
 
 
 def _check_batch_size(value: Any) -> None:
@@ -192,7 +244,8 @@ def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
         raise DraftwiseError(f"prompt has {len(prompt_ids)} tokens but the context window is {plan.window}: shorten it")
     return Request(prompt_ids=tuple(prompt_ids), sampling=plan.sampling,
                    max_new_tokens=min(plan.requested_new_tokens, plan.window - len(prompt_ids)),
-                   eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed)
+                   eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed,
+                   repetition_penalty=plan.repetition_penalty, min_new_tokens=plan.min_new_tokens)
 
 
 def _engine(plan: _Plan, max_batch_size: int) -> tuple[Engine, Any]:

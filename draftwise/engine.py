@@ -51,6 +51,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    repetition_penalty: float = 1.0  # transformers' rule on the target's logits: / penalty if > 0, * if < 0
+    min_new_tokens: int = 0  # end-of-sequence tokens get probability 0 before this many new tokens
 
 
 @dataclass
@@ -461,7 +463,7 @@ class Engine:
         if self.drafter.wants_features:
             for b, row in enumerate(rows):
                 self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, : counts[b]])
-        target_logits = verified.logits  # [rows, k + 1, vocab]
+        target_logits = self._processed(rows, draft, verified.logits)  # [rows, k + 1, vocab]
         target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
 
         pi = self._pi(draft, target_probs, target_logits, rows) if k else target_probs[:, :0]  # accept
@@ -522,6 +524,37 @@ class Engine:
                                                     target_logits[index], raw, flag, verdicts,
                                                     num_drafted=counts[index]))
         return pi
+
+    def _processed(self, rows: Sequence[_Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits after each request's repetition penalty and min_new_tokens: [rows, k + 1, vocab].
+
+        Position j of row b follows the row's sequence plus its first j drafted tokens, so the penalty at
+        j counts those drafts as already generated, exactly as one-token-at-a-time decoding would. The
+        speculative sampler then targets the processed distribution, so lossless methods stay exact."""
+        penalised = [b for b, row in enumerate(rows) if row.request.repetition_penalty != 1.0]
+        short = [b for b, row in enumerate(rows)
+                 if len(row.token_ids) < row.request.min_new_tokens and row.request.eos_token_ids]
+        if not penalised and not short:
+            return logits
+        logits = logits.clone()
+        width = logits.shape[1]
+        for b in penalised:
+            seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(rows[b].sequence, device=logits.device)] = True
+            present = seen.expand(width, -1).clone()  # [k + 1, vocab]
+            for j in range(1, width):
+                if j - 1 < draft.counts[b]:
+                    present[j:, draft.tokens[b, j - 1]] = True
+            penalty = rows[b].request.repetition_penalty
+            row = logits[b]
+            logits[b] = torch.where(present, torch.where(row < 0, row * penalty, row / penalty), row)
+        for b in short:
+            request = rows[b].request
+            eos = torch.tensor(sorted(request.eos_token_ids), device=logits.device)
+            eos = eos[eos < logits.shape[-1]]
+            missing = request.min_new_tokens - len(rows[b].token_ids)  # positions 0 .. missing - 1 lose EOS
+            logits[b, :missing, eos] = float("-inf")
+        return logits
 
     def _bonus_from_pi(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
                        target_logits: torch.Tensor) -> torch.Tensor:
