@@ -31,25 +31,29 @@ import draftwise
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import _prompt_ids, machine_description
 from draftwise.bench.report import write_json
+from draftwise.engine import Engine
 from draftwise.models import registry
 from draftwise.models import runner as runner_module
 
 
 class ForwardClock:
-    """Sums the wall time spent inside model forwards (ModelRunner.forward_rows / forward_states)."""
+    """Sums the wall time inside model forwards (ModelRunner.forward_rows / forward_states), and apart
+    from it the time the engine spends admitting requests (their prefill)."""
 
     def __init__(self) -> None:
         self.spent = 0.0
+        self.admitting = 0.0
         for name in ("forward_rows", "forward_states"):
-            setattr(runner_module.ModelRunner, name, self._timed(getattr(runner_module.ModelRunner, name)))
+            setattr(runner_module.ModelRunner, name, self._timed(getattr(runner_module.ModelRunner, name), "spent"))
+        Engine._admit = self._timed(Engine._admit, "admitting")
 
-    def _timed(self, fn):
+    def _timed(self, fn, field):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent += time.perf_counter() - start
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
         wrapper.__wrapped__ = fn
         return wrapper
 
@@ -139,23 +143,27 @@ def main() -> None:
         draftwise.generate(target, batch_prompts[:4], method="ar", max_batch_size=4, temperature=0, max_new_tokens=8)
         batched = []
         for method, size, kwargs in runs:
-            clock.spent = 0.0
+            clock.spent = clock.admitting = 0.0
             start = time.perf_counter()
             gens = draftwise.generate(target, batch_prompts, method=method, max_batch_size=size, **kwargs, **common)
             wall = time.perf_counter() - start
             tokens = sum(g.stats["new_tokens"] for g in gens)
             calls = sum(g.stats["target_calls"] for g in gens)
             fed = sum(g.stats["target_tokens"] - (g.stats["prompt_tokens"] - 1) for g in gens)
+            decode = wall - clock.admitting
             row = {"method": method, "batch_size": size, "tokens": tokens, "wall_s": wall,
+                   "prefill_s": clock.admitting, "decode_s": decode, "decode_tokens_per_s": tokens / decode,
                    "tokens_per_s": tokens / wall, "mean_accepted_length": tokens / calls,
                    "verified_per_committed": fed / tokens, "loop_overhead": 1 - clock.spent / wall}
             batched.append(row)
-            print(f"batch {size:<3} {method:<14} {row['tokens_per_s']:7.2f} tok/s  MAL {row['mean_accepted_length']:.2f}"
+            print(f"batch {size:<3} {method:<14} {row['tokens_per_s']:7.2f} tok/s (decode phase "
+                  f"{row['decode_tokens_per_s']:7.2f}, prefill {clock.admitting:5.1f} s)  MAL {row['mean_accepted_length']:.2f}"
                   f"  verified/committed {row['verified_per_committed']:.2f}  loop overhead "
                   f"{100 * row['loop_overhead']:.1f}%", flush=True)
-        ar1 = next(r["tokens_per_s"] for r in batched if r["method"] == "ar" and r["batch_size"] == 1)
+        first = next(r for r in batched if r["method"] == "ar" and r["batch_size"] == 1)
         for row in batched:
-            row["vs_ar_batch1"] = row["tokens_per_s"] / ar1
+            row["vs_ar_batch1"] = row["tokens_per_s"] / first["tokens_per_s"]
+            row["decode_vs_ar_batch1"] = row["decode_tokens_per_s"] / first["decode_tokens_per_s"]
             same = [r for r in batched if r["method"] == "ar" and r["batch_size"] == row["batch_size"]]
             row["vs_ar_same_batch"] = row["tokens_per_s"] / same[-1]["tokens_per_s"] if same else None
         out["batched"] = batched

@@ -248,7 +248,7 @@ def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
                    repetition_penalty=plan.repetition_penalty, min_new_tokens=plan.min_new_tokens)
 
 
-def _engine(plan: _Plan, max_batch_size: int) -> tuple[Engine, Any]:
+def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> tuple[Engine, Any]:
     """The batched engine for a plan: the target's runner, the method's drafter and rule."""
     spec = plan.method
     target = ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0)
@@ -269,7 +269,7 @@ def _engine(plan: _Plan, max_batch_size: int) -> tuple[Engine, Any]:
     else:
         drafter = NoRowsDrafter(plan.vocab_size, device)
     engine = Engine(target, drafter, rule, gamma=gamma, tokenizer=plan.target.tokenizer,
-                    max_batch_size=max_batch_size, method=spec.name)
+                    max_batch_size=max_batch_size, method=spec.name, stream_text=stream_text)
     return engine, drafter
 
 
@@ -746,7 +746,7 @@ class _Run:
 
     def _engine_pieces(self) -> Iterator[str]:
         plan = self.plan
-        engine, drafter = _engine(plan, 1)
+        engine, drafter = _engine(plan, 1, stream_text=self.streaming)
         request_id = engine.submit(_request(plan, plan.prompt_ids))
         try:
             while engine.has_work:

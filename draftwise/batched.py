@@ -55,12 +55,19 @@ def speculative_sample_rows(
     bonus_probs: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],  # [rows, k + 1, vocab]: row b's bonus
     num_drafted: Sequence[int],  # [rows] host ints                      comes from position num_drafted[b];
     generators: Sequence[torch.Generator],  # one per row                or a callable given the rows that need
-) -> RowsAcceptance:                                                   # a bonus ([rows] bool), run only if any do
+    greedy: Sequence[bool] | None = None,  # [rows] temperature-0 rows    a bonus ([rows] bool), run only if any do
+) -> RowsAcceptance:
     assert draft_tokens.ndim == 2 and draft_probs.ndim == 3 and pi.ndim == 3
     rows, k = draft_tokens.shape
     device = draft_tokens.device
     counts = torch.tensor(list(num_drafted), dtype=torch.long, device=device)  # [rows]
-    uniforms = draw_uniforms(generators, [c + 1 for c in num_drafted], k + 1, device)  # [rows, k + 1]
+    # Greedy rows need no randomness: their draft and target distributions are one-hot, so a token is
+    # accepted exactly when pi gives it mass 1 (any u < 1 decides alike), and the recovered or bonus
+    # distribution is one-hot too (its argmax is the draw). They draw no uniforms and fill in 0.5.
+    greedy = list(greedy) if greedy is not None else [False] * rows
+    uniforms = draw_uniforms(generators, [0 if g else c + 1 for c, g in zip(num_drafted, greedy)], k + 1, device)
+    if any(greedy):
+        uniforms[torch.tensor(greedy, device=device)] = 0.5  # [rows, k + 1]
     if k:
         draft_at_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
         pi_at_x = pi.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
@@ -81,11 +88,17 @@ def speculative_sample_rows(
         probs = torch.where(rejected[:, None], recover, bonus)
     else:
         probs = bonus
-    u_last = uniforms.gather(1, counts[:, None].clamp(max=k))  # [rows, 1]: each row's last uniform
-    # one uniform per row, drawn at index counts[b]: the sample below inverts the CDF with it
-    cdf = torch.cumsum(probs.double(), dim=-1)  # [rows, vocab]
-    next_tokens = torch.searchsorted(cdf, u_last * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
-    both = torch.stack([num_accepted, next_tokens.squeeze(-1)]).tolist()  # the one device-to-host copy
+    if all(greedy):
+        next_tokens = probs.argmax(-1)  # [rows]
+    else:
+        u_last = uniforms.gather(1, counts[:, None].clamp(max=k))  # [rows, 1]: each row's last uniform
+        # one uniform per row, drawn at index counts[b]: the sample below inverts the CDF with it
+        cdf = torch.cumsum(probs.double(), dim=-1)  # [rows, vocab]
+        next_tokens = torch.searchsorted(cdf, u_last * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
+        next_tokens = next_tokens.squeeze(-1)
+        if any(greedy):
+            next_tokens = torch.where(torch.tensor(greedy, device=device), probs.argmax(-1), next_tokens)
+    both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
 
 

@@ -106,6 +106,7 @@ class EagleRowsDrafter:
         for b in bare:
             self.runner.trim_row(b, 0)
         configs = [r.request.sampling for r in rows]
+        all_greedy = all(c.greedy for c in configs)
         generators = [r.generator for r in rows]
         active = torch.tensor([limit > 0 for limit in limits], device=self.device)
         limit_t = torch.tensor(list(limits), device=self.device)
@@ -113,14 +114,18 @@ class EagleRowsDrafter:
         tokens, probs = [], []
         self.policy.start(n, self.device)
         for step in range(width):
-            logits = self.head.logits(predicted)  # [rows, draft_vocab]
-            # zero probability outside the draft vocabulary (and past a padded target vocabulary): exact
-            full = torch.full((n, self.vocab_size), float("-inf"), device=self.device, dtype=logits.dtype)
-            full[:, self.usable_ids] = logits[:, self.usable]  # [rows, vocab]
-            if self.policy.needs_raw:
-                active &= ~self.policy.stop_before(unwarped(full))
-            step_probs = warp_rows(full, configs)  # [rows, vocab], zero outside the draft vocabulary
-            token = _sample_rows(step_probs, generators, active.tolist())
+            logits = self.head.logits(predicted)[:, self.usable]  # [rows, usable draft vocabulary]
+            if all_greedy and not self.policy.needs_raw:  # one-hot drafts: the argmax, no full-vocabulary warp
+                token = self.usable_ids[logits.argmax(-1)]  # [rows]
+                step_probs = torch.zeros(n, self.vocab_size, device=self.device).scatter_(-1, token[:, None], 1.0)
+            else:
+                # zero probability outside the draft vocabulary (and past a padded target vocabulary): exact
+                full = torch.full((n, self.vocab_size), float("-inf"), device=self.device, dtype=logits.dtype)
+                full[:, self.usable_ids] = logits  # [rows, vocab]
+                if self.policy.needs_raw:
+                    active &= ~self.policy.stop_before(unwarped(full))
+                step_probs = warp_rows(full, configs)  # [rows, vocab], zero outside the draft vocabulary
+                token = _sample_rows(step_probs, generators, active.tolist(), [c.greedy for c in configs])
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)

@@ -196,11 +196,15 @@ class NoRowsDrafter:
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
+        self._empty: dict[int, RowsDraft] = {}
 
     def admit(self, row, prompt_ids) -> None: pass
 
     def propose(self, rows, limits) -> RowsDraft:
-        return _empty(len(rows), self.vocab_size, self.device)
+        n = len(rows)
+        if n not in self._empty:
+            self._empty[n] = _empty(n, self.vocab_size, self.device)
+        return self._empty[n]
 
     def rewind(self, row, keep) -> None: pass
 
@@ -274,6 +278,7 @@ class ModelRowsDrafter:
             feed[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
         configs = [r.request.sampling for r in rows]
+        greedy = [c.greedy for c in configs]
         generators = [r.generator for r in rows]
         active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
         limit_t = torch.tensor(list(limits), device=device)
@@ -288,7 +293,7 @@ class ModelRowsDrafter:
             if self.keep_raw:
                 raws.append(raw)
             step_probs = warp_rows(logits, configs)  # [rows, vocab]
-            token = _sample_rows(step_probs, generators, active.tolist())  # [rows]
+            token = _sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)
@@ -345,16 +350,23 @@ class ModelRowsDrafter:
     def observe(self, row, start, states) -> None: pass
 
 
-def _sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator], drawing: Sequence[bool]) -> torch.Tensor:
+def _sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator], drawing: Sequence[bool],
+                 greedy: Sequence[bool]) -> torch.Tensor:
     """One token per row by inverting the CDF with one uniform from the row's own generator. [rows, vocab] -> [rows].
 
     Only rows still `drawing` consume a uniform (the others' tokens are discarded), so a row's
-    randomness does not depend on how long its batch-mates draft."""
+    randomness does not depend on how long its batch-mates draft. Greedy rows take the argmax of
+    their one-hot distribution and draw nothing."""
     from .batched import draw_uniforms
 
-    u = draw_uniforms(generators, [int(d) for d in drawing], 1, probs.device)  # [rows, 1]
+    if all(greedy):
+        return probs.argmax(-1)
+    u = draw_uniforms(generators, [int(d and not g) for d, g in zip(drawing, greedy)], 1, probs.device)  # [rows, 1]
     cdf = torch.cumsum(probs.double(), dim=-1)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+    sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+    if any(greedy):
+        sampled = torch.where(torch.tensor(list(greedy), device=probs.device), probs.argmax(-1), sampled)
+    return sampled
 
 
 def _reset_row(runner: ModelRunner, row: int) -> None:
@@ -386,7 +398,7 @@ class Engine:
 
     def __init__(
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
-        max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "",
+        max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
@@ -398,6 +410,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
         self.method = method
+        self.stream_text = stream_text  # False: text only at the end (and for stop strings), no per-step decoding
         self.bonus_from_pi = bool(getattr(rule, "bonus_from_pi", False))  # read once: cascades' Algorithm 4 bonus
         self.waiting: list[_Row] = []
         self.live: list[_Row] = []  # row i of every cache is live[i]
@@ -475,7 +488,8 @@ class Engine:
                 return self._bonus_from_pi(rows, draft, target_probs, target_logits)
 
         outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
-                                          [row.generator for row in rows])
+                                          [row.generator for row in rows],
+                                          [row.request.sampling.greedy for row in rows])
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
 
@@ -587,7 +601,7 @@ class Engine:
                     stop_hit = True
                     break
             committed = kept
-        else:
+        elif self.stream_text:
             row.text += row.detok.push(committed)
         row.sequence.extend(committed)
         row.token_ids.extend(committed)

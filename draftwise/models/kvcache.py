@@ -219,6 +219,20 @@ class PositionCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return (self._step.kv_length if self._step else self.get_seq_length() + query_length), 0
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Where the queries start: used by transformers' own causal mask on a one-row forward (see
+        `single_row`), where it is exact and lets SDPA skip the mask for one query."""
+        if self._step is not None and self._step.rows == 1:
+            return self.lengths[self._step.begin]
+        return self.get_seq_length()
+
+    def single_row(self) -> bool:
+        """The forward in flight is one row with no padding and no window: transformers' causal mask
+        (query offset = the row's length, keys up to kv_length) is then the row's exact mask."""
+        step = self._step
+        return (step is not None and step.rows == 1 and self.window is None
+                and step.kv_length == self.lengths[step.begin] + step.write_index.shape[1])
+
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 

@@ -104,7 +104,7 @@ class ModelRunner:
         ids = tokens.to(device=self.device, dtype=torch.long)
         positions, _ = self.cache.begin_forward(counts, begin=begin, width=ids.shape[1], device=self.device)
         try:
-            mask = self.cache.attention_mask(positions, self.model.dtype, additive=self._additive)
+            mask = self._mask(positions, self.model.dtype)
             with _cpu_gqa(self.device):
                 if self._split:
                     states = self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
@@ -133,7 +133,7 @@ class ModelRunner:
         counts = [int(c) for c in counts]
         positions, _ = self.cache.begin_forward(counts, begin=begin, width=embeds.shape[1], device=self.device)
         try:
-            mask = self.cache.attention_mask(positions, embeds.dtype, additive=self._additive)
+            mask = self._mask(positions, embeds.dtype)
             with _cpu_gqa(self.device):
                 states = self.model.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
                                                past_key_values=self.cache, use_cache=True).last_hidden_state
@@ -144,6 +144,13 @@ class ModelRunner:
         self.calls += 1
         self.tokens_processed += sum(counts)
         return states
+
+    def _mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The 4-D mask from the row lengths; None for one unpadded row, where transformers builds the same
+        causal mask itself (and SDPA runs a single query with no mask at all)."""
+        if self.cache.single_row():
+            return None
+        return self.cache.attention_mask(positions, dtype, additive=self._additive)
 
     def trim_row(self, row: int, keep: int) -> None:
         """Drop row `row`'s cached tokens past its first `keep` (rollback of rejected tokens)."""
