@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--batch-prompts", type=int, default=32)
     parser.add_argument("--spec-batch", type=int, default=16)
     parser.add_argument("--old-package", default=None, help="directory holding draftwise_old (an earlier engine)")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: batch1,batched,profile")
+    parser.add_argument("--step-context", type=int, default=256, help="context of the equal-length decode steps")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: batch1,batched,steps,profile")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -167,6 +168,50 @@ def main() -> None:
             same = [r for r in batched if r["method"] == "ar" and r["batch_size"] == row["batch_size"]]
             row["vs_ar_same_batch"] = row["tokens_per_s"] / same[-1]["tokens_per_s"] if same else None
         out["batched"] = batched
+
+    # ---------------------------------------------------------------- 3b. decode steps at equal context
+    if "steps" not in skip:
+        from transformers import DynamicCache
+
+        def median_ms(fn, n=8):
+            fn()
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return sorted(times)[n // 2] * 1e3
+
+        steps = []
+        context = args.step_context
+        for size in [int(b) for b in args.batch_sizes.split(",")]:
+            runner = runner_module.ModelRunner(target.model, rows=0)
+            prompt = torch.randint(100, 1000, (size, context))
+            runner.forward_rows(prompt, [context] * size, logits_at=torch.zeros(size, 1, dtype=torch.long))
+            token = torch.randint(100, 1000, (size, 1))
+
+            def ours():
+                runner.forward_rows(token, [1] * size)
+                for b in range(size):
+                    runner.trim_row(b, context)
+
+            with torch.inference_mode():
+                cache = DynamicCache(config=target.model.config)
+                target.model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+                def dynamic():
+                    target.model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    cache.crop(-1)
+
+                row = {"batch_size": size, "context": context, "ours_ms": median_ms(ours),
+                       "dynamic_cache_ms": median_ms(dynamic)}
+            steps.append(row)
+        for row in steps:
+            row["tokens_per_s_vs_batch1"] = row["batch_size"] * steps[0]["ours_ms"] / row["ours_ms"]
+            print(f"decode step, batch {row['batch_size']:<3} context {context}: {row['ours_ms']:6.1f} ms "
+                  f"(transformers DynamicCache {row['dynamic_cache_ms']:6.1f} ms), tokens/s "
+                  f"{row['tokens_per_s_vs_batch1']:.2f}x batch 1", flush=True)
+        out["decode_steps"] = steps
 
     # ---------------------------------------------------------------- 4. one decode step, by op
     if "profile" not in skip:
