@@ -22,7 +22,27 @@ from draftwise.models.loading import load_model
 from draftwise.models.runner import ModelRunner
 from draftwise.sampling import SamplingConfig, make_generator, warp
 
-MODELS = {"llama": lambda: tiny_llama(0), "gpt2": lambda: tiny_gpt2(0)}
+def _tiny(config_class, model_class, **extra):
+    def build():
+        torch.manual_seed(0)
+        config = config_class(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                              initializer_range=0.5, tie_word_embeddings=False, **extra)
+        return model_class(config).eval()
+    return build
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _tiny(Qwen2Config, Qwen2ForCausalLM)()
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+    return _tiny(MistralConfig, MistralForCausalLM, sliding_window=6)()  # a window shorter than the rows
+
+
+MODELS = {"llama": lambda: tiny_llama(0), "gpt2": lambda: tiny_gpt2(0), "qwen2": _qwen2, "mistral-window6": _mistral}
 PROMPTS = [[3, 17, 42, 8, 25], [5, 6], [9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 3], [40, 41, 7]]
 GREEDY = SamplingConfig(temperature=0)
 
