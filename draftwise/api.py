@@ -22,7 +22,7 @@ from .cascades import deferral, sequence_confidence
 from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
 from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
 from .errors import DraftwiseError, DraftwiseWarning
-from .engine import Engine, kv_bytes_per_token, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
+from .engine import Engine, _find_stop, _safe_prefix, kv_bytes_per_token, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
 from .methods import METHODS, Method, get_method
 from .eagle import EagleDrafter, EagleHead
 from .eagle_rows import EagleRowsDrafter
@@ -859,21 +859,3 @@ class _Run:
 
     def result(self) -> Generation:
         return Generation(token_ids=list(self.token_ids), text=self.text, stats=self.stats)
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _safe_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """How much of `text` can be shown: not a trailing incomplete character, not a possible stop-string start."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    for s in stops:
-        for n in range(min(len(s) - 1, end), 0, -1):
-            if text[end - n : end] == s[:n]:
-                end -= n
-                break
-    return end

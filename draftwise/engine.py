@@ -33,6 +33,7 @@ import torch
 
 from .acceptance import StepDistributions, TargetRule
 from .batched import speculative_sample_rows, warp_rows
+from .decoding import Counters
 from .errors import DraftwiseError
 from .models.runner import ModelRunner
 from .policies import FixedLength, LengthPolicy
@@ -56,31 +57,13 @@ class Request:
 
 
 @dataclass
-class RowCounters:
-    """Raw counts of one request; rates are computed when reported."""
+class RowCounters(Counters):
+    """One request's raw counts (the single-request loops' counters, plus what a batch shares out);
+    rates are computed when reported. `steps` = verification calls this request took part in."""
 
-    gamma: int
-    steps: int = 0  # decoding steps = target verification calls this request took part in
-    drafted: int = 0  # drafted tokens sent to verification
-    accepted: int = 0  # drafted tokens kept (and committed: none past an EOS or a stop)
     target_tokens: int = 0  # tokens this request fed the target (prefill included)
     prefill_calls: int = 0
     verifier_accepted: int = 0  # drafted tokens kept on a verifier's word (SPRINTER)
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.accepted_per_position = [0] * self.gamma
-        self.drafted_per_position = [0] * self.gamma
-
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.steps += 1
-        self.drafted += num_drafted
-        self.accepted += num_accepted
-        for i in range(min(num_drafted, self.gamma)):
-            self.drafted_per_position[i] += 1
-        for i in range(min(num_accepted, self.gamma)):
-            self.accepted_per_position[i] += 1
 
 
 class Detokenizer:

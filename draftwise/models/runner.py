@@ -102,26 +102,17 @@ class ModelRunner:
         if min(counts) < 1:
             raise ValueError("ModelRunner.forward_rows needs at least one token per row")
         ids = tokens.to(device=self.device, dtype=torch.long)
-        positions, _ = self.cache.begin_forward(counts, begin=begin, width=ids.shape[1], device=self.device)
-        try:
-            mask = self._mask(positions, self.model.dtype)
-            with _cpu_gqa(self.device):
-                if self._split:
-                    states = self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                                   past_key_values=self.cache, use_cache=True).last_hidden_state
-                    picked = states if logits_at is None else _gather(states, logits_at)
-                    logits = self.model.get_output_embeddings()(picked)
-                else:
-                    out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                     past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
-                    states = out.hidden_states[-1] if hidden else None
-                    logits = out.logits if logits_at is None else _gather(out.logits, logits_at)
-        except BaseException:
-            self.cache.abort()
-            raise
-        self.cache.commit(counts)
-        self.calls += 1
-        self.tokens_processed += sum(counts)
+        with self._writing(counts, begin, ids.shape[1], self.model.dtype) as (positions, mask):
+            if self._split:
+                states = self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                               past_key_values=self.cache, use_cache=True).last_hidden_state
+                picked = states if logits_at is None else _gather(states, logits_at)
+                logits = self.model.get_output_embeddings()(picked)
+            else:
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                 past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+                states = out.hidden_states[-1] if hidden else None
+                logits = out.logits if logits_at is None else _gather(out.logits, logits_at)
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         return RowsOutput(logits=logits, hidden=states if hidden else None)
@@ -130,20 +121,25 @@ class ModelRunner:
     def forward_states(self, embeds: torch.Tensor, counts: Sequence[int], *, begin: int = 0) -> torch.Tensor:
         """A base-model forward from input embeddings (feature-level draft heads): embeds [rows, width, hidden]
         -> last hidden states [rows, width, hidden], written to rows `begin ..` like `forward_rows`."""
-        counts = [int(c) for c in counts]
-        positions, _ = self.cache.begin_forward(counts, begin=begin, width=embeds.shape[1], device=self.device)
+        with self._writing([int(c) for c in counts], begin, embeds.shape[1], embeds.dtype) as (positions, mask):
+            return self.model.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
+                                         past_key_values=self.cache, use_cache=True).last_hidden_state
+
+    @contextlib.contextmanager
+    def _writing(self, counts: list[int], begin: int, width: int, dtype: torch.dtype
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One forward over rows `begin ..`: yields (position_ids, mask); commits the rows' new lengths
+        when the forward succeeds, leaves them as they were when it raises."""
+        positions, _ = self.cache.begin_forward(counts, begin=begin, width=width, device=self.device)
         try:
-            mask = self._mask(positions, embeds.dtype)
             with _cpu_gqa(self.device):
-                states = self.model.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
-                                               past_key_values=self.cache, use_cache=True).last_hidden_state
+                yield positions, self._mask(positions, dtype)
         except BaseException:
             self.cache.abort()
             raise
         self.cache.commit(counts)
         self.calls += 1
         self.tokens_processed += sum(counts)
-        return states
 
     def _mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The 4-D mask from the row lengths; None for one unpadded row, where transformers builds the same
