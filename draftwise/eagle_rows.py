@@ -12,7 +12,7 @@ append predicted positions, which the rewind drops.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -20,6 +20,9 @@ from .eagle import EagleHead
 from .errors import DraftwiseError
 from .models.runner import ModelRunner
 from .policies import FixedLength, LengthPolicy
+
+if TYPE_CHECKING:
+    from .engine import RowsDraft
 
 
 class EagleRowsDrafter:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -463,12 +463,9 @@ class Engine:
         target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
 
         pi = self._pi(draft, target_probs, target_logits, rows) if k else target_probs[:, :0]  # accept
-        bonus = target_probs
+        bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
         if self.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
-            def bonus(needed: torch.Tensor) -> torch.Tensor:
-                if not bool(needed.any()):
-                    return target_probs
-                return self._bonus_from_pi(rows, draft, target_probs, target_logits)
+            bonus = self._bonus_maker(rows, draft, target_probs, target_logits)
 
         outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
                                           [row.generator for row in rows],
@@ -552,6 +549,15 @@ class Engine:
             missing = request.min_new_tokens - len(rows[b].token_ids)  # positions 0 .. missing - 1 lose EOS
             logits[b, :missing, eos] = float("-inf")
         return logits
+
+    def _bonus_maker(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
+                     target_logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The sampler calls this with the rows that need a bonus; the draft's extra forward runs only then."""
+        def bonus(needed: torch.Tensor) -> torch.Tensor:
+            if not bool(needed.any()):
+                return target_probs
+            return self._bonus_from_pi(rows, draft, target_probs, target_logits)
+        return bonus
 
     def _bonus_from_pi(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
                        target_logits: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,18 @@ def tiny_gpt2(seed: int, *, vocab: int = 64, layers: int = 2, width: int = 64, i
     return GPT2LMHeadModel(config).eval()
 
 
+def near_copy(model, scale: float = 0.02, seed: int = 5):
+    """The model with every weight perturbed by `scale` of its std: a draft that agrees often, not always."""
+    import copy
+
+    near = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
+    return near
+
+
 def tiny_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
     """A byte-level BPE of exactly `vocab` entries (incl. one end-of-sequence token) trained on CORPUS."""
     tok = Tokenizer(models.BPE())

@@ -4,7 +4,6 @@ rollout under forced acceptance patterns, and batched exactness at mixed samplin
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import numpy as np

@@ -9,13 +9,12 @@ recover/rewind paths run.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import draftwise
-from conftest import tiny_gpt2, tiny_llama
+from conftest import near_copy, tiny_gpt2, tiny_llama
 
 
 
@@ -30,14 +29,7 @@ PROMPTS = [
 GAMMAS = [1, 3, 5, 8]
 
 
-def _near_copy(model, scale: float = 0.02, seed: int = 5):
-    """The target with every weight perturbed by `scale` of its std: a draft that agrees often, not always."""
-    near = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in near.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
-    return near
+_near_copy = near_copy
 
 
 ARCHS = {

@@ -24,7 +24,7 @@ from draftwise.acceptance import StepDistributions, speculative_sample
 from draftwise.cascades import AcceptDraftRule, BildRollbackRule, FLyRule, aligned_ahead, chow_stop, sequence_confidence
 from draftwise.sampling import SamplingConfig, make_generator, sample, unwarped, warp
 
-from conftest import tiny_llama
+from conftest import near_copy, tiny_llama
 
 
 # ----------------------------------------------------------------------------- FLy: the rule
@@ -169,18 +169,6 @@ def test_chow_stop_and_sequence_confidence_by_hand():
 
 N = 16
 PROMPTS = [[3, 17, 42, 8, 25], [1, 2, 3], [60]]
-
-
-def near_copy(model, scale: float, seed: int = 5):
-    """The target with each weight perturbed by `scale` of its std: a draft that agrees often, not always."""
-    import copy
-
-    near = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in near.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
-    return near
 
 
 @pytest.fixture(scope="module")
