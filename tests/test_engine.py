@@ -264,7 +264,7 @@ def _joint(target, sampling, prompt, length=2):
     return out
 
 
-@pytest.mark.parametrize("method", ["sd", "prompt-lookup"])
+@pytest.mark.parametrize("method", ["sd", "prompt-lookup", "eagle"])
 def test_batched_rows_follow_the_target_distribution_at_mixed_settings(method):
     """Batch of 4 rows with different prompt lengths and settings (T=1, top-k + top-p, greedy, T=0.7):
     the first two tokens of each row follow the exact warped target joint (chi-square at 1e-3)."""
@@ -290,6 +290,18 @@ def _batched_p_values(method: str, n: int) -> list[float]:
     runner = ModelRunner(t.model, vocab_size=64, rows=0)
     if method == "sd":
         drafter = ModelRowsDrafter(ModelRunner(kwargs["draft"].model, vocab_size=64, rows=0), 64)
+    elif method == "eagle":
+        from draftwise.eagle import EagleConfig, EagleHead
+        from draftwise.eagle_rows import EagleRowsDrafter
+
+        torch.manual_seed(7)
+        head = EagleHead(EagleConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                                     target_vocab_size=64), torch.arange(0, 64, 2))  # half the vocabulary
+        with torch.no_grad():
+            for p in head.parameters():
+                p.mul_(3.0)
+        head.attach(t.model)
+        drafter = EagleRowsDrafter(head, 64, runner.device)
     else:
         from draftwise.engine import LookupRowsDrafter
         drafter = LookupRowsDrafter(64, runner.device, max_ngram=3, min_ngram=1)
