@@ -746,7 +746,7 @@ class _Run:
 
     def _engine_pieces(self) -> Iterator[str]:
         plan = self.plan
-        engine, drafter = _engine(plan, 1, stream_text=self.streaming)
+        engine, _ = _engine(plan, 1, stream_text=self.streaming)
         request_id = engine.submit(_request(plan, plan.prompt_ids))
         try:
             while engine.has_work:
@@ -760,7 +760,7 @@ class _Run:
             result = engine.result(request_id)
             if result is not None:  # None only when a forward raised: the error propagates
                 self.text = result.text
-                self.stats = dict(_generation(result, plan.method).stats, draft_calls=drafter.calls)
+                self.stats = _generation(result, plan.method).stats
                 if plan.context_limited and result.finish_reason == "length":
                     self.stats["finish_reason"] = "context"
 

@@ -62,6 +62,7 @@ class RowCounters(Counters):
     rates are computed when reported. `steps` = verification calls this request took part in."""
 
     target_tokens: int = 0  # tokens this request fed the target (prefill included)
+    draft_calls: int = 0  # drafting forwards (draft model or head) this request took part in
     prefill_calls: int = 0
     verifier_accepted: int = 0  # drafted tokens kept on a verifier's word (SPRINTER)
 
@@ -447,6 +448,7 @@ class Engine:
         if not rows:
             return []
         limits = [max(0, min(self.gamma, row.budget - 1)) for row in rows]
+        drafter_calls = self.drafter.calls
 
         draft = self.drafter.propose(rows, limits)  # draft
         k = draft.width
@@ -470,6 +472,7 @@ class Engine:
         outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
                                           [row.generator for row in rows],
                                           [row.request.sampling.greedy for row in rows])
+        drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
 
@@ -481,6 +484,7 @@ class Engine:
             committed = _cut_at_eos(committed, row.request.eos_token_ids)
             row.counters.record(draft.counts[b], min(accepted, len(committed)))  # record: nothing past EOS
             row.counters.target_tokens += counts[b]
+            row.counters.draft_calls += drafter_calls
             if verdicts_host is not None:
                 row.counters.verifier_accepted += sum(verdicts_host[b][: draft.counts[b]])
             events.append(self._commit(row, committed, now))
@@ -652,7 +656,7 @@ class Engine:
             "method": self.method,
             "new_tokens": len(row.token_ids),
             "target_calls": c.steps,
-            "draft_calls": None,  # filled by the API for batch-of-one runs; per-row draft calls are shared
+            "draft_calls": c.draft_calls,  # forwards shared by the batch: each row counts the ones it took part in
             "target_tokens": c.target_tokens,
             "steps": c.steps,
             "drafted": c.drafted,

@@ -183,6 +183,7 @@ def test_scheduler_frees_rows_cancels_cleanly_and_counts_per_request(llama_pair)
         stats = engine.result(rid).stats
         assert stats["new_tokens"] == stats["accepted"] + stats["steps"]  # one recovered/bonus token per step
         assert stats["accepted"] <= stats["drafted"]
+        assert 1 <= stats["draft_calls"] <= engine.drafter.calls  # drafting forwards the request took part in
     assert not engine.cancel(short)  # finished: nothing to cancel
 
 
