@@ -265,7 +265,7 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
             policy=_policy(plan))
     elif spec.drafter == "ngram":
         drafter = LookupRowsDrafter(plan.vocab_size, device, max_ngram=plan.options["max_ngram"],
-                                    min_ngram=plan.options["min_ngram"])
+                                    min_ngram=plan.options["min_ngram"], eos_token_ids=plan.eos_token_ids)
     else:
         drafter = NoRowsDrafter(plan.vocab_size, device)
     engine = Engine(target, drafter, rule, gamma=gamma, tokenizer=plan.target.tokenizer,

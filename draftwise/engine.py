@@ -202,14 +202,17 @@ class NoRowsDrafter:
 class LookupRowsDrafter(NoRowsDrafter):
     """Prompt lookup per row (n-gram continuation of the row's own text), one-hot draft distributions."""
 
-    def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int, min_ngram: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int, min_ngram: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         super().__init__(vocab_size, device)
         from .drafters import PromptLookupDrafter
 
         self._lookup = PromptLookupDrafter(vocab_size, device, max_ngram=max_ngram, min_ngram=min_ngram)
+        self.eos = eos_token_ids
 
     def propose(self, rows, limits) -> RowsDraft:
-        found = [self._lookup.lookup(r.sequence, limit) for r, limit in zip(rows, limits)]
+        # a continuation stops after an end-of-sequence token: nothing past it is drafted
+        found = [_cut_at_eos(self._lookup.lookup(r.sequence, limit), self.eos) for r, limit in zip(rows, limits)]
         width = max((len(f) for f in found), default=0)
         if width == 0:
             return _empty(len(rows), self.vocab_size, self.device)
@@ -482,12 +485,14 @@ class Engine:
             accepted = outcome.num_accepted[b]
             committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
             committed = _cut_at_eos(committed, row.request.eos_token_ids)
-            row.counters.record(draft.counts[b], min(accepted, len(committed)))  # record: nothing past EOS
+            kept = self._commit(row, committed, now)  # may cut further, at a stop string
+            # record: nothing past an EOS or a stop string counts as accepted
+            row.counters.record(draft.counts[b], min(accepted, len(kept)))
             row.counters.target_tokens += counts[b]
             row.counters.draft_calls += drafter_calls
             if verdicts_host is not None:
                 row.counters.verifier_accepted += sum(verdicts_host[b][: draft.counts[b]])
-            events.append(self._commit(row, committed, now))
+            events.append(self._event(row, kept))
             # rewind: the row keeps everything but its newest token
             self.target.trim_row(b, len(row.sequence) - 1)
             self.drafter.rewind(b, len(row.sequence) - 1)
@@ -581,7 +586,8 @@ class Engine:
                 out[m, at[m]] = self.rule.bonus(q_raw[m], q_warped[m], p_raw[m], p_warped[m], flag)
         return out
 
-    def _commit(self, row: _Row, committed: list[int], now: float) -> Event:
+    def _commit(self, row: _Row, committed: list[int], now: float) -> list[int]:
+        """Append the step's tokens (cut at a stop string) and decide whether the row ends; returns the kept tokens."""
         stop_hit = False
         if row.request.stop and self.tokenizer is not None:
             kept = []
@@ -607,6 +613,10 @@ class Engine:
             row.finish_reason = "eos"
         elif row.budget <= 0:
             row.finish_reason = "length"
+        return committed
+
+    def _event(self, row: _Row, kept: list[int]) -> Event:
+        """The step's event for a row, after its counters were recorded (a finished row's stats are final)."""
         if row.finish_reason is not None:
             self._finish(row, row.finish_reason)
             ready = len(row.text)
@@ -614,15 +624,17 @@ class Engine:
             ready = _safe_prefix(row.text, row.request.stop)
         piece = row.text[row.emitted:ready] if ready > row.emitted else ""
         row.emitted = max(row.emitted, ready)
-        return Event(row.id, committed, piece, row.finish_reason is not None, row.finish_reason)
+        return Event(row.id, kept, piece, row.finish_reason is not None, row.finish_reason)
 
     def _admit(self) -> None:
         while self.waiting and len(self.live) < self.max_batch_size:
             candidate = self.waiting[0]
             if self.kv_budget_tokens is not None and self.live:
-                reserved = sum(len(r.request.prompt_ids) + r.request.max_new_tokens for r in self.live)
-                need = len(candidate.request.prompt_ids) + candidate.request.max_new_tokens
-                if reserved + need > self.kv_budget_tokens:
+                # the buffers are [rows allocated, capacity]: capacity follows the longest row (plus a draft
+                # window), rows grow by doubling, neither shrinks; admit only what keeps that within budget
+                longest = max(len(r.request.prompt_ids) + r.request.max_new_tokens
+                              for r in [*self.live, candidate]) + self.gamma + 1
+                if self.target.cache.slots_after(len(self.live) + 1, longest) > self.kv_budget_tokens:
                     return
             self.waiting.pop(0)
             index = len(self.live)

@@ -442,3 +442,54 @@ def test_the_kv_budget_admits_only_what_fits(llama_pair):
     assert len(engine.live) == 1 and len(engine.waiting) == 2  # 15 + 12 > 25
     engine.run()
     assert len(engine.results()) == 3
+
+
+def test_rows_near_the_window_never_feed_positions_past_it():
+    """GPT-2's learned positions: a request cut by the window beside a short one (padding and a
+    stopped draft row would reach past position 31) decodes as it does alone."""
+    from conftest import tiny_gpt2
+
+    target, draft = load_model(tiny_gpt2(0, window=32)), load_model(tiny_gpt2(1, window=32))
+    long = list(range(1, 30))
+    with pytest.warns(draftwise.errors.DraftwiseWarning):
+        alone = draftwise.generate(target, long, draft=draft, method="sd", temperature=0, max_new_tokens=20,
+                                   ignore_eos=True).token_ids
+    both = draftwise.generate(target, [long, [5, 6]], draft=draft, method="sd", temperature=0, max_new_tokens=20,
+                              ignore_eos=True)
+    assert both[0].token_ids == alone and len(both[1].token_ids) == 20
+
+
+def test_a_stop_string_cut_records_no_accepted_token_past_it(llama_pair):
+    target, _ = llama_pair
+    tok = tiny_tokenizer(64)
+    t, d = load_model(target, tokenizer=tok), load_model(target, tokenizer=tok)  # draft == target: all accepted
+    free = draftwise.generate(t, "the cat", draft=d, method="sd", temperature=0, max_new_tokens=12, ignore_eos=True)
+    stop = next(c for c in free.text if c != "\ufffd")  # reached within the first step's 5 tokens
+    cut = draftwise.generate(t, "the cat", draft=d, method="sd", temperature=0, max_new_tokens=12, ignore_eos=True,
+                             stop=[stop])
+    assert cut.stats["finish_reason"] == "stop" and cut.stats["steps"] == 1
+    assert cut.stats["new_tokens"] < 5 and cut.stats["accepted"] <= cut.stats["new_tokens"]
+
+
+def test_prompt_lookup_rows_stop_drafting_at_eos():
+    from draftwise.engine import LookupRowsDrafter
+
+    class Row:
+        sequence = [1, 2, 7, 3, 4, 5, 1, 2]
+
+    drafter = LookupRowsDrafter(64, torch.device("cpu"), max_ngram=3, min_ngram=1, eos_token_ids=frozenset({7}))
+    proposal = drafter.propose([Row()], [4])
+    assert proposal.tokens[0, : proposal.counts[0]].tolist() == [7]
+
+
+def test_the_kv_budget_counts_the_buffers_as_allocated(llama_pair):
+    target, _ = llama_pair
+    engine = _engine(target)
+    engine.kv_budget_tokens = 2 * 256  # two rows of the first 256-position block
+    for p in PROMPTS:
+        engine.submit(Request(tuple(p), GREEDY, max_new_tokens=10))
+    engine.step()
+    assert len(engine.live) == 2
+    engine.run()
+    cache = engine.target.cache
+    assert cache.keys[0].shape[0] * cache.capacity <= 2 * 256 and len(engine.results()) == len(PROMPTS)

@@ -142,6 +142,16 @@ class PositionCache(Cache):
             raise ValueError(f"cannot trim row {row} of {self.lengths[row]} tokens to {keep}")
         self.lengths[row] = keep
 
+    def slots_after(self, rows: int, length: int) -> int:
+        """Token slots per layer the buffers would hold after growing to `rows` rows of `length` positions
+        (the same doubling as `add_rows` and `_grow`; nothing shrinks)."""
+        allocated = self.keys[0].shape[0] if self.keys else 0
+        new_rows = allocated if rows <= allocated else max(rows, 2 * allocated)
+        capacity = self.capacity
+        while capacity < length:
+            capacity *= 2
+        return new_rows * (-(-capacity // BLOCK) * BLOCK)
+
     @torch.inference_mode()
     def add_rows(self, count: int) -> None:
         """Append `count` empty rows (buffers grow by doubling when they run out)."""

@@ -69,6 +69,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = vocab_size  # logits are cut to this many columns (padded vocabularies)
         self._window = sliding_window(model.config)
+        config = model.config
+        self._max_position = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         self._rows = rows
         self._additive = model.config._attn_implementation not in ("sdpa", "flex_attention")
         self._split = getattr(model.config, "model_type", "") in _PLAIN_HEAD and model.get_output_embeddings() is not None
@@ -133,7 +135,15 @@ class ModelRunner:
         positions, _ = self.cache.begin_forward(counts, begin=begin, width=width, device=self.device)
         try:
             with _cpu_gqa(self.device):
-                yield positions, self._mask(positions, dtype)
+                mask = self._mask(positions, dtype)  # from the true positions
+                # The model sees padded slots at their row's last real position (and never past the
+                # window): a padded slot's output is discarded, but a position id past the model's
+                # table would crash (learned positions) or rescale RoPE for the batch (dynamic RoPE).
+                last = positions[:, :1] + torch.tensor(counts, device=self.device)[:, None] - 1  # [rows, 1]
+                model_positions = torch.minimum(positions, last)
+                if self._max_position:
+                    model_positions = model_positions.clamp(max=self._max_position - 1)
+                yield model_positions, mask
         except BaseException:
             self.cache.abort()
             raise
