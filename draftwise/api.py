@@ -140,8 +140,17 @@ def generate(
     if kv_budget_mb is not None:
         engine.kv_budget_tokens = int(kv_budget_mb * 2**20 // kv_bytes_per_token(plan.target.model))
     ids = [engine.submit(request) for request in requests]
+    cut = [r.max_new_tokens < plan.requested_new_tokens for r in requests]  # the window cut the budget
+    if any(cut[1:]):  # the first prompt's cut was announced by _plan
+        warnings.warn(f"{sum(cut[1:])} more prompt(s) leave less than max_new_tokens={plan.requested_new_tokens} "
+                      f"in the context window of {plan.window} (finish_reason 'context' where that ends them)",
+                      DraftwiseWarning, stacklevel=2)
     engine.run()
-    return [_generation(engine.result(i), plan.method) for i in ids]
+    out = [_generation(engine.result(i), plan.method) for i in ids]
+    for generation, limited in zip(out, cut):
+        if limited and generation.stats["finish_reason"] == "length":
+            generation.stats["finish_reason"] = "context"
+    return out
 
 
 def stream(

@@ -493,3 +493,12 @@ def test_the_kv_budget_counts_the_buffers_as_allocated(llama_pair):
     engine.run()
     cache = engine.target.cache
     assert cache.keys[0].shape[0] * cache.capacity <= 2 * 256 and len(engine.results()) == len(PROMPTS)
+
+
+def test_batched_requests_cut_by_the_window_finish_with_context():
+    target = load_model(tiny_llama(0, window=16))
+    with pytest.warns(draftwise.errors.DraftwiseWarning):
+        out = draftwise.generate(target, [[1, 2], list(range(1, 14))], method="ar", temperature=0,
+                                 max_new_tokens=10, ignore_eos=True)
+    assert [g.stats["finish_reason"] for g in out] == ["length", "context"]
+    assert len(out[1].token_ids) == 3
