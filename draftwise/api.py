@@ -20,11 +20,11 @@ import torch
 
 from .cascades import deferral, sequence_confidence
 from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
-from .drafters import Drafter, ModelDrafter, NoDrafter, PromptLookupDrafter
+from .drafters import Drafter, ModelDrafter, NoDrafter
 from .errors import DraftwiseError, DraftwiseWarning
 from .engine import Engine, _find_stop, _safe_prefix, kv_bytes_per_token, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
 from .methods import METHODS, Method, get_method
-from .eagle import EagleDrafter, EagleHead
+from .eagle import EagleHead
 from .eagle_rows import EagleRowsDrafter
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
@@ -716,35 +716,15 @@ class _Run:
         self.stats: dict[str, Any] = {}
 
     def _drafter(self, generator_device: torch.device, rule: Any) -> Drafter:
+        """The drafter of a method the batched engine does not run (mtad, mtjd, oracle-diff, seq-cascade)."""
         plan = self.plan
-        if isinstance(plan.draft, EagleHead):
-            return EagleDrafter(plan.draft, plan.sampling, plan.vocab_size, generator_device)
         runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size) if plan.method.needs_draft else None
-        if plan.method.drafter == "model":
-            spec = plan.method
-            return ModelDrafter(
-                runner, plan.sampling, plan.vocab_size,
-                keep_raw=getattr(rule, "needs_draft_raw", False),
-                stop_when=spec.make_stop(plan.options) if spec.make_stop else None,
-                eos_token_ids=plan.eos_token_ids,
-            )
-        if plan.method.drafter == "sprinter":
-            from .sprinter import SprinterDrafter
-
-            return SprinterDrafter(runner, plan.sampling, plan.vocab_size, plan.verifier, plan.options["tau"])
-        if plan.method.drafter == "stophead":
-            from .sprinter import StopHeadDrafter
-
-            return StopHeadDrafter(runner, plan.sampling, plan.vocab_size, plan.verifier, plan.options["threshold"])
         if plan.method.drafter == "beam":
             from .mtad import BeamDrafter
 
             return BeamDrafter(runner, plan.sampling, plan.vocab_size, plan.options["num_beams"])
-        if plan.method.drafter == "ngram":
-            return PromptLookupDrafter(
-                plan.vocab_size, generator_device,
-                max_ngram=plan.options["max_ngram"], min_ngram=plan.options["min_ngram"],
-            )
+        if plan.method.drafter == "model":  # the oracle and sequence loops drive its runner directly
+            return ModelDrafter(runner, plan.sampling, plan.vocab_size, eos_token_ids=plan.eos_token_ids)
         return NoDrafter(plan.vocab_size, generator_device)
 
     def pieces(self) -> Iterator[str]:

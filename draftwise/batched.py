@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from .acceptance import ZERO_RESIDUAL
-from .sampling import SamplingConfig, warp
+from .sampling import SamplingConfig, invert_cdf, warp
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,28 @@ def speculative_sample_rows(
     if all(greedy):
         next_tokens = probs.argmax(-1)  # [rows]
     else:
-        u_last = uniforms.gather(1, counts[:, None].clamp(max=k))  # [rows, 1]: each row's last uniform
-        # one uniform per row, drawn at index counts[b]: the sample below inverts the CDF with it
-        cdf = torch.cumsum(probs.double(), dim=-1)  # [rows, vocab]
-        next_tokens = torch.searchsorted(cdf, u_last * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)
-        next_tokens = next_tokens.squeeze(-1)
+        # each row's last uniform, drawn at index counts[b], picks its recovered or bonus token
+        next_tokens = invert_cdf(probs, uniforms.gather(1, counts[:, None].clamp(max=k)))
         if any(greedy):
             next_tokens = torch.where(torch.tensor(greedy, device=device), probs.argmax(-1), next_tokens)
     both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator], drawing: Sequence[bool],
+                greedy: Sequence[bool]) -> torch.Tensor:
+    """One token per row, with one uniform from the row's own generator. [rows, vocab] -> [rows].
+
+    Only rows still `drawing` consume a uniform (the others' tokens are discarded), so a row's
+    randomness does not depend on how long its batch-mates draft. Greedy rows take the argmax of
+    their one-hot distribution and draw nothing."""
+    if all(greedy):
+        return probs.argmax(-1)
+    u = draw_uniforms(generators, [int(d and not g) for d, g in zip(drawing, greedy)], 1, probs.device)  # [rows, 1]
+    sampled = invert_cdf(probs, u)
+    if any(greedy):
+        sampled = torch.where(torch.tensor(list(greedy), device=probs.device), probs.argmax(-1), sampled)
+    return sampled
 
 
 def warp_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:

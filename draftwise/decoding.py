@@ -44,17 +44,21 @@ class Counters:
             self.accepted_per_position[i] += 1
 
 
+def cut_at_eos(committed: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+    """The committed tokens up to and including the first end-of-sequence token."""
+    for i, token in enumerate(committed):
+        if token in eos_token_ids:
+            return committed[: i + 1]
+    return committed
+
+
 @dataclass(frozen=True)
 class Limits:
     max_new_tokens: int  # already capped by the context window
     eos_token_ids: frozenset[int]
 
     def cut_at_eos(self, committed: list[int]) -> list[int]:
-        """The committed tokens up to and including the first end-of-sequence token."""
-        for i, token in enumerate(committed):
-            if token in self.eos_token_ids:
-                return committed[: i + 1]
-        return committed
+        return cut_at_eos(committed, self.eos_token_ids)
 
 
 def decode(

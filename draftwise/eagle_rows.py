@@ -56,10 +56,7 @@ class EagleRowsDrafter:
             self.features.append(torch.empty(0, self.head.config.hidden_size, device=self.device))
             self.cached.append(0)
             self.num_features.append(0)
-        cache = self.runner.cache
-        if row >= cache.num_rows:
-            cache.add_rows(row + 1 - cache.num_rows)
-        cache.lengths[row] = 0
+        self.runner.cache.reset_row(row)
         self.features[row] = self.features[row][:0]
         self.cached[row] = self.num_features[row] = 0
 
@@ -77,7 +74,8 @@ class EagleRowsDrafter:
     @torch.inference_mode()
     def propose(self, rows, limits) -> "RowsDraft":
         from .batched import warp_rows
-        from .engine import RowsDraft, _empty, _sample_rows
+        from .batched import sample_rows
+        from .engine import RowsDraft, _empty
         from .sampling import unwarped
 
         n = len(rows)
@@ -128,7 +126,7 @@ class EagleRowsDrafter:
                 if self.policy.needs_raw:
                     active &= ~self.policy.stop_before(unwarped(full))
                 step_probs = warp_rows(full, configs)  # [rows, vocab], zero outside the draft vocabulary
-                token = _sample_rows(step_probs, generators, active.tolist(), [c.greedy for c in configs])
+                token = sample_rows(step_probs, generators, active.tolist(), [c.greedy for c in configs])
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)

@@ -32,8 +32,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from .acceptance import StepDistributions, TargetRule
-from .batched import speculative_sample_rows, warp_rows
-from .decoding import Counters
+from .batched import sample_rows, speculative_sample_rows, warp_rows
+from .decoding import Counters, cut_at_eos
 from .errors import DraftwiseError
 from .models.runner import ModelRunner
 from .policies import FixedLength, LengthPolicy
@@ -212,16 +212,13 @@ class LookupRowsDrafter(NoRowsDrafter):
 
     def propose(self, rows, limits) -> RowsDraft:
         # a continuation stops after an end-of-sequence token: nothing past it is drafted
-        found = [_cut_at_eos(self._lookup.lookup(r.sequence, limit), self.eos) for r, limit in zip(rows, limits)]
-        width = max((len(f) for f in found), default=0)
-        if width == 0:
+        found = [cut_at_eos(self._lookup.lookup(r.sequence, limit), self.eos) for r, limit in zip(rows, limits)]
+        tokens, counts = pad_rows(found)
+        if tokens.shape[1] == 0:
             return _empty(len(rows), self.vocab_size, self.device)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, f in enumerate(found):
-            tokens[b, : len(f)] = torch.tensor(f, dtype=torch.long)
         tokens = tokens.to(self.device)
-        probs = torch.zeros(len(rows), width, self.vocab_size, device=self.device).scatter_(-1, tokens[..., None], 1.0)
-        return RowsDraft(tokens, probs, [len(f) for f in found])
+        probs = torch.zeros(*tokens.shape, self.vocab_size, device=self.device).scatter_(-1, tokens[..., None], 1.0)
+        return RowsDraft(tokens, probs, counts)
 
 
 class ModelRowsDrafter:
@@ -245,7 +242,7 @@ class ModelRowsDrafter:
         return self.runner.calls - self.prefill_calls
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        _reset_row(self.runner, row)
+        self.runner.cache.reset_row(row)
         self.prefill_calls += len(_prefill(self.runner, row, prompt_ids[:-1]))
 
     def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
@@ -258,11 +255,7 @@ class ModelRowsDrafter:
         device = self.runner.device
         policy = self.policy
         lengths = self.runner.lengths
-        pending = [r.sequence[lengths[b]:] for b, r in enumerate(rows)]
-        counts = [len(p) for p in pending]
-        feed = torch.zeros(n, max(counts), dtype=torch.long)
-        for b, p in enumerate(pending):
-            feed[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        feed, counts = pad_rows([r.sequence[lengths[b]:] for b, r in enumerate(rows)])  # 1 or 2 tokens a row
         at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
         configs = [r.request.sampling for r in rows]
         greedy = [c.greedy for c in configs]
@@ -280,7 +273,7 @@ class ModelRowsDrafter:
             if self.keep_raw:
                 raws.append(raw)
             step_probs = warp_rows(logits, configs)  # [rows, vocab]
-            token = _sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
+            token = sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)
@@ -315,11 +308,7 @@ class ModelRowsDrafter:
         for b, context in enumerate(contexts):  # rows that drafted past their own stop hold extra tokens
             if lengths[b] >= len(context):
                 self.runner.trim_row(b, len(context) - 1)
-        pending = [list(context[lengths[b]:]) for b, context in enumerate(contexts)]
-        counts = [len(p) for p in pending]
-        feed = torch.zeros(len(pending), max(counts), dtype=torch.long)
-        for b, p in enumerate(pending):
-            feed[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        feed, counts = pad_rows([context[lengths[b]:] for b, context in enumerate(contexts)])
         at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
         logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
         return unwarped(logits), warp_rows(logits, configs)
@@ -337,30 +326,13 @@ class ModelRowsDrafter:
     def observe(self, row, start, states) -> None: pass
 
 
-def _sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator], drawing: Sequence[bool],
-                 greedy: Sequence[bool]) -> torch.Tensor:
-    """One token per row by inverting the CDF with one uniform from the row's own generator. [rows, vocab] -> [rows].
-
-    Only rows still `drawing` consume a uniform (the others' tokens are discarded), so a row's
-    randomness does not depend on how long its batch-mates draft. Greedy rows take the argmax of
-    their one-hot distribution and draw nothing."""
-    from .batched import draw_uniforms
-
-    if all(greedy):
-        return probs.argmax(-1)
-    u = draw_uniforms(generators, [int(d and not g) for d, g in zip(drawing, greedy)], 1, probs.device)  # [rows, 1]
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
-    if any(greedy):
-        sampled = torch.where(torch.tensor(list(greedy), device=probs.device), probs.argmax(-1), sampled)
-    return sampled
-
-
-def _reset_row(runner: ModelRunner, row: int) -> None:
-    cache = runner.cache
-    if row >= cache.num_rows:
-        cache.add_rows(row + 1 - cache.num_rows)
-    cache.lengths[row] = 0
+def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Right-padded token rows (host) and their lengths: [rows, longest] int64, [rows]."""
+    counts = [len(seq) for seq in sequences]
+    out = torch.zeros(len(counts), max(counts, default=0), dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        out[b, : counts[b]] = torch.as_tensor(list(seq), dtype=torch.long)
+    return out, counts
 
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the activations of a long prompt
@@ -403,9 +375,6 @@ class Engine:
         self.live: list[_Row] = []  # row i of every cache is live[i]
         self.finished: dict[int, Result] = {}
         self._ids = itertools.count()
-        self.target_calls = 0  # batched verification forwards
-        self.verified_tokens = 0  # tokens fed to verification (bonus positions included)
-        self.committed_tokens = 0
 
     # ---- interface ----
 
@@ -459,8 +428,6 @@ class Engine:
         last = torch.tensor([row.sequence[-1] for row in rows], dtype=torch.long, device=draft.tokens.device)
         feed = torch.cat([last[:, None], draft.tokens], 1)  # [rows, 1 + k]
         verified = self.target.forward_rows(feed, counts, hidden=self.drafter.wants_features)
-        self.target_calls += 1
-        self.verified_tokens += sum(counts)
         if self.drafter.wants_features:
             for b, row in enumerate(rows):
                 self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, : counts[b]])
@@ -484,7 +451,7 @@ class Engine:
         for b, row in enumerate(rows):
             accepted = outcome.num_accepted[b]
             committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
-            committed = _cut_at_eos(committed, row.request.eos_token_ids)
+            committed = cut_at_eos(committed, row.request.eos_token_ids)
             kept = self._commit(row, committed, now)  # may cut further, at a stop string
             # record: nothing past an EOS or a stop string counts as accepted
             row.counters.record(draft.counts[b], min(accepted, len(kept)))
@@ -604,7 +571,6 @@ class Engine:
             row.text += row.detok.push(committed)
         row.sequence.extend(committed)
         row.token_ids.extend(committed)
-        self.committed_tokens += len(committed)
         if row.first_token_at is None:
             row.first_token_at = now
         if stop_hit:
@@ -639,7 +605,7 @@ class Engine:
             self.waiting.pop(0)
             index = len(self.live)
             prompt = candidate.request.prompt_ids
-            _reset_row(self.target, index)
+            self.target.cache.reset_row(index)
             states = _prefill(self.target, index, prompt[:-1], hidden=self.drafter.wants_features)
             candidate.counters.target_tokens += len(prompt) - 1
             candidate.counters.prefill_calls += len(states)
@@ -694,13 +660,6 @@ def kv_bytes_per_token(model) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()
-
-
-def _cut_at_eos(committed: list[int], eos: frozenset[int]) -> list[int]:
-    for i, token in enumerate(committed):
-        if token in eos:
-            return committed[: i + 1]
-    return committed
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -160,8 +160,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     over a 49k vocabulary; the cumulative sum runs in float64 to keep rounding negligible.
     """
     assert probs.ndim == 2, probs.shape
-    cdf = torch.cumsum(probs.double(), dim=-1)  # [rows, vocab]
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    return invert_cdf(probs, u)
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row at uniform u: probs [rows, vocab] (unnormalised), u [rows, 1] float64 -> [rows]."""
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [rows, vocab]
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [rows, 1]
     return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 

@@ -142,6 +142,12 @@ class PositionCache(Cache):
             raise ValueError(f"cannot trim row {row} of {self.lengths[row]} tokens to {keep}")
         self.lengths[row] = keep
 
+    def reset_row(self, row: int) -> None:
+        """Row `row` starts empty (a new request takes it); rows are added up to it when needed."""
+        if row >= self.num_rows:
+            self.add_rows(row + 1 - self.num_rows)
+        self.lengths[row] = 0
+
     def slots_after(self, rows: int, length: int) -> int:
         """Token slots per layer the buffers would hold after growing to `rows` rows of `length` positions
         (the same doubling as `add_rows` and `_grow`; nothing shrinks)."""
