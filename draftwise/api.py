@@ -80,6 +80,8 @@ class _Plan:
     requested_new_tokens: int = 0  # max_new_tokens as asked, before the window cut (other prompts of a batch)
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    companion: LoadedModel | None = None  # SV's companion / staged SD's intermediate model
+    sv_profile: Any = None  # sv.SVProfile: P(accept | S, A) and the latency model of the select phase
 
 
 def generate(
@@ -239,7 +241,8 @@ def batched_methods() -> list[str]:
 
 def _method_refuses(spec: Method, options: dict[str, Any]) -> str | None:
     """Why the batched engine cannot run this method (None when it can)."""
-    if spec.loop != "speculative" or spec.drafter not in ("none", "model", "ngram", "sprinter", "stophead"):
+    if spec.loop != "speculative" or spec.drafter not in ("none", "model", "ngram", "sprinter", "stophead",
+                                                          "companion", "staged"):
         return f"method {spec.name!r} decodes one request at a time"
     return None
 
@@ -267,6 +270,15 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
     if isinstance(plan.draft, EagleHead):
         drafter: Any = EagleRowsDrafter(plan.draft, plan.vocab_size, device, eos_token_ids=plan.eos_token_ids,
                                         policy=_policy(plan))
+    elif spec.needs_companion:
+        from .selection import CompanionRowsDrafter, StagedRowsDrafter
+
+        inner = ModelRowsDrafter(ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, rows=0), plan.vocab_size,
+                                 eos_token_ids=plan.eos_token_ids, keep_raw=spec.drafter == "companion",
+                                 policy=_policy(plan))
+        companion = ModelRunner(plan.companion.model, vocab_size=plan.vocab_size, rows=0)
+        kind = StagedRowsDrafter if spec.drafter == "staged" else CompanionRowsDrafter
+        drafter = kind(inner, companion, plan.vocab_size)
     elif spec.needs_draft:
         drafter = ModelRowsDrafter(
             ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, rows=0), plan.vocab_size,
@@ -278,8 +290,23 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
     else:
         drafter = NoRowsDrafter(plan.vocab_size, device)
     engine = Engine(target, drafter, rule, gamma=gamma, tokenizer=plan.target.tokenizer,
-                    max_batch_size=max_batch_size, method=spec.name, stream_text=stream_text)
+                    max_batch_size=max_batch_size, method=spec.name, stream_text=stream_text,
+                    selector=_selector(plan, gamma))
     return engine, drafter
+
+
+def _selector(plan: _Plan, gamma: int) -> Any:
+    """The select phase of SV and its history-based baselines (None: verify every drafted token)."""
+    from .selection import GoodputSelector, HistorySelector, SmartSpecSelector
+
+    kind, profile = plan.method.selector, plan.sv_profile
+    if kind == "sv":
+        return GoodputSelector(profile.table(plan.options["bins"]), profile.latency)
+    if kind == "history":
+        return HistorySelector(profile.latency, gamma)
+    if kind == "smartspec":
+        return SmartSpecSelector(profile.latency, gamma)
+    return None
 
 
 def _policy(plan: _Plan) -> LengthPolicy:
@@ -422,6 +449,12 @@ def _plan(
     if stops and target_model.tokenizer is None:
         raise DraftwiseError("stop strings need a tokenizer; load the target with tokenizer=...")
 
+    companion = None
+    if spec.needs_companion:
+        companion = _load_companion(options["companion"], target_model, draft_model)
+    sv_profile = _load_profile(spec, options, target_model, draft_model, companion, sampling) \
+        if spec.needs_profile else None
+
     verifier = None
     if spec.drafter in ("sprinter", "stophead"):  # loaded now, so a bad file fails at the call, not mid-stream
         from .sprinter import Verifier
@@ -432,7 +465,8 @@ def _plan(
         _check_objective(verifier, spec, path)
     prompt_ids = _prompt_ids(prompt, target_model, vocab_size)
     draft_window = draft_model.context_window if isinstance(draft_model, LoadedModel) else None
-    window = min(w for w in (target_model.context_window, draft_window, 10**12) if w)
+    companion_window = companion.context_window if companion is not None else None
+    window = min(w for w in (target_model.context_window, draft_window, companion_window, 10**12) if w)
     if len(prompt_ids) >= window:
         raise DraftwiseError(
             f"prompt has {len(prompt_ids)} tokens but the context window is {window}: shorten the prompt"
@@ -449,7 +483,47 @@ def _plan(
         prompt_ids=prompt_ids, max_new_tokens=min(max_new_tokens, room), stop=stops,
         eos_token_ids=frozenset() if ignore_eos else target_model.eos_token_ids, vocab_size=vocab_size, seed=seed,
         verifier=verifier, context_limited=max_new_tokens > room, window=window, requested_new_tokens=max_new_tokens,
+        companion=companion, sv_profile=sv_profile,
     )
+
+
+def _load_companion(spec: str, target: LoadedModel, draft: Any) -> LoadedModel:
+    """SV's companion: the option's model, or the registry's companion for a registry target."""
+    name = spec if not isinstance(spec, str) else spec or registry.default_companion(target.name)
+    if name is None or (isinstance(name, str) and not name):
+        raise DraftwiseError(f"this method needs a companion model: pass companion=NAME_OR_PATH (--companion); the "
+                             f"registry has one only for {', '.join(registry.companion_targets()) or 'no target'}")
+    if isinstance(name, LoadedModel):
+        companion = name
+    elif isinstance(name, str):
+        companion = load_model(name, device=target.device, dtype=target.dtype)
+    else:
+        companion = load_model(name)
+    if companion.device != target.device:
+        raise DraftwiseError(f"companion is on {companion.device} but target on {target.device}; use one device")
+    check_same_tokenizer(target, companion)
+    _shared_vocab(target, companion)
+    return companion
+
+
+def _load_profile(spec: Method, options: dict[str, Any], target: LoadedModel, draft: Any, companion: Any,
+                  sampling: SamplingConfig) -> Any:
+    """The SV profile a selector reads, checked against the models and the sampling setting."""
+    from . import sv
+
+    setting = sv.profile_setting(target.name, getattr(draft, "name", None),
+                                 companion.name if companion is not None else None, sampling)
+    keys = sv.SETTING_KEYS if spec.selector == "sv" else ("target", "draft")  # baselines read the latency only
+    path = options["profile"] or sv.shipped_profile(setting, keys)
+    if path is None:
+        raise DraftwiseError(
+            f"{spec.name} needs an SV profile for target={setting['target']!r}, draft={setting['draft']!r}"
+            + (f", companion={setting['companion']!r}" if spec.selector == "sv" else "")
+            + f", temperature={sampling.temperature}, top_p={sampling.top_p}, top_k={sampling.top_k}: make one with "
+            "`draftwise profile-sv` and pass profile=PATH (--profile)")
+    profile = sv.SVProfile.load(path)
+    profile.check(setting, path, keys)
+    return profile
 
 
 def _load_draft(draft: Any, target: LoadedModel) -> LoadedModel | EagleHead:

@@ -65,6 +65,7 @@ class RowCounters(Counters):
     draft_calls: int = 0  # drafting forwards (draft model or head) this request took part in
     prefill_calls: int = 0
     verifier_accepted: int = 0  # drafted tokens kept on a verifier's word (SPRINTER)
+    proposed: int = 0  # drafted tokens before the select phase (SV discards some unverified)
 
 
 class Detokenizer:
@@ -142,10 +143,24 @@ class RowsDraft:
     counts: list[int]  # [rows] drafted tokens per row (k = max)
     raw_probs: torch.Tensor | None = None  # [rows, k, vocab] unwarped, when the rule reads them
     verdicts: torch.Tensor | None = None  # [rows, k] bool: a verifier's word per drafted token (SPRINTER)
+    companion_probs: torch.Tensor | None = None  # [rows, k + 1, vocab] a companion's warped distributions (SV)
+    companion_raw: torch.Tensor | None = None  # [rows, k + 1, vocab] the same, unwarped
 
     @property
     def width(self) -> int:
         return int(self.tokens.shape[1])
+
+    def prefix(self, counts: Sequence[int]) -> "RowsDraft":
+        """The draft cut to its first counts[b] tokens per row (the select phase's choice)."""
+        counts = [min(int(c), d) for c, d in zip(counts, self.counts)]
+        k = max(counts, default=0)
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, :k]
+
+        return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.raw_probs), cut(self.verdicts),
+                         None if self.companion_probs is None else self.companion_probs[:, : k + 1],
+                         None if self.companion_raw is None else self.companion_raw[:, : k + 1])
 
 
 class RowsDrafter(Protocol):
@@ -165,6 +180,20 @@ class RowsDrafter(Protocol):
     def release(self, live: int) -> None: ...
 
     def observe(self, row: int, start: int, states: torch.Tensor) -> None: ...
+
+
+class VerifySelector(Protocol):
+    """The select phase: how many of each row's drafted tokens the target verifies (a prefix; the
+    rest are discarded). Reads draft-side information only, so exact rules stay exact."""
+
+    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
+        """Each row's drafting limit this step (at most the engine's)."""
+
+    def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]: ...
+
+    def observe(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
+                target_logits: torch.Tensor, num_accepted: Sequence[int]) -> None:
+        """After acceptance: what the target said (history-based selectors and profiling learn here)."""
 
 
 def _empty(rows: int, vocab: int, device: torch.device) -> RowsDraft:
@@ -358,6 +387,7 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
         max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
+        selector: VerifySelector | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
@@ -369,6 +399,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
         self.method = method
+        self.selector = selector  # None: every drafted token is verified
         self.stream_text = stream_text  # False: text only at the end (and for stop strings), no per-step decoding
         self.bonus_from_pi = bool(getattr(rule, "bonus_from_pi", False))  # read once: cascades' Algorithm 4 bonus
         self.waiting: list[_Row] = []
@@ -420,9 +451,14 @@ class Engine:
         if not rows:
             return []
         limits = [max(0, min(self.gamma, row.budget - 1)) for row in rows]
+        if self.selector is not None:
+            limits = self.selector.limits(rows, limits)
         drafter_calls = self.drafter.calls
 
         draft = self.drafter.propose(rows, limits)  # draft
+        proposed = draft.counts
+        if self.selector is not None and draft.width:  # select: the prefix of each draft to verify
+            draft = draft.prefix(self.selector.select(rows, draft))
         k = draft.width
         counts = [1 + c for c in draft.counts]  # verify: the pending token and the drafts
         last = torch.tensor([row.sequence[-1] for row in rows], dtype=torch.long, device=draft.tokens.device)
@@ -442,6 +478,8 @@ class Engine:
         outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
                                           [row.generator for row in rows],
                                           [row.request.sampling.greedy for row in rows])
+        if self.selector is not None:
+            self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
@@ -456,6 +494,7 @@ class Engine:
             # record: nothing past an EOS or a stop string counts as accepted
             row.counters.record(draft.counts[b], min(accepted, len(kept)))
             row.counters.target_tokens += counts[b]
+            row.counters.proposed += proposed[b]
             row.counters.draft_calls += drafter_calls
             if verdicts_host is not None:
                 row.counters.verifier_accepted += sum(verdicts_host[b][: draft.counts[b]])
@@ -649,6 +688,8 @@ class Engine:
             "wall_time_s": row.finished_at - row.submitted,
             "time_to_first_token_s": (row.first_token_at - row.submitted) if row.first_token_at else None,
         }
+        if self.selector is not None:
+            stats["proposed"] = c.proposed  # drafted, before the select phase dropped some unverified
         self.finished[row.id] = Result(row.id, list(row.token_ids), row.text, reason, stats)
 
 

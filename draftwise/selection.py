@@ -1,0 +1,229 @@
+"""The select phase and the companion: Speculative Verification (seed 001) and its baselines.
+
+A method here is still a triple (drafter, length policy, acceptance rule) plus a *selector*:
+after the draft, the selector says how many of each row's drafted tokens the target verifies
+(a prefix; the rest are discarded). It reads draft-side information only, so the exact rule
+keeps the target's distribution whatever it chooses.
+
+- `CompanionRowsDrafter`: any model drafter, plus a companion model that reads the drafted
+  tokens in one forward per step (its own KV cache rows) and reports its distributions at
+  every drafted position. It never changes which tokens are sampled.
+- `GoodputSelector` (`sv`): P(accept | S, A) from a profile, then §5's batch scheduler.
+- `HistorySelector` (`adaptive-verify`): the same scheduler, with each slot scored by the
+  running product of its request's per-position acceptance rates so far (vLLM's adaptive
+  verification: history, no companion).
+- `SmartSpecSelector` (`smartspec`, Liu et al. 2024): a moving average of each request's
+  acceptance rate picks one draft length for the batch that maximises estimated goodput; the
+  drafter drafts only that many.
+- `StagedRowsDrafter` (`staged`, Spector & Re 2023): the companion verifies the draft first by
+  speculative sampling; what it keeps (plus its correction) goes to the target with the
+  companion's distributions as the proposal, which keeps the output exact.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .batched import speculative_sample_rows, warp_rows
+from .engine import ModelRowsDrafter, RowsDraft, _Row, pad_rows, _prefill
+from .models.runner import ModelRunner
+from .sampling import unwarped
+from .sv import LatencyModel, AcceptanceTable, indicators, schedule
+
+
+class CompanionRowsDrafter:
+    """A model drafter whose drafts the companion reads: RowsDraft.companion_probs / companion_raw hold the
+    companion's warped / unwarped distributions at positions 0 .. k (k + 1: after every drafted token)."""
+
+    def __init__(self, inner: ModelRowsDrafter, companion: ModelRunner, vocab_size: int) -> None:
+        self.inner = inner
+        self.companion = companion
+        self.vocab_size = vocab_size
+        self.wants_features = inner.wants_features
+        self.companion_prefill_calls = 0
+
+    @property
+    def calls(self) -> int:
+        return self.inner.calls
+
+    @property
+    def companion_calls(self) -> int:
+        return self.companion.calls - self.companion_prefill_calls
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        self.inner.admit(row, prompt_ids)
+        self.companion.cache.reset_row(row)
+        self.companion_prefill_calls += len(_prefill(self.companion, row, prompt_ids[:-1]))
+
+    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
+        draft = self.inner.propose(rows, limits)
+        lengths = self.companion.lengths
+        drafted = draft.tokens.tolist()
+        pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1 or 2 tokens a row
+        feed, counts = pad_rows([r.sequence[lengths[b]:] + drafted[b][: draft.counts[b]] for b, r in enumerate(rows)])
+        k = draft.width
+        device = self.companion.device
+        at = torch.tensor(pending, device=device)[:, None] - 1 + torch.arange(k + 1, device=device)[None]  # [rows, k+1]
+        at = torch.minimum(at, torch.tensor(counts, device=device)[:, None] - 1)  # past a row's draft: padding
+        logits = self.companion.forward_rows(feed, counts, logits_at=at).logits  # [rows, k + 1, vocab]
+        configs = [r.request.sampling for r in rows]
+        return RowsDraft(draft.tokens, draft.probs, draft.counts, draft.raw_probs, draft.verdicts,
+                         warp_rows(logits, configs), unwarped(logits))
+
+    def rewind(self, row: int, keep: int) -> None:
+        self.inner.rewind(row, keep)
+        self.companion.trim_row(row, min(keep, self.companion.lengths[row]))
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.inner.move_row(src, dst)
+        self.companion.cache.move_row(src, dst)
+
+    def release(self, live: int) -> None:
+        self.inner.release(live)
+        self.companion.cache.drop_rows(live)
+
+    def observe(self, row, start, states) -> None:
+        self.inner.observe(row, start, states)
+
+
+def indicator_pair(rows: Sequence[_Row], draft: RowsDraft) -> tuple[torch.Tensor, torch.Tensor]:
+    """S and A [rows, k] for a companion draft: the warped (drawn-from) distributions for sampling rows,
+    the unwarped ones for greedy rows (one-hot distributions carry no information)."""
+    k = draft.width
+    greedy = torch.tensor([r.request.sampling.greedy for r in rows], device=draft.tokens.device)[:, None, None]
+    if bool(greedy.any()):
+        if draft.raw_probs is None or draft.companion_raw is None:
+            raise RuntimeError("greedy rows need the draft's and the companion's unwarped distributions")
+        q_d = torch.where(greedy, draft.raw_probs, draft.probs)
+        q_c = torch.where(greedy, draft.companion_raw[:, :k], draft.companion_probs[:, :k])
+    else:
+        q_d, q_c = draft.probs, draft.companion_probs[:, :k]
+    return indicators(q_d, q_c, draft.tokens)
+
+
+def _masked(values: torch.Tensor, counts: Sequence[int]) -> list[list[float]]:
+    host = values.tolist()
+    return [row[:c] for row, c in zip(host, counts)]
+
+
+class GoodputSelector:
+    """SV: estimate each drafted token's acceptance from (S, A), then schedule the batch (§5)."""
+
+    uses_companion = True
+
+    def __init__(self, table: AcceptanceTable, latency: LatencyModel) -> None:
+        self.table = table
+        self.latency = latency
+        self.last_estimates: list[list[float]] = []  # per row, for tests and diagnostics
+
+    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
+        return limits
+
+    def estimates(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]]:
+        s, a = indicator_pair(rows, draft)
+        return _masked(self.table.lookup(s, a), draft.counts)
+
+    def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]:
+        p = self.last_estimates = self.estimates(rows, draft)
+        n = len(rows)  # drafting is paid already, but it is part of the step the goodput divides by
+        fixed = draft.width * self.latency.draft_ms(n) + (self.latency.companion_ms(n) if self.uses_companion else 0.0)
+        return schedule(p, lambda chosen: fixed + self.latency.verify_ms([1 + c for c in chosen]))
+
+    def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
+        pass
+
+
+class HistorySelector(GoodputSelector):
+    """adaptive-verify: slot (request, position i) scores the running product of that request's
+    acceptance rates at positions 1 .. i so far (reached -> accepted), with a prior of `prior_weight`
+    pseudo-observations at the batch's pooled rate; the same goodput scheduler admits slots."""
+
+    uses_companion = False
+
+    def __init__(self, latency: LatencyModel, gamma: int, *, prior: float = 0.5, prior_weight: float = 2.0) -> None:
+        super().__init__(None, latency)  # type: ignore[arg-type]
+        self.gamma = gamma
+        self.prior, self.prior_weight = prior, prior_weight
+        self.reached: dict[int, list[int]] = {}
+        self.accepted: dict[int, list[int]] = {}
+        self.pooled = [[0, 0] for _ in range(gamma)]  # [accepted, reached] over every request
+
+    def _rate(self, request: int, i: int) -> float:
+        pooled_acc, pooled_reach = self.pooled[i]
+        prior = (pooled_acc + self.prior) / (pooled_reach + 1.0)
+        reached = self.reached.get(request, [0] * self.gamma)[i]
+        accepted = self.accepted.get(request, [0] * self.gamma)[i]
+        return (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+
+    def estimates(self, rows, draft) -> list[list[float]]:
+        return [[self._rate(r.id, i) for i in range(draft.counts[b])] for b, r in enumerate(rows)]
+
+    def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
+        for b, row in enumerate(rows):
+            reached = self.reached.setdefault(row.id, [0] * self.gamma)
+            accepted = self.accepted.setdefault(row.id, [0] * self.gamma)
+            for i in range(min(num_accepted[b] + 1, draft.counts[b])):  # positions the rule looked at
+                reached[i] += 1
+                self.pooled[i][1] += 1
+                if i < num_accepted[b]:
+                    accepted[i] += 1
+                    self.pooled[i][0] += 1
+
+
+class SmartSpecSelector:
+    """SmartSpec: each request's acceptance rate as a moving average (EMA of accepted / verified per step);
+    one draft length k for the batch maximises sum_r (1 - a_r^(k+1)) / (1 - a_r) over the step's
+    estimated time (k drafting forwards + verifying k + 1 tokens a row). Everything drafted is verified."""
+
+    def __init__(self, latency: LatencyModel, gamma: int, *, decay: float = 0.7, prior: float = 0.5) -> None:
+        self.latency, self.gamma, self.decay, self.prior = latency, gamma, decay, prior
+        self.rate: dict[int, float] = {}
+
+    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
+        rates = [min(self.rate.get(r.id, self.prior), 0.999) for r in rows]
+        n = len(rows)
+        best_k, best = 0, -1.0
+        for k in range(0, self.gamma + 1):
+            expected = sum((1 - a ** (k + 1)) / (1 - a) for a in rates)
+            value = expected / (k * self.latency.draft_ms(n) + self.latency.verify_ms([1 + k] * n))
+            if value > best:
+                best_k, best = k, value
+        return [min(limit, best_k) for limit in limits]
+
+    def select(self, rows, draft) -> list[int]:
+        return list(draft.counts)
+
+    def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
+        for b, row in enumerate(rows):
+            if draft.counts[b]:
+                step_rate = num_accepted[b] / draft.counts[b]
+                old = self.rate.get(row.id, self.prior)
+                self.rate[row.id] = self.decay * old + (1 - self.decay) * step_rate
+
+
+class StagedRowsDrafter(CompanionRowsDrafter):
+    """Staged speculative decoding: the companion accepts a prefix of the draft by speculative sampling
+    (and draws its correction at the first rejection); the target then verifies those tokens with the
+    companion's distributions as the proposal. Each staged token is distributed as the companion's, so
+    the target's exact rule keeps the output exact."""
+
+    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
+        draft = super().propose(rows, limits)
+        k = draft.width
+        if k == 0:
+            return draft
+        q_c = draft.companion_probs  # [rows, k + 1, vocab]
+        outcome = speculative_sample_rows(draft.tokens, draft.probs, q_c[:, :k], q_c, draft.counts,
+                                          [r.generator for r in rows], [r.request.sampling.greedy for r in rows])
+        counts, tokens = [], draft.tokens.clone()
+        for b in range(len(rows)):
+            kept = outcome.num_accepted[b]
+            if kept < draft.counts[b]:  # the companion's correction replaces the rejected token
+                tokens[b, kept] = outcome.next_tokens[b]
+                kept += 1
+            counts.append(kept)  # all accepted: the companion's bonus is not added (the row's limit)
+        width = max(counts)
+        return RowsDraft(tokens[:, :width], q_c[:, :width], counts, None, None,
+                         q_c[:, : width + 1], draft.companion_raw[:, : width + 1])
