@@ -1,0 +1,296 @@
+"""OpenAI's wire format: request checks, response bodies, stream chunks and error bodies.
+
+Pure functions over JSON-like values; nothing here touches a model. A parameter OpenAI defines but
+draftwise does not implement is refused unless it holds its neutral value (`logprobs: null`,
+`presence_penalty: 0`, ...), so a client never gets an answer that silently ignored what it asked.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# What `finish_reason` the engine reports -> OpenAI's word for it.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
+           "draftwise")
+COMPLETION_PARAMS = frozenset(_COMMON + ("prompt",))
+CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens"))
+
+# OpenAI parameters draftwise does not implement: accepted only at these neutral values.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None,), "best_of": (None, 1),
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+
+# Keys of the `draftwise` body field that are not method options.
+OVERRIDE_KEYS = ("method", "gamma", "top_k", "ignore_eos")
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.TYPES.get(self.status, "invalid_request_error"), self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass
+class Parsed:
+    """A checked request. `prompt` (completions) is text or token ids; `messages` (chat) are OpenAI's."""
+
+    chat: bool
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None  # None: until the context window (chat's default)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    override: dict[str, Any] = field(default_factory=dict)  # the `draftwise` field
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    for ok in allowed:
+        if ok is None or isinstance(ok, bool):
+            if value is ok:
+                return True
+        elif type(value) is type(ok) and value == ok or (_is_number(value) and _is_number(ok) and value == ok):
+            return True
+    return False
+
+
+def parse(body: Any, *, chat: bool) -> Parsed:
+    """Check a request body against what draftwise serves; raises ApiError(400) naming the parameter."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    supported = CHAT_PARAMS if chat else COMPLETION_PARAMS
+    for key, value in body.items():
+        if key in supported:
+            continue
+        if key in _NEUTRAL and _neutral(value, _NEUTRAL[key]):
+            continue
+        what = "is not supported by draftwise" if key in _NEUTRAL else "is not a parameter of this endpoint"
+        raise ApiError(400, f"parameter {key!r} {what}; supported: {', '.join(sorted(supported))}",
+                       param=key, code="unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required: a model name from GET /v1/models", param="model")
+    parsed = Parsed(chat=chat, model=model)
+    if chat:
+        parsed.messages = _messages(body.get("messages"))
+        if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] is not None \
+                and body["max_completion_tokens"] is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        parsed.max_tokens = _max_tokens(body.get(name), name, default=None)
+    else:
+        parsed.prompt = _prompt(body.get("prompt"))
+        parsed.max_tokens = _max_tokens(body.get("max_tokens"), "max_tokens", default=16)  # OpenAI's default
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not _is_number(temperature) or not 0 <= temperature <= 2:
+            raise ApiError(400, f"temperature must be a number in [0, 2] (0 means greedy), got {temperature!r}",
+                           param="temperature")
+        parsed.temperature = float(temperature)
+    top_p = body.get("top_p")
+    if top_p is not None:
+        if not _is_number(top_p) or not 0 < top_p <= 1:
+            raise ApiError(400, f"top_p must be a number in (0, 1], got {top_p!r}", param="top_p")
+        parsed.top_p = float(top_p)
+    parsed.stop = _stop(body.get("stop"))
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed) or not 0 <= seed < 2**63:
+            raise ApiError(400, f"seed must be an integer in [0, 2**63), got {seed!r}", param="seed")
+        parsed.seed = int(seed)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise ApiError(400, f"n must be 1 (one choice per request; send several requests for more), got {n!r}",
+                       param="n")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {stream!r}", param="stream")
+    parsed.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None:
+        if not parsed.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+                options.get("include_usage", False), bool):
+            raise ApiError(400, f"stream_options takes {{'include_usage': true|false}}, got {options!r}",
+                           param="stream_options")
+        parsed.include_usage = bool(options.get("include_usage", False))
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"user must be a string, got {user!r}", param="user")
+    override = body.get("draftwise")
+    if override is not None:
+        if not isinstance(override, dict):
+            raise ApiError(400, "'draftwise' must be an object such as {\"method\": \"sd\", \"gamma\": 4}",
+                           param="draftwise")
+        parsed.override = dict(override)
+    return parsed
+
+
+def _max_tokens(value: Any, name: str, *, default: int | None) -> int | None:
+    if value is None:
+        return default
+    if not _is_int(value) or value < 1:
+        raise ApiError(400, f"{name} must be an integer >= 1, got {value!r}", param=name)
+    return int(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+        raise ApiError(400, f"stop must be a non-empty string or a list of at most 16 of them, got {value!r}",
+                       param="stop")
+    return tuple(stops)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string or token ids (also as a one-element list, as OpenAI's batch form)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        return [int(t) for t in value]
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise ApiError(400, f"got {len(value)} prompts: draftwise takes one prompt per request (send several "
+                       "requests; they decode together)", param="prompt")
+    raise ApiError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+        raise ApiError(400, "messages must be a non-empty list of {'role': ..., 'content': ...} objects",
+                       param="messages")
+    for i, message in enumerate(value):
+        extra = set(message) - {"role", "content", "name"}
+        if extra:
+            raise ApiError(400, f"messages[{i}]: field(s) {', '.join(sorted(extra))} are not supported "
+                           "(text messages only)", param="messages")
+        if message.get("role") not in ("system", "developer", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}]: role must be system, developer, user or assistant, got "
+                           f"{message.get('role')!r}", param="messages")
+        content = message.get("content")
+        if not isinstance(content, str) and not (isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)):
+            raise ApiError(400, f"messages[{i}]: content must be a string or a list of text parts",
+                           param="messages")
+    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in value]
+
+
+# ---------------------------------------------------------------- responses
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(stats: dict[str, Any], mean_accepted_length: float, acceptance_rate: float) -> dict[str, Any]:
+    """OpenAI's usage plus this request's speculative statistics under `draftwise`."""
+    drafted_per_position = stats.get("drafted_per_position") or []
+    return {
+        "prompt_tokens": stats["prompt_tokens"],
+        "completion_tokens": stats["new_tokens"],
+        "total_tokens": stats["prompt_tokens"] + stats["new_tokens"],
+        "draftwise": {
+            "method": stats["method"],
+            "drafted": stats["drafted"],  # draft tokens sent to verification
+            "accepted": stats["accepted"],  # of those, kept
+            "num_drafts": drafted_per_position[0] if drafted_per_position else 0,  # steps with a draft
+            "target_calls": stats["target_calls"],
+            "draft_calls": stats["draft_calls"],
+            "mean_accepted_length": mean_accepted_length,  # completion tokens per target call
+            "acceptance_rate": acceptance_rate,
+            "accepted_per_position": list(stats.get("accepted_per_position") or []),
+            "finish_reason": stats["finish_reason"],
+        },
+    }
+
+
+def completion_body(request_id: str, model: str, chat: bool, text: str, finish_reason: str,
+                    usage_body: dict[str, Any], created: int) -> dict[str, Any]:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage_body}
+
+
+def chunk(request_id: str, model: str, chat: bool, created: int, *, text: str | None = None,
+          role: bool = False, finish_reason: str | None = None, with_usage: bool = False) -> bytes:
+    """One server-sent event in OpenAI's chunk format."""
+    if chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice]}
+    if with_usage:
+        body["usage"] = None
+    return sse(body)
+
+
+def usage_chunk(request_id: str, model: str, chat: bool, created: int, usage_body: dict[str, Any]) -> bytes:
+    """The last chunk with `stream_options: {"include_usage": true}`: no choices, the usage."""
+    return sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model, "choices": [], "usage": usage_body})
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())
