@@ -769,6 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distill(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
     models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
+    _add_serving(sub)
     for subparser in sub.choices.values():
         subparser.formatter_class = _HelpFormatter  # defaults in every --help
     return parser
@@ -778,6 +779,28 @@ _COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_b
              "train-verifier": _run_train_verifier, "theory": _run_theory,
              "models": _run_models,
              "train-data": _run_train_data, "distill": _run_distill}
+
+
+def _add_serving(sub: argparse._SubParsersAction) -> None:
+    """`serve` (the OpenAI-compatible server) and `loadtest` (its load test): draftwise.server.cli."""
+    from .server.cli import add_parsers
+
+    add_parsers(sub, default_target=DEFAULT_TARGET, method_options=_method_options(), option_help=_option_help)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from .server.cli import run_serve
+
+    return run_serve(args, _method_options())
+
+
+def _run_loadtest(args: argparse.Namespace) -> int:
+    from .server.cli import run_loadtest
+
+    return run_loadtest(args, _read_prompts_file)
+
+
+_COMMANDS.update({"serve": _run_serve, "loadtest": _run_loadtest})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
