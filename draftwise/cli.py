@@ -397,7 +397,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         value = getattr(args, attr, None)
         if isinstance(value, str):
             _check_output(value, flag)
-    if args.command == "train-verifier":
+    if args.command in ("train-verifier", "profile-sv"):
         _check_output(args.out, "--out")
 
 
@@ -689,6 +689,103 @@ def _run_train_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_profile_sv(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile-sv", help="build Speculative Verification's profile: P(accept | S, A), information "
+                       "gain, and this machine's verification latency (seed 001 §4, §7.4, D.10)")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=None, help="draft model (default: the registry's independent draft)")
+    p.add_argument("--companion", default=None, help="companion model (default: the registry's companion)")
+    p.add_argument("--out", required=True, help="profile JSON (written atomically)")
+    p.add_argument("--temperature", type=float, default=1.0, help="the sampling setting the profile is for (0: greedy)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--gamma", type=int, default=5, help="draft tokens per step while profiling (and the most sv verifies)")
+    p.add_argument("--num-prompts", type=int, default=64, help="Spec-Bench training-split prompts (never evaluation ones)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--latency-rows", default="1,2,4,8,16,32", help="batch sizes whose latency is profiled")
+    p.add_argument("--context", type=int, default=256, help="tokens already in each row while latency is timed")
+    p.add_argument("--latency-from", default=None, metavar="PROFILE",
+                   help="reuse another profile's latency model (same machine and models) instead of timing again")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+
+
+def _run_profile_sv(args: argparse.Namespace) -> int:
+    import platform
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    from . import sv
+    from .api import check_same_tokenizer
+    from .bench.batched import parse_batch_sizes
+    from .bench.datasets import load_prompts
+    from .bench.harness import _prompt_ids
+    from .models import registry
+    from .sv_profile import build_profile, collect_samples, measure_latency
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for name, value in (("--gamma", args.gamma), ("--num-prompts", args.num_prompts),
+                        ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size),
+                        ("--context", args.context)):
+        if value < 1:
+            raise DraftwiseError(f"{name} must be >= 1, got {value}")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    rows = parse_batch_sizes(args.latency_rows)
+    latency_from = sv.SVProfile.load(args.latency_from) if args.latency_from else None
+    draft_name = args.draft or registry.default_independent_draft(args.target)
+    companion_name = args.companion or registry.default_companion(args.target)
+    if not draft_name or not companion_name:
+        raise DraftwiseError("profile-sv needs --draft and --companion (the registry has defaults only for "
+                             f"{', '.join(registry.companion_targets())})")
+    target = load_model(args.target, dtype=args.dtype)
+    draft = load_model(draft_name, dtype=args.dtype)
+    companion = load_model(companion_name, dtype=args.dtype)
+    for model in (draft, companion):
+        check_same_tokenizer(target, model)
+    vocab = min(m.vocab_size for m in (target, draft, companion))
+    setting = sv.profile_setting(target.name, draft.name, companion.name, sampling)
+    if latency_from is not None:
+        latency_from.check(setting, args.latency_from, ("target", "draft", "companion"))
+    prompts = [_prompt_ids(target, p) for p in load_prompts(split="train", num_prompts=args.num_prompts)]
+    start = time.perf_counter()
+    with tqdm(total=len(prompts), desc="profiling SD", unit="prompt", file=sys.stderr, mininterval=5) as bar:
+        def progress(done: int, total: int, samples: int) -> None:
+            bar.update(done - bar.n)
+            bar.set_postfix(drafted=samples)
+
+        samples = collect_samples(target, draft, companion, prompts, sampling=sampling, gamma=args.gamma,
+                                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, vocab_size=vocab,
+                                  eos_token_ids=target.eos_token_ids, seed=args.seed, progress=progress)
+    profiled_s = time.perf_counter() - start
+    if latency_from is not None:
+        latency = latency_from.latency
+    else:
+        print("timing verification latency ...", file=sys.stderr)
+        latency = measure_latency(target, draft, companion, gamma=args.gamma, vocab_size=vocab, rows=rows,
+                                  context=args.context)
+    extra = {"prompts": len(prompts), "split": "spec-bench train", "gamma": args.gamma,
+             "max_new_tokens": args.max_new_tokens, "profiling_seconds": round(profiled_s, 1),
+             "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+             "latency_context": args.context}
+    profile = build_profile(samples, latency, setting, extra)
+    profile.save(args.out)
+    report = profile.report
+    print(f"wrote {args.out}: {report['samples']} drafted tokens from {len(prompts)} prompts, mean acceptance "
+          f"{report['mean_x']:.3f}")
+    print(f"{'bins':<10} {'H(X)':>7} {'H(X|S,A)':>9} {'I(X;S,A)':>9} {'I (Miller-Madow)':>17}")
+    for name, row in report["resolutions"].items():
+        print(f"{name:<10} {row['H_X']:7.3f} {row['H_X_given']:9.3f} {row['I']:9.3f} {row['I_mm']:17.3f}")
+    corr = report.get("corr_S_draft_companion_vs_draft_target")
+    if corr is not None:
+        print(f"correlation of draft-companion and draft-target similarity: {corr:.3f}")
+    return 0
+
+
 def _add_distill(sub: argparse._SubParsersAction) -> None:
     from .training.distill import DistillConfig
 
@@ -767,6 +864,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_theory(sub)
     _add_train_data(sub)
     _add_distill(sub)
+    _add_profile_sv(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
     models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
     _add_serving(sub)
@@ -778,7 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "sweep": _run_sweep,
              "train-verifier": _run_train_verifier, "theory": _run_theory,
              "models": _run_models,
-             "train-data": _run_train_data, "distill": _run_distill}
+             "train-data": _run_train_data, "distill": _run_distill, "profile-sv": _run_profile_sv}
 
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:

@@ -245,22 +245,34 @@ class LatencyModel:
     """Profiled step latency in milliseconds, per batch size `rows`.
 
     verify[i] = [target forward where each of rows[i] rows feeds n tokens, for n = 1 ..];
+    verify_long[i] = [the same when one row feeds w tokens and the others one, for w = 1 ..];
     draft[i] = one drafting forward (one token a row); companion[i] = the companion's forward over
-    a whole draft. `packed`: the runner skips padding, so verification follows the total of tokens;
-    otherwise a batch pays for rows x its longest row."""
+    a whole draft.
+
+    `packed` (the runner skips padding, `ModelRunner.packing`): position-wise work follows the total
+    of tokens, attention still the longest row, so a batch costs verify at its mean tokens per row
+    plus what one long row adds (verify_long less verify at the same total). Unpacked, a batch pays
+    for rows x its longest row: verify at the longest row."""
 
     rows: list[int]
     verify: list[list[float]]
     draft: list[float]
     companion: list[float]
+    verify_long: list[list[float]] | None = None
     packed: bool = False
+
+    def _at(self, table: list[list[float]], n_rows: int, per_row: float) -> float:
+        at_rows = [_interp(range(1, len(v) + 1), v, per_row) for v in table]
+        return _interp(self.rows, at_rows, n_rows)
 
     def verify_ms(self, counts: Sequence[int]) -> float:
         """Target verification latency for a batch whose row b feeds counts[b] tokens (>= 1)."""
-        n_rows = len(counts)
-        per_row = sum(counts) / n_rows if self.packed else max(counts)
-        at_rows = [_interp(range(1, len(v) + 1), v, per_row) for v in self.verify]
-        return max(_interp(self.rows, at_rows, n_rows), 1e-6)
+        n_rows, longest = len(counts), max(counts)
+        if not self.packed or self.verify_long is None:
+            return max(self._at(self.verify, n_rows, longest), 1e-6)
+        mean = sum(counts) / n_rows
+        extra = self._at(self.verify_long, n_rows, longest) - self._at(self.verify, n_rows, (n_rows - 1 + longest) / n_rows)
+        return max(self._at(self.verify, n_rows, mean) + max(extra, 0.0), 1e-6)
 
     def draft_ms(self, n_rows: int) -> float:
         return max(_interp(self.rows, self.draft, n_rows), 0.0)
@@ -269,13 +281,15 @@ class LatencyModel:
         return max(_interp(self.rows, self.companion, n_rows), 0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rows": self.rows, "verify_ms": self.verify, "draft_ms": self.draft, "companion_ms": self.companion,
-                "packed": self.packed}
+        return {"rows": self.rows, "verify_ms": self.verify, "verify_long_ms": self.verify_long,
+                "draft_ms": self.draft, "companion_ms": self.companion, "packed": self.packed}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LatencyModel":
+        long = data.get("verify_long_ms")
         return cls(list(data["rows"]), [list(v) for v in data["verify_ms"]], list(data["draft_ms"]),
-                   list(data["companion_ms"]), bool(data.get("packed", False)))
+                   list(data["companion_ms"]), [list(v) for v in long] if long else None,
+                   bool(data.get("packed", False)))
 
 
 # ---------------------------------------------------------------- §5: the batch scheduler

@@ -150,17 +150,20 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _timed_forward(runner: ModelRunner, rows: int, width: int, context: int, repeats: int, vocab: int) -> float:
+def _timed_forward(runner: ModelRunner, rows: int, width: int, context: int, repeats: int, vocab: int, *,
+                   long_row: bool = False) -> float:
     """Median latency of one forward feeding `width` tokens to each of `rows` rows that hold `context` tokens
-    (logits at every fed position, as verification asks)."""
+    (logits at every fed position, as verification asks); `long_row`: only the last row feeds `width`, the
+    others one token."""
     generator = torch.Generator().manual_seed(0)
     runner.cache.drop_rows(0)
     prompt = torch.randint(0, vocab, (rows, context), generator=generator)
     runner.forward_rows(prompt, [context] * rows, logits_at=torch.zeros(rows, 1, dtype=torch.long))
     feed = torch.randint(0, vocab, (rows, width), generator=generator)
+    counts = [1] * (rows - 1) + [width] if long_row else [width] * rows
 
     def once() -> None:
-        runner.forward_rows(feed, [width] * rows)
+        runner.forward_rows(feed, counts)
         for b in range(rows):
             runner.trim_row(b, context)
 
@@ -169,20 +172,26 @@ def _timed_forward(runner: ModelRunner, rows: int, width: int, context: int, rep
 
 def measure_latency(target: Any, draft: Any, companion: Any | None, *, gamma: int, vocab_size: int,
                     rows: Sequence[int] = LATENCY_ROWS, context: int = 256, repeats: int = 5,
-                    packed: bool = False) -> LatencyModel:
-    """Assumption D.10 on this machine: verification latency per (rows, tokens per row), one drafting forward
-    per rows, the companion's forward over gamma + 1 tokens per rows."""
-    verify, draft_ms, companion_ms = [], [], []
+                    ) -> LatencyModel:
+    """Assumption D.10 on this machine: verification latency per (rows, tokens per row), and with one long row
+    when the runner packs ragged rows; one drafting forward per rows; the companion's forward over gamma + 1
+    tokens per rows."""
+    verify, verify_long, draft_ms, companion_ms = [], [], [], []
     t_runner = ModelRunner(target.model, vocab_size=vocab_size, rows=0)
+    packed = t_runner.packing
     d_runner = ModelRunner(draft.model, vocab_size=vocab_size, rows=0)
     c_runner = ModelRunner(companion.model, vocab_size=vocab_size, rows=0) if companion is not None else None
     with torch.inference_mode():
         for r in rows:
             verify.append([_timed_forward(t_runner, r, n, context, repeats, vocab_size) for n in range(1, gamma + 2)])
+            if packed:
+                verify_long.append([verify[-1][0]] + [
+                    _timed_forward(t_runner, r, n, context, repeats, vocab_size, long_row=True) if r > 1
+                    else verify[-1][n - 1] for n in range(2, gamma + 2)])
             draft_ms.append(_timed_forward(d_runner, r, 1, context, repeats, vocab_size))
             companion_ms.append(_timed_forward(c_runner, r, gamma + 1, context, repeats, vocab_size)
                                 if c_runner is not None else 0.0)
-    return LatencyModel(list(rows), verify, draft_ms, companion_ms, packed=packed)
+    return LatencyModel(list(rows), verify, draft_ms, companion_ms, verify_long if packed else None, packed=packed)
 
 
 def build_profile(samples: dict[str, list[float]], latency: LatencyModel, setting: dict[str, Any],

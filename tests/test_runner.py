@@ -184,3 +184,46 @@ def test_vocab_size_cuts_padded_logits():
     full = ModelRunner(padded).forward(PROMPT, num_logits=2).logits
     assert full.shape == (2, 72)
     assert torch.equal(logits, full[:, :64])
+
+
+def _mistral_window(seed: int):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=6, initializer_range=0.5, tie_word_embeddings=False)
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(0), lambda: _mistral_window(3)], ids=["llama", "mistral-window6"])
+def test_packed_ragged_forward_equals_padded(make):
+    """Ragged rows run packed (no compute for padding) and give the padded forward's logits, states and cache:
+    five rounds of ragged feeds with rollbacks, compared position by position against a runner that never packs."""
+    model = make()
+    packed, padded = ModelRunner(model, rows=0), ModelRunner(model, rows=0)
+    padded.packing = False
+    assert packed.packing, "llama-style families pack"
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 64, (4, 9), generator=gen)
+    for runner in (packed, padded):
+        runner.forward_rows(prompt, [9, 3, 5, 1], logits_at=torch.zeros(4, 1, dtype=torch.long))
+    used = 0
+    for step in range(5):
+        counts = [1 + (step + i) % 5 for i in range(4)]
+        feed = torch.randint(0, 64, (4, max(counts)), generator=gen)
+        used += sum(counts) <= 0.75 * 4 * max(counts)
+        a, b = packed.forward_rows(feed, counts, hidden=True), padded.forward_rows(feed, counts, hidden=True)
+        for i, c in enumerate(counts):
+            torch.testing.assert_close(a.logits[i, :c], b.logits[i, :c], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.hidden[i, :c], b.hidden[i, :c], atol=1e-5, rtol=1e-5)
+        for runner in (packed, padded):  # keep all but the last token of each row (a rollback)
+            for i, c in enumerate(counts):
+                runner.trim_row(i, runner.lengths[i] - 1)
+        assert packed.lengths == padded.lengths
+    assert used >= 3, "the ragged feeds took the packed path"
+    feed = torch.randint(0, 64, (4, 5), generator=gen)
+    counts, at = [5, 1, 2, 1], torch.tensor([[0, 4], [0, 0], [1, 1], [0, 0]])
+    a = packed.forward_rows(feed, counts, logits_at=at)
+    b = padded.forward_rows(feed, counts, logits_at=at)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)

@@ -28,6 +28,11 @@ from transformers import PreTrainedModel
 
 from .kvcache import PositionCache, check_supported, sliding_window
 
+# Families whose decoder layer is exactly pre-norm attention + MLP with rotary q/k (Llama's): the runner can
+# run their position-wise parts on packed tokens (see `_packed`).
+_PACKABLE = {"llama", "mistral", "qwen2"}
+PACK_MIN_SAVING = 0.25  # pack when at least this fraction of a padded [rows, width] feed would be padding
+
 # Families whose causal-LM head is exactly `lm_head(last_hidden_state)`: the runner applies it itself.
 _PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "smollm3", "phi3", "olmo", "olmo2", "starcoder2", "gpt_neox"}
 
@@ -74,6 +79,8 @@ class ModelRunner:
         self._rows = rows
         self._additive = model.config._attn_implementation not in ("sdpa", "flex_attention")
         self._split = getattr(model.config, "model_type", "") in _PLAIN_HEAD and model.get_output_embeddings() is not None
+        self.packing = (self._split and getattr(config, "model_type", "") in _PACKABLE
+                        and os.environ.get("DRAFTWISE_NO_PACKING", "") in ("", "0"))
         self.cache = PositionCache(rows=rows, window=self._window)
         self.calls = 0  # forward passes
         self.tokens_processed = 0  # tokens fed through forward passes (padding excluded)
@@ -104,8 +111,12 @@ class ModelRunner:
         if min(counts) < 1:
             raise ValueError("ModelRunner.forward_rows needs at least one token per row")
         ids = tokens.to(device=self.device, dtype=torch.long)
+        rows, width = ids.shape
+        packed = self.packing and sum(counts) <= (1.0 - PACK_MIN_SAVING) * rows * width
         with self._writing(counts, begin, ids.shape[1], self.model.dtype) as (positions, mask):
-            if self._split:
+            if packed:
+                logits, states = self._packed(ids, counts, positions, mask, logits_at, hidden)
+            elif self._split:
                 states = self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                                past_key_values=self.cache, use_cache=True).last_hidden_state
                 picked = states if logits_at is None else _gather(states, logits_at)
@@ -118,6 +129,56 @@ class ModelRunner:
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
         return RowsOutput(logits=logits, hidden=states if hidden else None)
+
+    def _packed(self, ids: torch.Tensor, counts: list[int], positions: torch.Tensor, mask: torch.Tensor | None,
+                logits_at: torch.Tensor | None, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A ragged forward without the padding's compute (seed 001 §6's input compaction).
+
+        Embeddings, projections, norms and MLPs run on the packed real tokens [1, total, hidden];
+        only attention unpacks them to [rows, width] (it reads each row's own cache), through the
+        same cache update, mask and attention kernel as the model's own forward. Llama-style
+        layers only (`_PACKABLE`); outputs equal the padded forward's at the real positions."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        base = self.model.base_model
+        rows, width = ids.shape
+        device = ids.device
+        count_t = torch.tensor(counts, device=device)
+        real = torch.arange(width, device=device)[None] < count_t[:, None]  # [rows, width]
+        at_row, at_col = real.nonzero(as_tuple=True)  # [total], row-major: row 0's tokens first
+        total = at_row.shape[0]
+        h = base.embed_tokens(ids[at_row, at_col])[None]  # [1, total, hidden]
+        cos, sin = base.rotary_emb(h, positions[at_row, at_col][None])
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, None)
+        for layer in base.layers:
+            attn = layer.self_attn
+            residual = h
+            x = layer.input_layernorm(h)
+            shape = (1, total, -1, attn.head_dim)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)  # [1, heads, total, head_dim]
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q_rows, k_rows, v_rows = (_unpack(t[0].transpose(0, 1), at_row, at_col, rows, width) for t in (q, k, v))
+            keys, values = self.cache.update(k_rows, v_rows, attn.layer_idx)
+            out, _ = attend(attn, q_rows, keys, values, mask, dropout=0.0, scaling=attn.scaling)  # [rows, width, heads, d]
+            h = residual + attn.o_proj(out[at_row, at_col].reshape(1, total, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = base.norm(h)[0]  # [total, hidden]
+        offsets = count_t.cumsum(0) - count_t  # [rows] where each row's tokens start
+        if logits_at is None:
+            picked = h.new_zeros(rows, width, h.shape[-1])
+            picked[at_row, at_col] = h
+        else:
+            at = torch.minimum(logits_at.to(device), count_t[:, None] - 1)  # padding positions read the last real
+            picked = h[offsets[:, None] + at]  # [rows, m, hidden]
+        logits = self.model.get_output_embeddings()(picked)
+        states = None
+        if hidden:
+            states = h.new_zeros(rows, width, h.shape[-1])
+            states[at_row, at_col] = h
+        return logits, states
 
     @torch.inference_mode()
     def forward_states(self, embeds: torch.Tensor, counts: Sequence[int], *, begin: int = 0) -> torch.Tensor:
@@ -215,6 +276,13 @@ class ModelRunner:
     def select_beams(self, rows: torch.Tensor) -> None:
         """Make cache row i a copy of row `rows[i]` (broadcast one row to many, reorder, or pick one)."""
         self.cache.select_rows(rows)
+
+
+def _unpack(packed: torch.Tensor, at_row: torch.Tensor, at_col: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """[total, heads, d] packed tokens -> [rows, heads, width, d], zeros at padding."""
+    out = packed.new_zeros(rows, width, packed.shape[1], packed.shape[2])
+    out[at_row, at_col] = packed
+    return out.transpose(1, 2)
 
 
 def _gather(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
