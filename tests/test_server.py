@@ -342,6 +342,24 @@ def test_client_disconnect_stops_its_generation(served, client):
     assert 0 < generated < 230
 
 
+def test_client_disconnect_stops_a_non_streamed_generation(served):
+    import socket
+
+    service = served["service"]
+    before = _metrics(served["url"])
+    body = json.dumps({"model": MODEL, "prompt": "the dog sat", "max_tokens": 230, "temperature": 0,
+                       "draftwise": {"method": "sd", "ignore_eos": True}}).encode()
+    with socket.create_connection((served["server"].host, served["server"].port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        assert _wait(lambda: _rows(service) == 1)
+    assert _wait(lambda: _rows(service) == 0 and service.in_flight == 0)
+    after = _metrics(served["url"])
+    assert _total(after, "request_cancelled_total") == _total(before, "request_cancelled_total") + 1
+    assert _total(after, "generation_tokens_total") - _total(before, "generation_tokens_total") < 230
+
+
 def test_full_queue_is_429_with_retry_after(bare):
     service, client = bare["service"], _client(bare["url"], key="unused")
     body = dict(model=MODEL, prompt="the cat", max_tokens=230, temperature=0, stream=True,
@@ -484,3 +502,45 @@ def test_loadtest_refuses_a_remote_url_and_serve_a_busy_port(models, served, cap
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert main(["serve", "--target", models["target_dir"], "--max-batch-size", "0"]) == 2
     assert "--max-batch-size must be >= 1" in capsys.readouterr().err
+
+
+def test_sigterm_drains_a_real_serve_process(models):
+    """`draftwise serve` as a process: SIGTERM lets the in-flight stream finish, then the process exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "draftwise", "serve", "--target", models["target_dir"], "--method", "ar", "--port", "0",
+         "--served-model-name", MODEL, "--log-level", "warning", "--threads", "1"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "DRAFTWISE_API_KEY": ""})
+    try:
+        line = process.stderr.readline()
+        match = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        assert match, line + process.stderr.read()
+        url = f"http://127.0.0.1:{match.group(1)}"
+        assert _wait(lambda: _raw(url, "/health")[0] == 200 if _port_open(url) else False, 30)
+        stream = _client(url, key="unused").completions.create(
+            model=MODEL, prompt="the cat", max_tokens=150, temperature=0, stream=True,
+            extra_body={"draftwise": {"ignore_eos": True}})
+        pieces = iter(stream)
+        first = next(pieces)
+        process.send_signal(signal.SIGTERM)
+        rest = list(pieces)
+        assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices[0].finish_reason] == ["length"]
+        assert process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean drain
+        assert not _port_open(url)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _port_open(url) -> bool:
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((host, int(port))) == 0

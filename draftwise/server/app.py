@@ -16,6 +16,7 @@ import functools
 import hmac
 import json
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -342,6 +343,7 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
 
 
 async def _generate(service: Service, request: HttpRequest, *, chat: bool) -> Response:
+    arrived = time.perf_counter()  # latencies count from here: parsing and tokenizing included
     try:
         _authorize(service, request)
         if service.stopping or not service.worker.alive:
@@ -360,7 +362,7 @@ async def _generate(service: Service, request: HttpRequest, *, chat: bool) -> Re
         return _error(error, service)
     loop = asyncio.get_running_loop()
     ticket = Ticket(key=key, make_engine=make_engine, request=engine_request, method=spec, loop=loop,
-                    events=asyncio.Queue())
+                    events=asyncio.Queue(), arrived=arrived)
     service.in_flight += 1
     service.worker.submit(ticket)
     return _Generation(service, ticket, parsed)
