@@ -707,6 +707,9 @@ def _add_profile_sv(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=256, help="tokens already in each row while latency is timed")
     p.add_argument("--latency-from", default=None, metavar="PROFILE",
                    help="reuse another profile's latency model (same machine and models) instead of timing again")
+    p.add_argument("--latency-only", action="store_true",
+                   help="time the latency again (this machine) and rewrite --out's latency model, keeping its samples' "
+                   "tables and report")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -751,6 +754,17 @@ def _run_profile_sv(args: argparse.Namespace) -> int:
     setting = sv.profile_setting(target.name, draft.name, companion.name, sampling)
     if latency_from is not None:
         latency_from.check(setting, args.latency_from, ("target", "draft", "companion"))
+    if args.latency_only:
+        existing = sv.SVProfile.load(args.out)
+        existing.check(setting, args.out)
+        existing.latency = measure_latency(target, draft, companion, gamma=len(existing.latency.verify[0]) - 1,
+                                           vocab_size=vocab, rows=rows, context=args.context)
+        existing.report["machine"] = {"cpu": platform.processor() or platform.machine(),
+                                      "threads": torch.get_num_threads()}
+        existing.report["latency_context"] = args.context
+        existing.save(args.out)
+        print(f"rewrote the latency model of {args.out}")
+        return 0
     prompts = [_prompt_ids(target, p) for p in load_prompts(split="train", num_prompts=args.num_prompts)]
     start = time.perf_counter()
     with tqdm(total=len(prompts), desc="profiling SD", unit="prompt", file=sys.stderr, mininterval=5) as bar:

@@ -23,6 +23,12 @@ Metrics per method and batch size (pure functions below, hand-checked in tests):
   (or batch size 1) is not in the run.
 - identical_to_ar_b1 (temperature 0 only): fraction of requests whose tokens equal
   `ar`'s at batch 1, repeat 0 (batch invariance and exactness at once).
+- verify_saved_vs_sd: 1 - verified_per_committed / `sd`'s at the same batch size: the
+  verification compute a method saves against plain SD per committed token (seed 001
+  Table 3, in verified tokens rather than TFLOPs: the same target forward either way).
+- drafted_per_committed: drafted tokens (before any select phase) per committed token.
+- fairness (seed 001 §7.6): per request, drafted tokens verified per verification step;
+  the mean over requests and the mean of the five lowest.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import Any, Callable
 from ..errors import DraftwiseError
 
 STAT_KEYS = ("new_tokens", "target_calls", "target_tokens", "prompt_tokens", "wall_time_s",
-             "time_to_first_token_s", "drafted", "accepted", "finish_reason")
+             "time_to_first_token_s", "drafted", "accepted", "finish_reason", "proposed")
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
@@ -85,6 +91,8 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     drafted = sum(r.get("drafted", 0) for r in requests)
     energy = [run["energy_j"] / max(sum(r["new_tokens"] for r in run["requests"]), 1) for run in runs
               if run.get("energy_j") is not None]
+    proposed = sum(r["proposed"] if r.get("proposed") is not None else r.get("drafted", 0) for r in requests)
+    per_step = sorted(r.get("drafted", 0) / r["target_calls"] for r in runs[0]["requests"] if r["target_calls"])
     finish: dict[str, int] = {}
     for r in requests:
         reason = r.get("finish_reason") or "unknown"
@@ -98,6 +106,9 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_accepted_length": new / calls if calls else 0.0,
         "verified_per_committed": decode_fed / new if new else 0.0,
         "acceptance_rate": sum(r.get("accepted", 0) for r in requests) / drafted if drafted else None,
+        "drafted_per_committed": proposed / new if new else 0.0,
+        "fairness": {"mean_verified_per_step": statistics.fmean(per_step) if per_step else 0.0,
+                     "bottom5_verified_per_step": statistics.fmean(per_step[:5]) if per_step else 0.0},
         "requests": len(runs[0]["requests"]),
         "new_tokens": new,
         "target_calls": calls,
@@ -123,6 +134,9 @@ def batched_report(runs: dict[tuple[str, int], list[dict[str, Any]]], methods: t
             m = out[label][str(b)]
             m["speedup_vs_ar"] = m["throughput_tok_s"] / ar[str(b)]["throughput_tok_s"] if ar else None
             m["speedup_vs_ar_b1"] = m["throughput_tok_s"] / ar_b1 if ar_b1 else None
+            sd = out.get("sd", {}).get(str(b))
+            m["verify_saved_vs_sd"] = (1.0 - m["verified_per_committed"] / sd["verified_per_committed"]
+                                       if sd and sd["verified_per_committed"] else None)
             if reference:
                 mine = runs[(label, b)][0]["requests"]
                 m["identical_to_ar_b1"] = sum(r.get("token_ids") == reference[i] for i, r in enumerate(mine)) / len(mine)
@@ -208,8 +222,8 @@ def run_batched(config: Any, target: Any, draft_of: dict[str, Any], encoded: lis
 
 def format_batched_table(batched: dict[str, Any]) -> str:
     """One row per method and batch size."""
-    rows = [("method", "batch", "tok/s", "vs ar", "vs ar@1", "p50 lat s", "p90 lat s", "p99 lat s",
-             "mean acc len", "verified/tok", "identical")]
+    rows = [("method", "batch", "goodput tok/s", "vs ar", "vs ar@1", "p50 lat s", "p90 lat s", "p99 lat s",
+             "mean acc len", "acc rate", "verified/tok", "saved vs sd", "identical")]
     for label, by_b in batched["methods"].items():
         for b, m in by_b.items():
             rows.append((
@@ -217,7 +231,10 @@ def format_batched_table(batched: dict[str, Any]) -> str:
                 f"{m['speedup_vs_ar']:.2f}x" if m.get("speedup_vs_ar") is not None else "-",
                 f"{m['speedup_vs_ar_b1']:.2f}x" if m.get("speedup_vs_ar_b1") is not None else "-",
                 f"{m['latency_p50_s']:.2f}", f"{m['latency_p90_s']:.2f}", f"{m['latency_p99_s']:.2f}",
-                f"{m['mean_accepted_length']:.2f}", f"{m['verified_per_committed']:.2f}",
+                f"{m['mean_accepted_length']:.2f}",
+                f"{m['acceptance_rate']:.2f}" if m.get("acceptance_rate") is not None else "-",
+                f"{m['verified_per_committed']:.2f}",
+                f"{m['verify_saved_vs_sd']:+.0%}" if m.get("verify_saved_vs_sd") is not None else "-",
                 f"{m['identical_to_ar_b1']:.2f}" if m.get("identical_to_ar_b1") is not None else "-",
             ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
