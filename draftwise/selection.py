@@ -215,13 +215,16 @@ class StagedRowsDrafter(CompanionRowsDrafter):
         if k == 0:
             return draft
         q_c = draft.companion_probs  # [rows, k + 1, vocab]
+        # a row that drafted nothing draws no uniform (flagged greedy), as when it is alone and k == 0
         outcome = speculative_sample_rows(draft.tokens, draft.probs, q_c[:, :k], q_c, draft.counts,
-                                          [r.generator for r in rows], [r.request.sampling.greedy for r in rows])
+                                          [r.generator for r in rows],
+                                          [r.request.sampling.greedy or not n for r, n in zip(rows, draft.counts)])
         counts, tokens = [], draft.tokens.clone()
         for b in range(len(rows)):
             kept = outcome.num_accepted[b]
             if kept < draft.counts[b]:  # the companion's correction replaces the rejected token
                 tokens[b, kept] = outcome.next_tokens[b]
+                self.rewind(b, len(rows[b].sequence) + kept)  # both caches hold the replaced token: drop it
                 kept += 1
             counts.append(kept)  # all accepted: the companion's bonus is not added (the row's limit)
         width = max(counts)
