@@ -6,10 +6,11 @@
 2. Load: `draftwise loadtest` (draftwise.server.loadtest) at each concurrency for each method, levels
    interleaved method by method, streamed chat requests over Spec-Bench evaluation prompts,
    temperature 0: throughput, TTFT / ITL / TPOT percentiles, and throughput at concurrency C over 1.
-3. Overhead at concurrency 1: the same prompts, max_tokens and temperature 0, one request at a time,
-   interleaved prompt by prompt and repeated (median): a streamed HTTP request to the server (client
-   clock, request to [DONE]) against, in this process while the server idles, `draftwise.generate`
-   and a reused batch-1 `Engine` (api._plan / api._engine, submit + run). Output tokens are compared.
+3. Overhead at concurrency 1 (after the subprocess has stopped): the same prompts, max_tokens and
+   temperature 0, one request at a time, interleaved prompt by prompt and repeated (median): a streamed
+   HTTP request to the server (client clock, request to [DONE]; the server runs in this process, see
+   `overhead`) against `draftwise.generate` and a reused batch-1 `Engine` (api._plan / api._engine,
+   submit + run). Outputs are compared token for token.
 
 Reportable figures need a quiet machine (nothing else on the cores). Default settings take about
 25-35 minutes on a 2-core CPU:
@@ -158,10 +159,10 @@ def main() -> None:
                 for lv in report["load"][method]:
                     if base and lv.get("throughput_tok_s"):
                         lv["throughput_vs_c1"] = lv["throughput_tok_s"] / base["throughput_tok_s"]
-        if "overhead" not in skip:
-            report["overhead"] = overhead(args, url, methods, prompts[: args.overhead_prompts])
     finally:
         report["server_exit_code"] = stop_server(process)
+    if "overhead" not in skip:
+        report["overhead"] = overhead(args, methods, prompts[: args.overhead_prompts])
     report["wall_s"] = time.perf_counter() - started
     report["summary"] = summary(report, levels)
     loadtest.write_json(args.json, report)
@@ -169,10 +170,26 @@ def main() -> None:
     print(f"wrote {args.json} ({report['wall_s']:.0f} s)")
 
 
-def overhead(args: argparse.Namespace, url: str, methods: list[str], prompts: list[Any]) -> dict[str, Any]:
-    """Concurrency 1: the server (HTTP, streamed, client clock) against generate() and a reused Engine."""
+def overhead(args: argparse.Namespace, methods: list[str], prompts: list[Any]) -> dict[str, Any]:
+    """Concurrency 1: the server (HTTP, streamed, client clock) against generate() and a reused Engine.
+
+    The server here runs in this process (uvicorn in a thread, the same app, engine thread and HTTP path as
+    `draftwise serve`) over the same loaded weights, so both sides share one process and one torch thread
+    pool: on a 2-core machine a second process's threads would otherwise be timed as server overhead."""
+    from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
+
     target = load_model(args.target)
-    client = loadtest.Client(url)
+    sd_draft = args.draft or api.default_draft(target, "sd")
+    service = Service(ServerConfig(model_name="bench", method="sd", gamma=args.gamma), target,
+                      load_draft(sd_draft, target) if sd_draft else None)
+    server = ThreadedServer(create_app(service)).start()
+    try:
+        return _overhead(args, loadtest.Client(server.url), target, methods, prompts)
+    finally:
+        server.stop()
+
+
+def _overhead(args, client, target, methods, prompts) -> dict[str, Any]:
     out: dict[str, Any] = {}
     plans = {}
     for method in methods:
