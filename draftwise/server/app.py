@@ -394,14 +394,14 @@ class _Generation(Response):
             self.service.in_flight -= 1
 
     async def _watch(self, receive: Any) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self.ticket.events.put_nowait(("disconnect",))
-                return
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a broken connection is a disconnect too
+            pass
+        self.ticket.events.put_nowait(("disconnect",))
 
     async def _complete(self, send: Any) -> None:
-        pieces = []
         while True:
             message = await self.ticket.events.get()
             if message[0] == "disconnect":
@@ -410,7 +410,6 @@ class _Generation(Response):
                 await _send_json(send, 500, ApiError(500, message[1]).body())
                 return
             if message[0] == "tokens":
-                pieces.append(message[1])
                 continue
             result = message[2]
             if result.finish_reason == "cancelled":
