@@ -109,7 +109,10 @@ def generate(
 
     A list of prompts (strings, token-id lists, chats) is decoded batched, `max_batch_size` rows at a
     time with continuous batching, and returns a list of `Generation`s in prompt order. `seed` seeds
-    every request alike: request i gives the same tokens as `generate(target, prompts[i], seed=seed)`.
+    every request alike: request i gives the same tokens as `generate(target, prompts[i], seed=seed)`,
+    except for methods whose select phase or draft length is decided over the batch (`sv`,
+    `adaptive-verify`, `smartspec`): at temperature > 0 their tokens (not their distribution) depend on
+    the batch-mates.
     `kv_budget_mb` bounds the target's KV cache: a request joins only when its prompt plus
     `max_new_tokens` fits beside the live ones (one request always runs, whatever its size).
     """

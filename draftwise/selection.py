@@ -103,6 +103,9 @@ def indicator_pair(rows: Sequence[_Row], draft: RowsDraft) -> tuple[torch.Tensor
     return indicators(q_d, q_c, draft.tokens)
 
 
+BEFORE_DRAW_TOP = 32  # likeliest draft tokens scored one by one in the before-draw estimate
+
+
 def _masked(values: torch.Tensor, counts: Sequence[int]) -> list[list[float]]:
     host = values.tolist()
     return [row[:c] for row, c in zip(host, counts)]
@@ -117,19 +120,48 @@ class GoodputSelector:
         self.table = table
         self.latency = latency
         self.last_estimates: list[list[float]] = []  # per row, for tests and diagnostics
+        self._sa: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's (S, A), read twice
 
     def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
         return limits
 
     def estimates(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]]:
-        s, a = indicator_pair(rows, draft)
-        return _masked(self.table.lookup(s, a), draft.counts)
+        """P(accept | S_i, A_i) per drafted token, from the token's actual A."""
+        self._sa = indicator_pair(rows, draft)
+        return _masked(self.table.lookup(*self._sa), draft.counts)
+
+    def before_draw(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]] | None:
+        """Token i's estimate before it was drawn: E_{t ~ q_i}[P(accept | S_i, A_i(t))], over the draft
+        distribution it was drawn from (its BEFORE_DRAW_TOP likeliest tokens, the rest lumped into one
+        with their summed masses). Exactness needs the decision to verify token i not to read token i;
+        this reads only the distributions at i, which follow from the tokens before it. Greedy rows keep
+        the actual A: their output is the target's argmax whatever is verified."""
+        greedy = [r.request.sampling.greedy for r in rows]
+        if all(greedy):
+            return None
+        k = draft.width
+        q, c = draft.probs, draft.companion_probs[:, :k]  # the warped distributions the tokens came from
+        s, a = self._sa if self._sa is not None else indicator_pair(rows, draft)  # S_i is known before t_i
+        top_q, index = q.topk(min(BEFORE_DRAW_TOP, q.shape[-1]), dim=-1)  # [rows, k, m]
+        top_c = c.gather(-1, index)
+        a_top = torch.where(top_q > 0, top_c / top_q.clamp(min=1e-30), torch.ones_like(top_q)).clamp(max=1.0)
+        p_top = self.table.lookup(s[..., None].expand_as(a_top).contiguous(), a_top.contiguous())
+        rest_q = (1.0 - top_q.sum(-1)).clamp(min=0.0)  # [rows, k]
+        rest_c = (1.0 - top_c.sum(-1)).clamp(min=0.0)
+        a_rest = torch.where(rest_q > 1e-12, rest_c / rest_q.clamp(min=1e-12), torch.ones_like(rest_q)).clamp(max=1.0)
+        expected = (p_top * top_q.double()).sum(-1) + rest_q.double() * self.table.lookup(s, a_rest)
+        actual = self.table.lookup(s, a)
+        mixed = torch.where(torch.tensor(greedy, device=expected.device)[:, None], actual, expected)
+        return _masked(mixed, draft.counts)
 
     def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]:
         p = self.last_estimates = self.estimates(rows, draft)
         n = len(rows)  # drafting is paid already, but it is part of the step the goodput divides by
         fixed = draft.width * self.latency.draft_ms(n) + (self.latency.companion_ms(n) if self.uses_companion else 0.0)
-        return schedule(p, lambda chosen: fixed + self.latency.verify_ms([1 + c for c in chosen]))
+        chosen = schedule(p, lambda chosen: fixed + self.latency.verify_ms([1 + c for c in chosen]),
+                          self.before_draw(rows, draft))
+        self._sa = None
+        return chosen
 
     def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
         pass
@@ -159,6 +191,9 @@ class HistorySelector(GoodputSelector):
 
     def estimates(self, rows, draft) -> list[list[float]]:
         return [[self._rate(r.id, i) for i in range(draft.counts[b])] for b, r in enumerate(rows)]
+
+    def before_draw(self, rows, draft) -> None:
+        return None  # history never reads the drafted tokens
 
     def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
         for b, row in enumerate(rows):

@@ -294,12 +294,19 @@ class LatencyModel:
 
 # ---------------------------------------------------------------- §5: the batch scheduler
 
-def schedule(p: Sequence[Sequence[float]], cost: Callable[[list[int]], float]) -> list[int]:
+def schedule(p: Sequence[Sequence[float]], cost: Callable[[list[int]], float],
+             before_draw: Sequence[Sequence[float]] | None = None) -> list[int]:
     """How many drafted tokens each row verifies.
 
     p[r][i]: estimated acceptance probability of row r's drafted token i + 1 given the ones
     before it were accepted. cost(counts): estimated step time when row r verifies counts[r]
     drafted tokens (plus its bonus position, always verified: no row starves).
+
+    before_draw[r][i]: the estimate for token i + 1 as known before that token was drawn. When
+    given, the decision to verify token i + 1 reads it (and the actual p of the tokens before),
+    never the token itself: a selection that depends on the very token it verifies would bias
+    it away from the draft distribution the exact rule divides by, and the output away from
+    the target's. After the token is added, its actual p carries the row's survival on.
 
     Greedy (§5): start from nothing drafted verified; repeatedly add the drafted token with the
     highest marginal gain in expected committed tokens (prod_{j<=i} p[r][j], only the next token
@@ -315,7 +322,8 @@ def schedule(p: Sequence[Sequence[float]], cost: Callable[[list[int]], float]) -
     best = expected / cost(chosen)
     open_rows = {r for r in range(rows) if len(p[r]) > 0}
     while open_rows:
-        gain, r = max((survive[r] * float(p[r][chosen[r]]), r) for r in open_rows)
+        score = before_draw if before_draw is not None else p
+        gain, r = max((survive[r] * float(score[r][chosen[r]]), r) for r in open_rows)
         trial = list(chosen)
         trial[r] += 1
         value = (expected + gain) / cost(trial)

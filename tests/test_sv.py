@@ -16,19 +16,17 @@ row's step, so the select phase both keeps and drops tokens, differently per row
 asserts that it did (proposed > drafted, partial prefixes, rows choosing differently in a step).
 1000 runs per row batched (24 rows an engine), 600 for the single-request run and the control.
 
-Findings, as written (see the xfail marks):
-  - `sv` is NOT exact at T > 0. Whether drafted token i is verified depends on A_i =
-    min(1, P_c(t_i) / P_d(t_i)), a function of the token t_i itself; a drafted token that is verified
-    only for some values of t_i is, given that it is verified, no longer distributed as P_d, so the
-    exact rule (which divides by P_d) no longer yields the target's distribution. Observed:
-    p = 5e-12, 5e-14, 1e-20 on the three sampling rows batched, 5e-8 on the single request.
-    §4's argument ("a dropped position is drawn from the target, so every token follows the
-    target") misses this. `PreDrawGoodputSelector` below is the same scheduler scoring token i by
-    E_{t ~ P_d}[P(accept | S_i, A(t))], known before t_i is drawn: it passes the same test
-    (p = 0.06, 0.31, 0.67), and so does sv with that scoring patched in (then the xfails XPASS,
-    and strict xfail fails the run: remove the marks with the fix).
-  - negative control: a selection that reads the target (`PeekingSelector`) is rejected
-    (p = 1e-31 and 5e-13 on two of its rows), as is `sv` itself.
+Findings:
+  - SV as the paper writes it is NOT exact at T > 0. Deciding whether drafted token i is verified
+    from A_i = min(1, P_c(t_i) / P_d(t_i)), a function of the token t_i itself, leaves a verified
+    token no longer distributed as P_d, so the exact rule (which divides by P_d) no longer yields
+    the target's distribution (observed: p = 5e-12, 5e-14, 1e-20 on the three sampling rows
+    batched, 5e-8 on the single request). §4's argument ("a dropped position is drawn from the
+    target") misses this. `sv` therefore decides on token i from E_{t ~ P_d}[P(accept | S_i, A(t))],
+    known before t_i is drawn (`GoodputSelector.before_draw`), and uses the actual A of the tokens
+    before i; `ActualAGoodputSelector` keeps the paper's reading as a negative control.
+  - negative controls: a selection that reads the target (`PeekingSelector`) and the actual-A
+    selection are both rejected.
   - staged: both caches kept a token the companion had replaced, and a row that drafted nothing drew a
     uniform only when batch-mates drafted; the regression tests below failed before the fix.
 
@@ -161,6 +159,14 @@ class PreDrawGoodputSelector(GoodputSelector):
         return [row[:n] for row, n in zip(expected.tolist(), draft.counts)]
 
 
+class ActualAGoodputSelector(GoodputSelector):
+    """NEGATIVE CONTROL: SV as first written, deciding whether to verify token i from its actual A_i (a function
+    of t_i itself): the verified tokens are then not distributed as the draft's q, so the output is not exact."""
+
+    def before_draw(self, rows, draft):
+        return None
+
+
 class PeekingSelector(GoodputSelector):
     """NEGATIVE CONTROL: scores each drafted token by its true acceptance probability min(1, p(t) / q(t)), read
     off the target model (a cache-free forward): a selection that looks at the target, which no rule can
@@ -169,6 +175,9 @@ class PeekingSelector(GoodputSelector):
     def __init__(self, model, latency) -> None:
         super().__init__(None, latency)
         self.model = model
+
+    def before_draw(self, rows, draft):
+        return None  # the decision reads the target's view of the token itself
 
     def estimates(self, rows, draft):
         out = []
@@ -208,7 +217,7 @@ def run_rows(kind: str, n: int, batch: int, rows=ROWS):
     inner = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
     companion_runner = ModelRunner(companion.model, vocab_size=V, rows=0)
     drafter = (StagedRowsDrafter if kind == "staged" else CompanionRowsDrafter)(inner, companion_runner, V)
-    selector = {"sv": lambda: GoodputSelector(table, latency), "pre-draw": lambda: PreDrawGoodputSelector(table, latency),
+    selector = {"sv": lambda: GoodputSelector(table, latency), "actual-a": lambda: ActualAGoodputSelector(table, latency), "pre-draw": lambda: PreDrawGoodputSelector(table, latency),
                 "peek": lambda: PeekingSelector(target.model, latency), "staged": lambda: None}[kind]()
     watch = Watch(selector) if selector is not None else None
     engine = Engine(ModelRunner(target.model, vocab_size=V, rows=0), drafter, ExactRule(), gamma=GAMMA,
@@ -258,15 +267,9 @@ def check_select_phase_worked(watch: Watch, batch: int) -> None:
     assert differ or batch == 1, "no step verified different prefixes in different rows"
 
 
-SV_NOT_EXACT = pytest.mark.xfail(
-    strict=True, raises=NotTargetDistribution,
-    reason="sv's selection of drafted token i reads A_i, a function of token i itself: verified tokens are no "
-           "longer distributed as the draft's q, and the exact rule (which divides by q) stops being exact")
-
-
 @pytest.mark.parametrize("kind, batch, n, rows", [
-    pytest.param("sv", 24, 1000, ROWS, marks=SV_NOT_EXACT, id="sv-batched-ragged"),
-    pytest.param("sv", 1, 600, ROWS[1:2], marks=SV_NOT_EXACT, id="sv-single"),
+    pytest.param("sv", 24, 1000, ROWS, id="sv-batched-ragged"),
+    pytest.param("sv", 1, 600, ROWS[1:2], id="sv-single"),
     pytest.param("pre-draw", 24, 1000, ROWS, id="pre-draw-selection-batched-ragged"),
     pytest.param("staged", 24, 1000, ROWS, id="staged-batched-ragged"),
 ])
@@ -282,12 +285,15 @@ def test_methods_follow_the_target_distribution(kind, batch, n, rows):
         raise NotTargetDistribution(f"{kind}: p-values per row {ps}")
 
 
-def test_control_a_selection_that_reads_the_target_is_rejected():
-    counts, totals, watch = run_rows("peek", 600, 24)
+@pytest.mark.parametrize("kind", ["peek", "actual-a"])
+def test_control_a_selection_that_reads_the_token_it_verifies_is_rejected(kind):
+    """Two selections the test must catch: one reading the target's acceptance of each token, and SV scoring
+    token i by its own A_i (the paper's reading, which this package corrected)."""
+    counts, totals, watch = run_rows(kind, 600, 24)
     assert totals["proposed"] > totals["drafted"] > 0
     ps = p_values(counts)
-    print("peek", totals, ps)
-    assert min(ps) < ALPHA, f"a selection that reads the target was not detected: {ps}"
+    print(kind, totals, ps)
+    assert min(ps) < ALPHA, f"a selection that reads the token it verifies was not detected: {ps}"
 
 
 # ---------------------------------------------------------------- temperature 0: token for token, batch invariance
