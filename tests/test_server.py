@@ -200,6 +200,20 @@ def test_usage_statistics_add_up(models, client, override):
         assert stats["drafted"] > 0 and len(stats["accepted_per_position"]) == override.get("gamma", 4)
 
 
+def test_a_companion_loaded_at_start_serves_the_companion_methods(models):
+    """--companion: loaded once at start; `staged` then runs per request, and equals decoding alone."""
+    companion = load_model(models["draft_dir"])
+    service = Service(ServerConfig(model_name=MODEL, method="sd"), models["target"], models["draft"], companion)
+    without = Service(ServerConfig(model_name=MODEL, method="sd"), models["target"], models["draft"])
+    assert "staged" in service.runnable() and "companion" in without.refused["staged"]
+    with ThreadedServer(create_app(service)) as server:
+        response = _client(server.url).completions.create(model=MODEL, prompt="the cat sat", max_tokens=16,
+                                                          temperature=0, extra_body={"draftwise": {"method": "staged"}})
+    alone = draftwise.generate(models["target"], "the cat sat", draft=models["draft"], companion=companion,
+                               method="staged", temperature=0, max_new_tokens=16)
+    assert response.choices[0].text == alone.text and _stats(response.usage)["method"] == "staged"
+
+
 # ---------------------------------------------------------------- bad input
 
 def _assert_error(status, body, want_status, *, param=None, code=None, says=""):
