@@ -94,7 +94,6 @@ class Service:
         self.stopping = False
         self.created = protocol.now()
         self._plans: dict[tuple[str, Any], api._Plan] = {}  # (method, sampling or None) -> plan, options apart
-        self._plan_errors: dict[tuple[str, Any], str] = {}
         self.refused: dict[str, str] = {}  # method -> why this server cannot run it
         self._check_methods()
 
@@ -134,25 +133,40 @@ class Service:
         return options
 
     def _first_plans(self, spec: Method) -> str | None:
-        """Build the method's plan(s) now; the reason it cannot run, or None."""
+        """Build the method's plan(s) now, the only time plans are built; the reason it cannot run, or None."""
         if spec.drafter in ("sprinter", "stophead"):  # a trained file at one sampling setting, read at start
             try:
                 found = self._verifier_spec(spec)
             except DraftwiseError as error:
                 return str(error)
             settings = [SamplingConfig(found.temperature, found.top_k, found.top_p)]
-        elif getattr(spec, "needs_profile", False):  # per sampling setting: the two usual ones now, others later
-            settings = [SamplingConfig(1.0), SamplingConfig(0.0)]
+        elif getattr(spec, "needs_profile", False):  # an SV profile per sampling setting: every one found now
+            settings = self._profile_settings(spec)
         else:
             settings = [SamplingConfig(0.0 if spec.greedy_only else 1.0)]
         errors = []
         for sampling in settings:
             try:
-                self._plan(spec, sampling)
-                return None
+                self._build(spec, sampling)
             except DraftwiseError as error:
                 errors.append(str(error))
-        return errors[0]
+        return errors[0] if len(errors) == len(settings) else None
+
+    def _profile_settings(self, spec: Method) -> list[SamplingConfig]:
+        """The sampling settings a profile method is tried at: greedy, T=1, and the --profile file's own."""
+        settings = [SamplingConfig(1.0), SamplingConfig(0.0)]
+        path = self._startup_options(spec).get("profile")
+        if path:
+            from ..sv import SVProfile
+
+            try:
+                found = SVProfile.load(path).setting
+                own = SamplingConfig(float(found["temperature"]), int(found.get("top_k") or 0),
+                                     float(found.get("top_p") or 1.0))
+            except (DraftwiseError, KeyError, TypeError, ValueError):
+                return settings  # the plan build reports the file's problem
+            settings = [own] + [s for s in settings if s != own]
+        return settings
 
     def _verifier_spec(self, spec: Method) -> Any:
         from ..sprinter import Verifier
@@ -162,27 +176,32 @@ class Service:
         path = next(resolved[o.name] for o in spec.options if o.required)
         return Verifier.load(path, self.draft.model).spec
 
-    def _plan(self, spec: Method, sampling: SamplingConfig) -> api._Plan:
-        """The method's plan over the loaded models (per sampling setting where an SV profile depends on it)."""
-        key = (spec.name, sampling if getattr(spec, "needs_profile", False) else None)
-        if key in self._plans:
-            return self._plans[key]
-        if key in self._plan_errors:
-            raise DraftwiseError(self._plan_errors[key])
+    @staticmethod
+    def _key(spec: Method, sampling: SamplingConfig) -> tuple[str, Any]:
+        if not getattr(spec, "needs_profile", False):
+            return spec.name, None
+        return spec.name, SamplingConfig(0.0) if sampling.greedy else sampling  # greedy ignores top-k / top-p
+
+    def _build(self, spec: Method, sampling: SamplingConfig) -> None:
         probe = [next(iter(self.target.eos_token_ids), 0)]  # any valid prompt: each request brings its own
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DraftwiseWarning)
-                plan = api._plan(
-                    target=self.target, prompt=probe, draft=self.draft if spec.needs_draft else None, method=spec.name,
-                    max_new_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                    seed=None, gamma=self.config.gamma, stop=None, ignore_eos=False,
-                    method_options=self._startup_options(spec))
-        except DraftwiseError as error:
-            self._plan_errors[key] = str(error)
-            raise
-        self._plans[key] = plan
-        return plan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DraftwiseWarning)
+            self._plans[self._key(spec, sampling)] = api._plan(
+                target=self.target, prompt=probe, draft=self.draft if spec.needs_draft else None, method=spec.name,
+                max_new_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                seed=None, gamma=self.config.gamma, stop=None, ignore_eos=False,
+                method_options=self._startup_options(spec))
+
+    def _plan(self, spec: Method, sampling: SamplingConfig) -> api._Plan:
+        """The method's plan over the loaded models, built at start (per sampling setting for an SV profile)."""
+        plan = self._plans.get(self._key(spec, sampling))
+        if plan is not None:
+            return plan
+        have = [s for (name, s), _ in self._plans.items() if name == spec.name and s is not None]
+        listed = "; ".join(f"temperature={s.temperature}, top_p={s.top_p}, top_k={s.top_k}" for s in have)
+        raise DraftwiseError(f"{spec.name} reads an SV profile made for one sampling setting, and this server has "
+                             f"them for: {listed}; for another, make one with `draftwise profile-sv` and start the "
+                             f"server with --method {spec.name} --profile PATH")
 
     def runnable(self) -> list[str]:
         return [name for name in METHODS if name not in self.refused]
@@ -250,7 +269,7 @@ class Service:
             raise ApiError(400, str(error), param=source, code="context_length_exceeded") from None
         window = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
         key = (method, tuple(sorted((k, _key_value(v)) for k, v in options.items())), window, plan.eos_token_ids,
-               sampling if getattr(spec, "needs_profile", False) else None)
+               self._key(spec, sampling)[1])
         size = self.config.max_batch_size
 
         def make_engine() -> Any:
