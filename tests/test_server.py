@@ -13,15 +13,14 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import openai  # the test extra's: the official client is what these tests hold the server to
 import pytest
 
-openai = pytest.importorskip("openai")
-
-import draftwise  # noqa: E402
-from conftest import save_pair  # noqa: E402
-from draftwise.cli import main  # noqa: E402
-from draftwise.models.loading import load_draft, load_model  # noqa: E402
-from draftwise.server import ServerConfig, Service, ThreadedServer, create_app  # noqa: E402
+import draftwise
+from conftest import save_pair
+from draftwise.cli import main
+from draftwise.models.loading import load_draft, load_model
+from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 
 KEY = "test-key-0123456789"
 MODEL = "tiny"
