@@ -229,7 +229,10 @@ def _run_methods(args: argparse.Namespace) -> int:
         kind = "exact" if m.exact else "lossy"
         needs = {"model": "needs --draft", "ngram": "no draft model", "none": "target only",
                  "sprinter": "needs --draft and --verifier", "stophead": "needs --draft and --head",
-                 "beam": "needs --draft"}[m.drafter]
+                 "beam": "needs --draft", "companion": "needs --draft and --companion (registry defaults)",
+                 "staged": "needs --draft and --companion (registry defaults)"}[m.drafter]
+        if m.needs_profile:
+            needs += " and an SV profile (--profile; shipped for the default trio)"
         print(f"{m.name:<14} {kind}, {needs}{', temperature 0 only' if m.greedy_only else ''}")
         print(f"{'':<14} {m.summary}")
         for o in m.options:
@@ -757,8 +760,9 @@ def _run_profile_sv(args: argparse.Namespace) -> int:
     if args.latency_only:
         existing = sv.SVProfile.load(args.out)
         existing.check(setting, args.out)
-        existing.latency = measure_latency(target, draft, companion, gamma=len(existing.latency.verify[0]) - 1,
-                                           vocab_size=vocab, rows=rows, context=args.context)
+        existing.latency = latency_from.latency if latency_from is not None else measure_latency(
+            target, draft, companion, gamma=len(existing.latency.verify[0]) - 1, vocab_size=vocab, rows=rows,
+            context=args.context)
         existing.report["machine"] = {"cpu": platform.processor() or platform.machine(),
                                       "threads": torch.get_num_threads()}
         existing.report["latency_context"] = args.context
