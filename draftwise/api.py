@@ -303,10 +303,11 @@ def _selector(plan: _Plan, gamma: int) -> Any:
     from .selection import GoodputSelector, HistorySelector, SmartSpecSelector
 
     kind, profile = plan.method.selector, plan.sv_profile
+    lookahead = plan.options.get("lookahead") or None  # 0: always draft gamma
     if kind == "sv":
-        return GoodputSelector(profile.table(plan.options["bins"]), profile.latency)
+        return GoodputSelector(profile.table(plan.options["bins"]), profile.latency, lookahead=lookahead)
     if kind == "history":
-        return HistorySelector(profile.latency, gamma)
+        return HistorySelector(profile.latency, gamma, lookahead=lookahead)
     if kind == "smartspec":
         return SmartSpecSelector(profile.latency, gamma)
     return None

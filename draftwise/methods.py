@@ -175,14 +175,22 @@ def model_spec(value: Any) -> Any:
 
 _COMPANION = Option("companion", "", model_spec, "companion model (registry name or path; default: the registry's "
                     "companion for a registry target)")
+_LOOKAHEAD = Option("lookahead", 1, int, "draft at most this many tokens past the most the request verified in "
+                    "its last 4 steps (0: always draft gamma)")
 _PROFILE = Option("profile", "", str, "SV profile from `draftwise profile-sv` (default: the shipped profile for "
                   "the registry's default trio and this sampling setting)")
+
+
+def _lookahead_rule(options: dict[str, Any]) -> TargetRule:
+    if options.get("lookahead", 0) < 0:
+        raise DraftwiseError(f"lookahead must be >= 0 (0: always draft gamma), got {options['lookahead']!r}")
+    return ExactRule()
 
 
 def _sv_rule(options: dict[str, Any]) -> TargetRule:
     if options.get("bins") not in (None, "adaptive", "equal"):
         raise DraftwiseError(f"sv: bins must be 'adaptive' or 'equal', got {options['bins']!r}")
-    return ExactRule()
+    return _lookahead_rule(options)
 
 
 def _svip_stop(options: dict[str, Any]):
@@ -321,13 +329,14 @@ METHODS: dict[str, Method] = {
             "the drafted tokens that maximise estimated goodput (exact)",
             drafter="companion", make_rule=_sv_rule, selector="sv",
             options=(_COMPANION, _PROFILE,
-                     Option("bins", "adaptive", str, "P(accept | S, A) from 'adaptive' (quantile) or 'equal' bins")),
+                     Option("bins", "adaptive", str, "P(accept | S, A) from 'adaptive' (quantile) or 'equal' bins"),
+                     _LOOKAHEAD),
             reference="Kim et al. 2025, seed 001 §4-§5",
         ),
         Method(
             "adaptive-verify", "the goodput scheduler with each slot scored by its request's acceptance history "
             "(vLLM-style adaptive verification, no companion; exact)",
-            drafter="model", make_rule=lambda o: ExactRule(), selector="history", options=(_PROFILE,),
+            drafter="model", make_rule=_lookahead_rule, selector="history", options=(_PROFILE, _LOOKAHEAD),
             reference="seed 001 §2; vLLM adaptive verification",
         ),
         Method(

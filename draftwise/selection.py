@@ -22,6 +22,7 @@ keeps the target's distribution whatever it chooses.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -116,14 +117,35 @@ class GoodputSelector:
 
     uses_companion = True
 
-    def __init__(self, table: AcceptanceTable, latency: LatencyModel) -> None:
+    def __init__(self, table: AcceptanceTable, latency: LatencyModel, *, lookahead: int | None = 1,
+                 memory: int = 4) -> None:
         self.table = table
         self.latency = latency
         self.last_estimates: list[list[float]] = []  # per row, for tests and diagnostics
         self._sa: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's (S, A), read twice
+        self.lookahead = lookahead  # None: always draft the full gamma
+        self.selected: dict[int, deque] = {}  # request -> its last `memory` selections
+        self.memory = memory
 
     def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
-        return limits
+        """Draft no more than the row verified lately, plus `lookahead`: tokens the scheduler keeps dropping
+        are not worth drafting (a request starts at the full gamma and can grow by `lookahead` a step).
+        Reads only past selections, so exactness is untouched."""
+        if self.lookahead is None:
+            return limits
+        out = []
+        for row, limit in zip(rows, limits):
+            history = self.selected.get(row.id)
+            out.append(min(limit, max(history) + self.lookahead) if history else limit)
+        return out
+
+    def _remember(self, rows: Sequence[_Row], chosen: Sequence[int]) -> None:
+        live = set()
+        for row, count in zip(rows, chosen):
+            self.selected.setdefault(row.id, deque(maxlen=self.memory)).append(count)
+            live.add(row.id)
+        for gone in set(self.selected) - live:  # finished requests
+            del self.selected[gone]
 
     def estimates(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]]:
         """P(accept | S_i, A_i) per drafted token, from the token's actual A."""
@@ -161,6 +183,7 @@ class GoodputSelector:
         chosen = schedule(p, lambda chosen: fixed + self.latency.verify_ms([1 + c for c in chosen]),
                           self.before_draw(rows, draft))
         self._sa = None
+        self._remember(rows, chosen)
         return chosen
 
     def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
@@ -174,8 +197,9 @@ class HistorySelector(GoodputSelector):
 
     uses_companion = False
 
-    def __init__(self, latency: LatencyModel, gamma: int, *, prior: float = 0.5, prior_weight: float = 2.0) -> None:
-        super().__init__(None, latency)  # type: ignore[arg-type]
+    def __init__(self, latency: LatencyModel, gamma: int, *, prior: float = 0.5, prior_weight: float = 2.0,
+                 lookahead: int | None = 1) -> None:
+        super().__init__(None, latency, lookahead=lookahead)  # type: ignore[arg-type]
         self.gamma = gamma
         self.prior, self.prior_weight = prior, prior_weight
         self.reached: dict[int, list[int]] = {}

@@ -103,7 +103,7 @@ def plot_batched(results: dict[str, Any], path: str | os.PathLike) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(b) for b in sizes])
     ax.set_xlabel("max batch size")
-    ax.set_ylabel("throughput (new tokens/s, whole batch)")
+    ax.set_ylabel("goodput (committed tokens/s, whole batch)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
