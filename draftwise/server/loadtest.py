@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import socket
-import tempfile
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -279,19 +278,10 @@ def run(url: str, *, concurrency: Sequence[int], num_requests: int, max_tokens: 
 
 
 def write_json(path: str, data: Any) -> None:
-    """Atomically: a temporary file in the same folder, then os.replace."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".loadtest-", suffix=".json")
-    try:
-        with os.fdopen(handle, "w") as file:
-            json.dump(data, file, indent=2)
-            file.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    """Atomically (a temporary file in the same folder, then os.replace): the benchmarks' writer."""
+    from ..bench.report import write_json as write_atomically
+
+    write_atomically(data, path)
 
 
 def table(levels: Sequence[dict[str, Any]]) -> str:
