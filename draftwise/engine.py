@@ -155,12 +155,11 @@ class RowsDraft:
         counts = [min(int(c), d) for c, d in zip(counts, self.counts)]
         k = max(counts, default=0)
 
-        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[:, :k]
+        def cut(t: torch.Tensor | None, width: int = k) -> torch.Tensor | None:
+            return None if t is None else t[:, :width]
 
         return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.raw_probs), cut(self.verdicts),
-                         None if self.companion_probs is None else self.companion_probs[:, : k + 1],
-                         None if self.companion_raw is None else self.companion_raw[:, : k + 1])
+                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1))
 
 
 class RowsDrafter(Protocol):

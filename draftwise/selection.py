@@ -123,6 +123,7 @@ class GoodputSelector:
         self.latency = latency
         self.last_estimates: list[list[float]] = []  # per row, for tests and diagnostics
         self._sa: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's (S, A), read twice
+        self._actual: torch.Tensor | None = None  # this step's P(accept | S, A) from the actual A
         self.lookahead = lookahead  # None: always draft the full gamma
         self.selected: dict[int, deque] = {}  # request -> its last `memory` selections
         self.memory = memory
@@ -150,7 +151,8 @@ class GoodputSelector:
     def estimates(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]]:
         """P(accept | S_i, A_i) per drafted token, from the token's actual A."""
         self._sa = indicator_pair(rows, draft)
-        return _masked(self.table.lookup(*self._sa), draft.counts)
+        self._actual = self.table.lookup(*self._sa)  # [rows, k], read again by before_draw
+        return _masked(self._actual, draft.counts)
 
     def before_draw(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]] | None:
         """Token i's estimate before it was drawn: E_{t ~ q_i}[P(accept | S_i, A_i(t))], over the draft
@@ -172,7 +174,7 @@ class GoodputSelector:
         rest_c = (1.0 - top_c.sum(-1)).clamp(min=0.0)
         a_rest = torch.where(rest_q > 1e-12, rest_c / rest_q.clamp(min=1e-12), torch.ones_like(rest_q)).clamp(max=1.0)
         expected = (p_top * top_q.double()).sum(-1) + rest_q.double() * self.table.lookup(s, a_rest)
-        actual = self.table.lookup(s, a)
+        actual = self._actual if self._sa is not None else self.table.lookup(s, a)
         mixed = torch.where(torch.tensor(greedy, device=expected.device)[:, None], actual, expected)
         return _masked(mixed, draft.counts)
 

@@ -123,10 +123,16 @@ def entropy(counts: torch.Tensor) -> float:
     return float(-(probs * probs.log2()).sum())
 
 
-def conditional_entropy(x: torch.Tensor, cell: torch.Tensor, x_bins: int, cells: int) -> float:
-    """H(X | cell) in bits from paired samples of discrete X (0 .. x_bins - 1) and a cell index."""
+def _joint(x: torch.Tensor, cell: torch.Tensor, x_bins: int, cells: int) -> torch.Tensor:
+    """[cells, x_bins] counts of paired samples."""
     joint = torch.zeros(cells, x_bins, dtype=torch.float64)
     joint.index_put_((cell.long(), x.long()), torch.ones(len(x), dtype=torch.float64), accumulate=True)
+    return joint
+
+
+def conditional_entropy(x: torch.Tensor, cell: torch.Tensor, x_bins: int, cells: int) -> float:
+    """H(X | cell) in bits from paired samples of discrete X (0 .. x_bins - 1) and a cell index."""
+    joint = _joint(x, cell, x_bins, cells)
     return entropy(joint) - entropy(joint.sum(1))
 
 
@@ -135,10 +141,9 @@ def information_gain(x: torch.Tensor, cell: torch.Tensor, x_bins: int, cells: in
     Miller-Madow correction (the plug-in estimate of I is biased upwards by about
     (occupied cells - 1)(X bins - 1) / (2 n ln 2))."""
     n = len(x)
-    h_x = entropy(torch.bincount(x.long(), minlength=x_bins))
-    h_cond = conditional_entropy(x, cell, x_bins, cells)
-    joint = torch.zeros(cells, x_bins, dtype=torch.float64)
-    joint.index_put_((cell.long(), x.long()), torch.ones(n, dtype=torch.float64), accumulate=True)
+    joint = _joint(x, cell, x_bins, cells)
+    h_x = entropy(joint.sum(0))
+    h_cond = entropy(joint) - entropy(joint.sum(1))
     occupied_joint = int((joint > 0).sum())
     occupied_cells = int((joint.sum(1) > 0).sum())
     occupied_x = int((joint.sum(0) > 0).sum())
