@@ -24,7 +24,7 @@ from .drafters import Drafter, ModelDrafter, NoDrafter
 from .errors import DraftwiseError, DraftwiseWarning
 from .engine import Engine, _find_stop, _safe_prefix, kv_bytes_per_token, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
 from .methods import METHODS, Method, get_method
-from .eagle import EagleHead
+from .eagle import DraftHead
 from .eagle_rows import EagleRowsDrafter
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
@@ -63,7 +63,7 @@ class _Plan:
     """A validated request: everything `decode` needs, checked before any model runs."""
 
     target: LoadedModel
-    draft: LoadedModel | EagleHead | None
+    draft: LoadedModel | DraftHead | None
     method: Method
     options: dict[str, Any]
     sampling: SamplingConfig
@@ -270,7 +270,7 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
     rule = spec.make_rule(plan.options)
     gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
     device = plan.target.device
-    if isinstance(plan.draft, EagleHead):
+    if isinstance(plan.draft, DraftHead):
         drafter: Any = EagleRowsDrafter(plan.draft, plan.vocab_size, device, eos_token_ids=plan.eos_token_ids,
                                         policy=_policy(plan))
     elif spec.needs_companion:
@@ -437,7 +437,7 @@ def _plan(
         draft = default_draft(target, spec.name)
     target_model = load_model(target)
     draft_model = _load_draft(draft, target_model) if draft is not None else None
-    if isinstance(draft_model, EagleHead):
+    if isinstance(draft_model, DraftHead):
         if spec.name not in EAGLE_METHODS:
             raise DraftwiseError(_eagle_refused(spec.name, target_model))
         vocab_size = _shared_vocab(target_model, None)
@@ -530,7 +530,7 @@ def _load_profile(spec: Method, options: dict[str, Any], target: LoadedModel, dr
     return profile
 
 
-def _load_draft(draft: Any, target: LoadedModel) -> LoadedModel | EagleHead:
+def _load_draft(draft: Any, target: LoadedModel) -> LoadedModel | DraftHead:
     """A draft model, or an EAGLE head (a directory with eagle.json, or a registry name of one): see
     `load_draft`, the one resolver the API, the CLI and the benchmark share."""
     return load_draft(draft, target)

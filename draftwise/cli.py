@@ -655,8 +655,15 @@ def _run_models(args: argparse.Namespace) -> int:
 def _add_train_data(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-data", help="answer the training prompt mix with the target (the drafts' data recipe)")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--out", required=True, help="JSONL file; re-running resumes")
+    p.add_argument("--out", required=True, help="JSONL file, or with --features a directory of shards; re-running resumes")
+    p.add_argument("--features", action="store_true",
+                   help="batched engine with the target's features captured while it generates (EAGLE-3 training "
+                   "data): --out is a directory of atomic safetensors shards")
     p.add_argument("--num-fortunes", type=int, default=3000)
+    p.add_argument("--num-magpie", type=int, default=2000,
+                   help="prompts the target synthesises from its user-turn prefix (source `magpie`; kept in "
+                   "OUT/magpie.jsonl, or OUT.magpie.jsonl)")
+    p.add_argument("--shard-size", type=int, default=64, help="sequences per shard (--features)")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -667,26 +674,68 @@ def _add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-only", action="store_true",
                    help="write the chat-formatted prompts without answers (text for a feature head)")
     p.add_argument("--sources", default="spec-bench,human-eval,fortunes",
-                   help="comma-separated subset of spec-bench, human-eval, fortunes")
+                   help="comma-separated subset of spec-bench, human-eval, fortunes, magpie")
 
 
 def _run_train_data(args: argparse.Namespace) -> int:
+    import random
     from pathlib import Path
 
     from tqdm import tqdm
 
-    from .training.data import build_prompts, generate_answers
+    from .training.data import build_prompts, generate_answers, synthesise_prompts
 
     sources = {x.strip() for x in args.sources.split(",") if x.strip()}
-    prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes, seed=args.seed) if p.source in sources]
-    if args.limit:
-        prompts = prompts[: args.limit]
+    unknown = sources - {"spec-bench", "human-eval", "fortunes", "magpie"}
+    if unknown:
+        raise DraftwiseError(f"--sources: unknown source(s) {sorted(unknown)}; choose from spec-bench, human-eval, "
+                             "fortunes, magpie")
+    for name in ("num_fortunes", "num_magpie", "max_new_tokens", "batch_size", "shard_size", "limit"):
+        if getattr(args, name) < (1 if name in ("batch_size", "shard_size") else 0):
+            raise DraftwiseError(f"--{name.replace('_', '-')} must be {'>= 1' if name in ('batch_size', 'shard_size') else '>= 0'}")
+    out = Path(args.out)
+    if args.features and out.exists() and not out.is_dir():
+        raise DraftwiseError(f"--out {out}: with --features this is a directory of shards, and a file is there")
+    try:
+        prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes if "fortunes" in sources else 0,
+                                            seed=args.seed) if p.source in sources]
+    except FileNotFoundError as e:
+        raise DraftwiseError(str(e)) from None
     tag = args.tag or ("prompt" if args.prompts_only else "greedy" if args.temperature == 0 else f"t{args.temperature:g}")
     if args.prompts_only:
         args.max_new_tokens = 0
     target = load_model(args.target, dtype=args.dtype)
+    if "magpie" in sources and args.num_magpie:
+        store = out / "magpie.jsonl" if args.features else out.with_name(out.name + ".magpie.jsonl")
+        store.parent.mkdir(parents=True, exist_ok=True)
+        with tqdm(total=args.num_magpie, desc="magpie prompts", unit="prompt", file=sys.stderr, mininterval=10) as bar:
+            prompts += synthesise_prompts(target, args.num_magpie, store, batch_size=args.batch_size, seed=args.seed,
+                                          progress=lambda n: bar.update(n - bar.n))
+    random.Random(args.seed).shuffle(prompts)  # every category early: a cut-short run still covers them all
+    if args.limit:
+        prompts = prompts[: args.limit]
+    if args.features:
+        from .bench.report import write_json
+        from .training.shards import generate_shards
+
+        log_path = out / "progress.jsonl"
+
+        def log(record: dict) -> None:
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"tag": tag, **record}) + "\n")
+
+        with tqdm(total=len(prompts), desc="answers", unit="prompt", file=sys.stderr, mininterval=10) as bar:
+            report = generate_shards(target, prompts, out, max_new_tokens=args.max_new_tokens,
+                                     batch_size=args.batch_size, temperature=args.temperature, tag=tag,
+                                     seed=args.seed, shard_size=args.shard_size,
+                                     progress=lambda n, tokens: bar.update(n - bar.n), log=log)
+        report.update(tag=tag, target=args.target, batch_size=args.batch_size, torch_threads=__import__("torch").get_num_threads())
+        write_json(report, out / f"train-data-report-{tag}.json")
+        print(f"{report['sequences']} sequences, {report['answer_tokens']} answer tokens in {report['seconds']:.0f} s "
+              f"({report['answer_tokens_per_hour']:.0f} answer tokens/hour); {report['skipped']} already done")
+        return 0
     with tqdm(total=len(prompts), desc="answers", unit="prompt", file=sys.stderr, mininterval=10) as bar:
-        generate_answers(target, prompts, Path(args.out), max_new_tokens=args.max_new_tokens,
+        generate_answers(target, prompts, out, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, temperature=args.temperature, tag=tag, seed=args.seed,
                          progress=bar.update)
     return 0

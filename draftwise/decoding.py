@@ -84,6 +84,8 @@ def decode(
     """
     sequence = list(prompt_ids)
     wants_features = getattr(drafter, "needs_target_hidden", False)  # feature-level drafters (EAGLE)
+    if wants_features:
+        target.feature_layers = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 reads several layers
     while counters.new_tokens < limits.max_new_tokens:
         budget = limits.max_new_tokens - counters.new_tokens
         # draft: at most budget - 1 tokens, so accepted + recovered/bonus never overshoots.

@@ -45,7 +45,18 @@ class EagleConfig:
     target: str = ""  # the target it was trained for (registry name or path), for error messages
 
 
-class EagleHead(nn.Module):
+class DraftHead(nn.Module):
+    """A feature-level draft head: EAGLE-1 (`EagleHead`) or EAGLE-3 (`eagle3.Eagle3Head`).
+
+    What the drafters use: `feature_layers` (target layers whose inputs the head reads; empty:
+    the target's final normed state), `feature_size`, `take_features(runner_hidden)`,
+    `step_input(x, tokens)` (the body's input from target features or the previous step's
+    output), `body` (run like a base model), `logits(states)` and `vocab_ids`."""
+
+    feature_layers: tuple[int, ...] = ()
+
+
+class EagleHead(DraftHead):
     def __init__(self, config: EagleConfig, vocab_ids: torch.Tensor) -> None:
         super().__init__()
         self.config = config
@@ -66,6 +77,18 @@ class EagleHead(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return int(self.vocab_ids.shape[0])
+
+    @property
+    def feature_size(self) -> int:
+        return self.config.hidden_size
+
+    def take_features(self, runner_hidden: torch.Tensor) -> torch.Tensor:
+        return runner_hidden
+
+    def step_input(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[..., H] target features or predicted ones, [...] the next tokens -> fused body inputs [..., H]."""
+        embedded = self._shared["embed"](tokens).to(self.fc.weight.dtype)
+        return self.fc(torch.cat([x.to(self.fc.weight.dtype), embedded], dim=-1))
 
     def attach(self, target_model) -> "EagleHead":
         """Share the target's embedding and LM head (restricted to the draft vocabulary)."""
@@ -102,8 +125,7 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """features: [B, T, H] target features; next_tokens: [B, T] the token after each. Returns predicted [B, T, H]."""
         assert features.ndim == 3 and next_tokens.ndim == 2
-        embedded = self._shared["embed"](next_tokens).to(features.dtype)  # [B, T, H]
-        fused = self.fc(torch.cat([features, embedded], dim=-1))  # [B, T, H]
+        fused = self.step_input(features, next_tokens)  # [B, T, H]
         out = self.body(inputs_embeds=fused, past_key_values=cache, use_cache=cache is not None,
                         attention_mask=attention_mask)
         return out.last_hidden_state
@@ -130,7 +152,17 @@ class EagleHead(nn.Module):
 
 
 def is_eagle_dir(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_FILE).is_file()
+    """A directory holding a draft head: EAGLE-1 (eagle.json) or EAGLE-3 (eagle3.json)."""
+    from .eagle3 import is_eagle3_dir
+
+    return (Path(path) / CONFIG_FILE).is_file() or is_eagle3_dir(path)
+
+
+def load_head(path: str | Path) -> DraftHead:
+    """Load the draft head in `path`, whichever kind it is."""
+    from .eagle3 import Eagle3Head, is_eagle3_dir
+
+    return Eagle3Head.load(path) if is_eagle3_dir(path) else EagleHead.load(path)
 
 
 class EagleDrafter:
@@ -138,7 +170,7 @@ class EagleDrafter:
 
     needs_target_hidden = True
 
-    def __init__(self, head: EagleHead, sampling: SamplingConfig, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, head: DraftHead, sampling: SamplingConfig, vocab_size: int, device: torch.device) -> None:
         self.head = head
         self.sampling = sampling
         self.vocab_size = vocab_size
@@ -147,7 +179,7 @@ class EagleDrafter:
         self.cached = 0  # head positions in its cache (all computed from true target features)
         # True target features not yet read by the head: sequence positions cached .. num_features-1.
         # Positions before `cached` live in the head's KV cache and are never read again.
-        self.pending = torch.empty(0, head.config.hidden_size, device=device)
+        self.pending = torch.empty(0, head.feature_size, device=device)
         self.num_features = 0
         self.calls = 0
         usable = head.vocab_ids < vocab_size  # padded vocabularies: draft ids past the shared size are dropped
@@ -158,8 +190,14 @@ class EagleDrafter:
         # masked to -inf before warping, so they are never drafted and the rest renormalise
         self.unusable = None if bool(usable.all()) else ~usable
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the head reads (the decoding loop sets its runner to return them)."""
+        return self.head.feature_layers
+
     def observe(self, hidden: torch.Tensor) -> None:
-        """Features of the tokens the target just processed: [n_fed, H], in sequence order."""
+        """Features of the tokens the target just processed: [n_fed, F], in sequence order."""
+        hidden = self.head.take_features(hidden)
         self.pending = torch.cat([self.pending, hidden.to(self.pending.dtype)])
         self.num_features += hidden.shape[0]
 
@@ -170,7 +208,7 @@ class EagleDrafter:
         # Catch up: head positions cached .. num_features-1 read (feature_i, token_{i+1}).
         start, end = self.cached, self.num_features
         tokens = torch.as_tensor(sequence[start + 1 : end + 1], device=self.device)
-        feats = self.pending.to(self.head.fc.weight.dtype)  # [end - start, H]
+        feats = self.pending.to(self.head.fc.weight.dtype)  # [end - start, feature_size]
         predicted = self.head(feats[None], tokens[None], cache=self.cache)[0, -1:]  # [1, H]
         self.calls += 1
         self.cached = end

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .eagle import EagleHead
+from .eagle import DraftHead
 from .errors import DraftwiseError
 from .models.runner import ModelRunner
 from .policies import FixedLength, LengthPolicy
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class EagleRowsDrafter:
     wants_features = True
 
-    def __init__(self, head: EagleHead, vocab_size: int, device: torch.device, *,
+    def __init__(self, head: DraftHead, vocab_size: int, device: torch.device, *,
                  eos_token_ids: frozenset[int] = frozenset(), policy: LengthPolicy | None = None) -> None:
         self.head = head
         self.vocab_size = vocab_size
@@ -51,9 +51,13 @@ class EagleRowsDrafter:
     def calls(self) -> int:
         return self.runner.calls
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
+
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
         while len(self.features) <= row:
-            self.features.append(torch.empty(0, self.head.config.hidden_size, device=self.device))
+            self.features.append(torch.empty(0, self.head.feature_size, device=self.device))
             self.cached.append(0)
             self.num_features.append(0)
         self.runner.cache.reset_row(row)
@@ -63,13 +67,14 @@ class EagleRowsDrafter:
     def observe(self, row: int, start: int, states: torch.Tensor) -> None:
         """The target's features of positions start .. start + n - 1 (earlier unread ones past `start` drop)."""
         keep = max(0, start - self.cached[row])
+        states = self.head.take_features(states)
         self.features[row] = torch.cat([self.features[row][:keep], states.to(self.features[row].dtype)])
         self.num_features[row] = start + states.shape[0]
 
     def _embed_fuse(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[rows, n, H] features, [rows, n] next tokens -> fused head inputs [rows, n, H]."""
-        embedded = self.head._shared["embed"](tokens).to(features.dtype)
-        return self.head.fc(torch.cat([features, embedded], dim=-1))
+        """[rows, n, F] target features (or [rows, n, H] predicted ones), [rows, n] next tokens -> the head body's
+        inputs."""
+        return self.head.step_input(features, tokens)
 
     @torch.inference_mode()
     def propose(self, rows, limits) -> "RowsDraft":
@@ -90,7 +95,7 @@ class EagleRowsDrafter:
         # catch up: head positions cached .. num_features - 1 read (feature_i, token_{i+1})
         counts = [max(self.num_features[b] - self.cached[b], 1) for b in range(n)]
         span = max(counts)
-        feats = torch.zeros(n, span, self.head.config.hidden_size, dtype=dtype, device=self.device)
+        feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
         nexts = torch.zeros(n, span, dtype=torch.long)
         for b, row in enumerate(rows):
             if b in bare:

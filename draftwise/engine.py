@@ -399,6 +399,8 @@ class Engine:
         self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
         self.method = method
         self.selector = selector  # None: every drafted token is verified
+        if getattr(drafter, "wants_features", False):
+            target.feature_layers = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 reads several layers
         self.stream_text = stream_text  # False: text only at the end (and for stop strings), no per-step decoding
         self.bonus_from_pi = bool(getattr(rule, "bonus_from_pi", False))  # read once: cascades' Algorithm 4 bonus
         self.waiting: list[_Row] = []

@@ -21,7 +21,7 @@ import torch
 from ..api import generate
 from ..errors import DraftwiseError
 from ..methods import METHODS
-from ..eagle import EagleHead
+from ..eagle import DraftHead
 from ..models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from ..sampling import SamplingConfig
 from .datasets import Prompt, load_prompts
@@ -245,7 +245,7 @@ def _draftwise_run(
     )
 
 
-def _load_bench_draft(spec: str, target: LoadedModel, config: BenchConfig) -> LoadedModel | EagleHead:
+def _load_bench_draft(spec: str, target: LoadedModel, config: BenchConfig) -> LoadedModel | DraftHead:
     return load_draft(spec, target, device=config.device, dtype=config.dtype)
 
 

@@ -151,9 +151,9 @@ def load_draft(
     (a directory with eagle.json, or a registry name of one). Files load on the target's
     device and in its dtype unless `device` / `dtype` say otherwise.
     """
-    from ..eagle import EagleHead, is_eagle_dir
+    from ..eagle import DraftHead, is_eagle_dir, load_head
 
-    if isinstance(spec, EagleHead):
+    if isinstance(spec, DraftHead):
         head = spec
     else:
         path = resolve_path(spec) if isinstance(spec, (str, os.PathLike)) else None
@@ -162,7 +162,7 @@ def load_draft(
                 return load_model(spec, device=device or target.device, dtype=dtype or target.dtype, progress=progress)
             return load_model(spec, device=device, dtype=dtype)
         try:
-            head = EagleHead.load(path)
+            head = load_head(path)
         except DraftwiseError:
             raise
         except Exception as error:  # noqa: BLE001 - a damaged head file is bad input, reported in one line
@@ -174,9 +174,9 @@ def load_draft(
 
 def is_eagle_spec(spec: Any) -> bool:
     """Whether `spec` names an EAGLE draft head, decided without loading or converting anything."""
-    from ..eagle import EagleHead, is_eagle_dir
+    from ..eagle import DraftHead, is_eagle_dir
 
-    if isinstance(spec, EagleHead):
+    if isinstance(spec, DraftHead):
         return True
     if not isinstance(spec, (str, os.PathLike)):
         return False

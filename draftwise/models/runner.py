@@ -84,6 +84,10 @@ class ModelRunner:
         self.cache = PositionCache(rows=rows, window=self._window)
         self.calls = 0  # forward passes
         self.tokens_processed = 0  # tokens fed through forward passes (padding excluded)
+        # Multi-layer features (EAGLE-3 heads and their training data): with layers set, `hidden`
+        # states are the inputs of those decoder layers followed by the final normed state, concatenated:
+        # [..., (len(layers) + 1) * hidden]. Empty: the final normed state only.
+        self.feature_layers: tuple[int, ...] = ()
 
     def reset(self) -> None:
         self.cache = PositionCache(rows=self._rows, window=self._window)
@@ -117,14 +121,20 @@ class ModelRunner:
             if packed:
                 logits, states = self._packed(ids, counts, positions, mask, logits_at, hidden)
             elif self._split:
-                states = self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                               past_key_values=self.cache, use_cache=True).last_hidden_state
+                with self._capturing(hidden) as captured:
+                    states = self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                                   past_key_values=self.cache, use_cache=True).last_hidden_state
                 picked = states if logits_at is None else _gather(states, logits_at)
                 logits = self.model.get_output_embeddings()(picked)
+                if captured:
+                    states = torch.cat([*captured, states], dim=-1)
             else:
-                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                 past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+                with self._capturing(hidden) as captured:
+                    out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                     past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
                 states = out.hidden_states[-1] if hidden else None
+                if captured:
+                    states = torch.cat([*captured, states], dim=-1)
                 logits = out.logits if logits_at is None else _gather(out.logits, logits_at)
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size]
@@ -151,7 +161,10 @@ class ModelRunner:
         h = base.embed_tokens(ids[at_row, at_col])[None]  # [1, total, hidden]
         cos, sin = base.rotary_emb(h, positions[at_row, at_col][None])
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, None)
-        for layer in base.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(base.layers):
+            if hidden and index in self.feature_layers:
+                captured[index] = h
             attn = layer.self_attn
             residual = h
             x = layer.input_layernorm(h)
@@ -176,9 +189,34 @@ class ModelRunner:
         logits = self.model.get_output_embeddings()(picked)
         states = None
         if hidden:
+            if captured:
+                h = torch.cat([*(captured[i][0] for i in self.feature_layers), h], dim=-1)
             states = h.new_zeros(rows, width, h.shape[-1])
             states[at_row, at_col] = h
         return logits, states
+
+    @contextlib.contextmanager
+    def _capturing(self, hidden: bool) -> Iterator[list[torch.Tensor]]:
+        """While a model forward runs, collect the inputs of `feature_layers` (in that order)."""
+        captured: list[torch.Tensor] = []
+        if not (hidden and self.feature_layers):
+            yield captured
+            return
+        layers = self.model.base_model.layers
+        found: dict[int, torch.Tensor] = {}
+
+        def hook_for(index: int):
+            def hook(module, args, kwargs):
+                found[index] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        handles = [layers[i].register_forward_pre_hook(hook_for(i), with_kwargs=True) for i in self.feature_layers]
+        try:
+            yield captured
+        finally:
+            for handle in handles:
+                handle.remove()
+        captured.extend(found[i] for i in self.feature_layers)
 
     @torch.inference_mode()
     def forward_states(self, embeds: torch.Tensor, counts: Sequence[int], *, begin: int = 0) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
 import random
 import re
 from dataclasses import dataclass
@@ -165,3 +166,86 @@ def generate_answers(
             f.flush()
             if progress:
                 progress(len(batch))
+
+
+# ---- Magpie: prompts the target writes itself (Xu et al. 2024) ------------------------------
+
+_MARK = "\u2063MAGPIE\u2063"
+_COMMON = {"the", "a", "an", "is", "are", "to", "of", "and", "in", "what", "how", "you", "i", "can", "for", "my",
+           "me", "write", "explain", "with", "on", "please", "do", "why", "this", "that", "it", "be"}
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template up to where the user's message starts (the Magpie query prefix)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                         add_generation_prompt=False)
+    if _MARK not in text:
+        raise ValueError("the chat template does not place the user message verbatim: Magpie needs it")
+    prefix = text[: text.index(_MARK)]
+    return list(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+
+
+def keep_magpie(text: str, *, min_chars: int = 20, max_chars: int = 600) -> bool:
+    """Length, language (mostly ASCII, some common English words) and shape filters for a synthesised prompt."""
+    text = text.strip()
+    if not min_chars <= len(text) <= max_chars:
+        return False
+    if sum(ch.isascii() for ch in text) < 0.97 * len(text):
+        return False
+    words = re.findall(r"[a-zA-Z']+", text.lower())
+    if len(words) < 4 or sum(w in _COMMON for w in words) < 2:
+        return False
+    if len(set(words)) < 0.4 * len(words):  # a loop of the same few words
+        return False
+    return True
+
+
+def _dedup_key(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9]+", text.lower()))[:80]
+
+
+def synthesise_prompts(target, count: int, out: Path, *, batch_size: int = 32, seed: int = 0,
+                       max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 0.95,
+                       progress=None) -> list[TrainPrompt]:
+    """Ask the target for `count` user prompts from its own user-turn prefix (Magpie), kept in `out` (JSONL).
+
+    Batched engine, sampled; filtered by `keep_magpie` and deduplicated. Re-running tops the file
+    up to `count` (it is rewritten atomically after each round)."""
+    from ..acceptance import ExactRule
+    from ..engine import Engine, NoRowsDrafter, Request
+    from ..models.runner import ModelRunner
+    from ..sampling import SamplingConfig
+
+    kept = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
+    seen = {_dedup_key(r["text"]) for r in kept}
+    prefix = tuple(user_turn_prefix(target.tokenizer))
+    eos = frozenset(target.eos_token_ids)
+    attempt = len(kept) * 2  # seeds continue past earlier rounds'
+    rounds = 0
+    while len(kept) < count:
+        runner = ModelRunner(target.model, vocab_size=target.vocab_size, rows=0)
+        engine = Engine(runner, NoRowsDrafter(target.vocab_size, runner.device), ExactRule(), gamma=0,
+                        max_batch_size=batch_size, method="ar", stream_text=False)
+        want = min(4 * batch_size, 2 * (count - len(kept)) + 8)
+        for _ in range(want):
+            engine.submit(Request(prompt_ids=prefix, sampling=SamplingConfig(temperature=temperature, top_p=top_p),
+                                  max_new_tokens=max_new_tokens, eos_token_ids=eos, seed=seed * 1_000_003 + attempt))
+            attempt += 1
+        results = engine.run()
+        for result in results.values():
+            if result.finish_reason == "length":  # cut mid-sentence
+                continue
+            text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True).strip()
+            key = _dedup_key(text)
+            if keep_magpie(text) and key not in seen and len(kept) < count:
+                seen.add(key)
+                kept.append({"uid": f"magpie-{len(kept)}", "text": text})
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, out)
+        rounds += 1
+        if progress:
+            progress(len(kept))
+        if rounds > 50 and len(kept) < count * rounds / 100:
+            raise RuntimeError(f"Magpie keeps too few prompts ({len(kept)} after {rounds} rounds): check the filters")
+    return [TrainPrompt(r["uid"], "magpie", "magpie", r["text"]) for r in kept[:count]]

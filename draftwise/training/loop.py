@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -54,8 +55,10 @@ def train_loop(
     seed: int,
     progress: Callable[[int, dict], None] | None = None,
     stop_at: int | None = None,
+    deadline: float | None = None,
 ) -> int:
-    """Run (or resume) training to `total_steps` (or `stop_at`); returns the step reached.
+    """Run (or resume) training to `total_steps` (or `stop_at`, or until `time.monotonic()` passes
+    `deadline`: a chunk of a longer schedule); returns the step reached.
 
     step_fn(indices) -> (loss, stats) for a batch of example indices. The checkpoint holds
     model, optimizer, step and the data-order generator; it is refused if `config` differs.
@@ -94,6 +97,8 @@ def train_loop(
             step += 1
             if progress:
                 progress(step, stats)
+            if deadline is not None and time.monotonic() > deadline:
+                stop["requested"] = True
             if step % checkpoint_every == 0 or step == end or stop["requested"]:
                 atomic_save({"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "step": step, "order_rng": order_rng.getstate()}, checkpoint)

@@ -1,0 +1,308 @@
+"""An EAGLE-3-style draft head (Li et al. 2025), laid out as vLLM's and SGLang's `llama_eagle3` load it.
+
+Inputs: the target's hidden states entering a low, a middle and a high decoder layer
+(`feature_layers`, by default (2, L // 2, L - 3) as vLLM and SGLang pick them), fused
+by `fc` (3H -> H, no bias). One decoder layer (`midlayer`) reads the concatenation of
+its normed token embedding and its normed hidden input (2H wide into q, k and v); its
+residual stream carries the hidden input. The layer's pre-norm output is both the next
+drafting step's hidden input and, through `norm` and the head's own `lm_head` over a
+reduced draft vocabulary, the next token's distribution:
+
+    step 0 at position i:  x = fc([f_low, f_mid, f_high](i)),  token t_{i+1}  ->  scores t_{i+2}
+    step k at position i:  x = pre-norm output of step k - 1,  token t_{i+1+k} -> scores t_{i+2+k}
+
+The token embedding is the target's (shared, never stored). Tokens outside the draft
+vocabulary get probability zero, so speculative sampling with the head stays exact.
+
+The head plugs into the same drafters as the EAGLE-1 head (`eagle.EagleDrafter`,
+`eagle_rows.EagleRowsDrafter`) through four members: `feature_layers`, `feature_size`,
+`step_input(x, tokens)` and `body` (a module the drafters run like a base model, with
+the engine's position-indexed KV cache or a transformers DynamicCache).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .eagle import DraftHead
+from .errors import DraftwiseError
+
+CONFIG_FILE = "eagle3.json"
+WEIGHTS_FILE = "eagle3.safetensors"
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_vocab_size: int
+    feature_layers: tuple[int, ...]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    target: str = ""  # registry name or path of the target it was trained for
+    dynamic: dict = field(default_factory=dict)  # confidence-based draft length: {"threshold": p, "max": k}
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (Llama's): x [B, heads, T, d], positions [B, T]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [d/2]
+    angles = positions.to(torch.float32)[..., None] * inv  # [B, T, d/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, d]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Eagle3Body(nn.Module):
+    """The decoder layer, runnable by `ModelRunner.forward_states` (engine rows) or with a DynamicCache.
+
+    Its "embeds" are [B, T, 2H]: the token embedding then the hidden input. Returns the
+    layer's pre-norm output as `last_hidden_state` [B, T, H]."""
+
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+
+        self.c = c
+        self.midlayer = _MidLayer(c)
+        # what ModelRunner reads from a model's config (a Llama layer with one KV layer)
+        self.config = LlamaConfig(
+            vocab_size=1, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=1,
+            num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+            max_position_embeddings=c.max_position_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        self.config._attn_implementation = "sdpa"
+
+    @property
+    def base_model(self) -> "Eagle3Body":
+        return self
+
+    def get_output_embeddings(self) -> None:
+        return None
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H] (embedding, hidden) -> q [B, heads, T, d], k and v [B, kv_heads, T, d], RoPE applied."""
+        c, layer = self.c, self.midlayer
+        h = c.hidden_size
+        x = torch.cat([layer.input_layernorm(x[..., :h]), layer.hidden_norm(x[..., h:])], dim=-1)
+        B, T, _ = x.shape
+        attn = layer.self_attn
+        q = attn.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v
+
+    def finish(self, hidden_in: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """hidden_in [B, T, H], attended [B, heads, T, d] -> the layer's pre-norm output [B, T, H]."""
+        B, _, T, _ = attended.shape
+        layer = self.midlayer
+        r = hidden_in + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
+        return r + layer.mlp(layer.post_attention_layernorm(r))
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,
+                **_: object) -> SimpleNamespace:
+        B, T, _ = inputs_embeds.shape
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None].expand(B, -1)
+        q, k, v = self.qkv(inputs_embeds, position_ids)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, 0)
+        if attention_mask is None:
+            if hasattr(past_key_values, "attention_mask"):  # draftwise's PositionCache: masks by true positions
+                attention_mask = past_key_values.attention_mask(position_ids, q.dtype, additive=False)
+            else:
+                keys = torch.arange(k.shape[2], device=q.device)
+                attention_mask = (keys[None, :] <= position_ids[0, :, None])[None, None]  # [1, 1, T, S]
+        groups = self.c.num_heads // self.c.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        hidden_in = inputs_embeds[..., self.c.hidden_size:]
+        return SimpleNamespace(last_hidden_state=self.finish(hidden_in, attended))
+
+
+class Eagle3Head(DraftHead):
+    def __init__(self, config: Eagle3Config, vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        if len(config.feature_layers) != 3:
+            raise DraftwiseError(f"an EAGLE-3 head fuses 3 target layers, got {config.feature_layers}")
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.body = Eagle3Body(config)
+        self.norm = _RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, int(vocab_ids.shape[0]), bias=False)
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [draft_vocab] target token ids
+        self._shared: dict[str, object] = {}  # the target's embedding: shared, kept out of the state dict
+
+    # ---- the drafters' interface (shared with eagle.EagleHead) ----
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.config.feature_layers
+
+    @property
+    def feature_size(self) -> int:
+        return 3 * self.config.hidden_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.vocab_ids.shape[0])
+
+    def take_features(self, runner_hidden: torch.Tensor) -> torch.Tensor:
+        """The runner's states with `feature_layers` set ([..., 4H]) -> the fused layers' part [..., 3H]."""
+        return runner_hidden[..., : self.feature_size]
+
+    def attach(self, target_model) -> "Eagle3Head":
+        if self._shared.get("target") is target_model:
+            return self
+        hidden = target_model.config.hidden_size
+        vocab = target_model.get_output_embeddings().weight.shape[0]
+        layers = target_model.config.num_hidden_layers
+        if hidden != self.config.hidden_size or vocab != self.config.target_vocab_size or \
+                max(self.config.feature_layers) >= layers:
+            raise DraftwiseError(
+                f"this EAGLE-3 head was trained for a target with hidden size {self.config.hidden_size}, vocabulary "
+                f"{self.config.target_vocab_size} and layers {list(self.config.feature_layers)} "
+                f"({self.config.target or 'unknown'}); the target has {hidden}, {vocab} and {layers} layers")
+        self._shared["target"] = target_model
+        self._shared["embed"] = target_model.get_input_embeddings()
+        return self
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if "embed" not in self._shared:
+            raise DraftwiseError("EAGLE-3 head used before attach(target_model)")
+        return self._shared["embed"](tokens).to(self.fc.weight.dtype)
+
+    def step_input(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """x: target features [..., 3H] (fused by fc) or the previous step's output [..., H]; tokens [...]
+        -> the body's input [..., 2H]."""
+        x = x.to(self.fc.weight.dtype)
+        hidden = self.fc(x) if x.shape[-1] == self.feature_size else x
+        return torch.cat([self.embed(tokens), hidden], dim=-1)
+
+    def forward(self, x: torch.Tensor, next_tokens: torch.Tensor, *, cache=None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, 3H or H], [B, T] -> pre-norm outputs [B, T, H] (the next step's input)."""
+        return self.body(self.step_input(x, next_tokens), past_key_values=cache,
+                         attention_mask=attention_mask).last_hidden_state
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """[..., H] pre-norm outputs -> [..., draft_vocab]."""
+        return self.lm_head(self.norm(predicted))
+
+    # ---- files ----
+
+    def save(self, directory: str | Path, *, dtype: torch.dtype = torch.float16) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
+        tmp = directory / (WEIGHTS_FILE + ".tmp")
+        save_file(state, str(tmp))
+        tmp.replace(directory / WEIGHTS_FILE)
+        tmp = directory / (CONFIG_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self.config), indent=2))
+        tmp.replace(directory / CONFIG_FILE)
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Eagle3Head":
+        directory = Path(directory)
+        try:
+            config = Eagle3Config(**json.loads((directory / CONFIG_FILE).read_text()))
+            state = load_file(str(directory / WEIGHTS_FILE))
+        except (OSError, ValueError, TypeError) as e:
+            raise DraftwiseError(f"{directory}: not a readable EAGLE-3 head ({type(e).__name__}: {e})") from None
+        head = cls(config, state["vocab_ids"])
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        return head.eval()
+
+    @classmethod
+    def new(cls, target_model, *, vocab_ids: torch.Tensor, intermediate_size: int, target_name: str = "",
+            feature_layers: tuple[int, ...] | None = None) -> "Eagle3Head":
+        """A fresh head for `target_model`, its lm_head initialised from the target's rows of the draft vocabulary."""
+        from .training.shards import eagle3_layers
+
+        tc = target_model.config
+        heads = tc.num_attention_heads
+        config = Eagle3Config(
+            hidden_size=tc.hidden_size, num_heads=heads, num_kv_heads=getattr(tc, "num_key_value_heads", heads),
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads, intermediate_size=intermediate_size,
+            target_vocab_size=int(target_model.get_output_embeddings().weight.shape[0]),
+            feature_layers=tuple(feature_layers or eagle3_layers(tc.num_hidden_layers)),
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
+            rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", None)
+                             or getattr(tc, "rope_theta", 10000.0)),
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)), target=target_name)
+        head = cls(config, vocab_ids)
+        with torch.no_grad():
+            weight = target_model.get_output_embeddings().weight.detach().float()
+            head.lm_head.weight.copy_(weight[vocab_ids])
+            norm = getattr(target_model.base_model, "norm", None)
+            if norm is not None and getattr(norm, "weight", None) is not None:
+                head.norm.weight.copy_(norm.weight.detach().float())
+        return head.attach(target_model)
+
+
+def is_eagle3_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+

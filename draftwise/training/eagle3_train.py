@@ -1,0 +1,251 @@
+"""`draftwise distill --kind eagle3`: train an EAGLE-3-style head with the training-time test.
+
+Data: feature shards from `draftwise train-data --features` (the target's layer inputs and
+final normed states, captured while it generated its own answers). Nothing runs the target
+here: its distribution at a position is its LM head (restricted to the draft vocabulary)
+applied to the stored final state.
+
+Training-time test (EAGLE-3): the head is unrolled for `ttt_steps` steps. Step 0 reads the
+fused target features; step k reads the head's own output of step k - 1 at the same
+position, with the true token k places later, and predicts the token after it. Its query
+attends to the step-0 keys of every earlier position and to the keys the same position got
+at steps 1..k, which is what a drafting step sees at inference (the true prefix, then its
+own drafted positions). Step k's loss (soft cross-entropy to the target's distribution over
+the draft vocabulary, on answer tokens only) is weighted `decay ** k`.
+
+Checkpoints are atomic; re-running the same command resumes. `--minutes` trains one chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..eagle3 import Eagle3Head
+from ..errors import DraftwiseError
+from .loop import cosine_lr, train_loop
+from .shards import eagle3_layers, read_shards
+
+
+@dataclass(frozen=True)
+class Eagle3TrainConfig:
+    data: str  # a directory of feature shards (comma-separated for several)
+    out: str
+    target_name: str = ""
+    draft_vocab: int = 8192
+    intermediate_size: int = 1536
+    max_len: int = 640
+    batch_size: int = 8
+    steps: int = 2000
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    ttt_steps: int = 5
+    decay: float = 0.8
+    seed: int = 0
+    checkpoint_every: int = 50
+    val_fraction: float = 0.03
+    max_examples: int = 0  # 0: every sequence in the shards
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # [T] int64
+    features: torch.Tensor  # [T, 4H] fp16
+    answer_start: int
+    category: str
+
+
+def load_examples(data: str, layers, max_len: int, limit: int = 0) -> list[Example]:
+    out: list[Example] = []
+    for directory in [d for d in data.split(",") if d]:
+        for s in read_shards(directory, layers=layers):
+            T = min(int(s.tokens.shape[0]), max_len)
+            if T - s.answer_start < 2:  # fewer than two answer tokens inside the window: nothing to learn
+                continue
+            out.append(Example(s.tokens[:T].clone(), s.features[:T].clone(), s.answer_start, s.category))
+            if limit and len(out) >= limit:
+                return out
+    if not out:
+        raise DraftwiseError(f"no usable sequence in {data}")
+    return out
+
+
+def draft_vocabulary(examples: list[Example], size: int, always: set[int], vocab: int) -> torch.Tensor:
+    """The `size` tokens the target emits most often in its answers (plus `always`), sorted by id."""
+    counts: Counter[int] = Counter()
+    for e in examples:
+        counts.update(e.tokens[e.answer_start:].tolist())
+    chosen = {t for t in always if t < vocab}
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    for token in range(vocab):  # fewer distinct answer tokens than `size`: fill with low ids
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
+    inside = torch.zeros(int(vocab_ids.max()) + 1 if len(vocab_ids) else 1, dtype=torch.bool)
+    inside[vocab_ids] = True
+    hit = total = 0
+    for e in examples:
+        answer = e.tokens[e.answer_start:]
+        ok = answer < inside.shape[0]
+        hit += int(inside[answer[ok]].sum())
+        total += int(answer.shape[0])
+    return hit / max(total, 1)
+
+
+def _batch(examples: list[Example], steps: int, hidden: int) -> dict[str, torch.Tensor]:
+    """Pad a batch to W = longest - 1 head positions; per step k the token, target state and validity."""
+    W = max(int(e.tokens.shape[0]) for e in examples) - 1
+    B = len(examples)
+    aux = torch.zeros(B, W, 3 * hidden)
+    final = torch.zeros(B, W + steps, hidden)  # final normed state at sequence position i + 1 (+ k)
+    tokens = torch.zeros(B, W + steps, dtype=torch.long)  # token at sequence position i + 1 (+ k)
+    valid = torch.zeros(B, W + steps, dtype=torch.bool)  # whether the token scored from there is an answer token
+    for b, e in enumerate(examples):
+        T = int(e.tokens.shape[0])
+        feats = e.features.float()
+        aux[b, : T - 1] = feats[: T - 1, : 3 * hidden]
+        # shifted by one: entry j <-> sequence position j + 1
+        final[b, : T - 2] = feats[1 : T - 1, 3 * hidden :]  # position T - 1 has no features
+        tokens[b, : T - 1] = e.tokens[1:T]
+        # entry j scores the token at position j + 2: an answer token, and a final state exists at j + 1
+        j = torch.arange(T - 2)
+        valid[b, : T - 2] = (j + 2) >= e.answer_start
+    return {"aux": aux, "final": final, "tokens": tokens, "valid": valid}
+
+
+def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """Unroll the head `steps` times over a batch: per step, draft-vocabulary logits [B, W, Vd]."""
+    body = head.body
+    c = head.config
+    aux, tokens = batch["aux"], batch["tokens"]
+    B, W, _ = aux.shape
+    positions = torch.arange(W)[None].expand(B, -1)
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    groups = c.num_heads // c.num_kv_heads
+    scale = c.head_dim ** -0.5
+    hidden_in = head.fc(aux.to(head.fc.weight.dtype))  # [B, W, H]
+    keys, values = [], []  # per step, [B, heads, W, d] (kv heads repeated)
+    out = []
+    for k in range(steps):
+        x = torch.cat([head.embed(tokens[:, k : k + W]), hidden_in], dim=-1)
+        q, kk, vv = body.qkv(x, positions + k)  # step k of position i drafts at sequence position i + k
+        keys.append(kk.repeat_interleave(groups, dim=1))
+        values.append(vv.repeat_interleave(groups, dim=1))
+        scores = (q @ keys[0].transpose(-1, -2)) * scale  # [B, heads, W, W]: the true prefix, causal
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [((q * keys[j]).sum(-1) * scale)[..., None] for j in range(1, k + 1)]  # own earlier steps
+        p = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+        attended = p[..., :W] @ values[0]
+        for j in range(1, k + 1):
+            attended = attended + p[..., W + j - 1 : W + j] * values[j]
+        pre = body.finish(hidden_in, attended)  # [B, W, H]
+        out.append(head.logits(pre))
+        hidden_in = pre
+    return out
+
+
+def ttt_losses(head: Eagle3Head, target_rows: torch.Tensor, batch: dict[str, torch.Tensor], steps: int,
+               decay: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted training-time-test loss over a batch, and per-step loss and top-1 agreement."""
+    final, valid = batch["final"], batch["valid"]
+    W = batch["aux"].shape[1]
+    total = torch.zeros(())
+    stats: dict[str, float] = {}
+    for k, logits in enumerate(ttt_forward(head, batch, steps)):
+        with torch.no_grad():
+            teacher_logits = final[:, k : k + W] @ target_rows.T  # [B, W, Vd]
+            teacher = torch.softmax(teacher_logits, dim=-1)
+        mask = valid[:, k : k + W].float()
+        denom = mask.sum().clamp(min=1)
+        loss = (-(teacher * F.log_softmax(logits, dim=-1)).sum(-1) * mask).sum() / denom
+        total = total + (decay ** k) * loss
+        with torch.no_grad():
+            agree = (logits.argmax(-1) == teacher_logits.argmax(-1)).float()
+            stats[f"acc{k}"] = float((agree * mask).sum() / denom)
+            stats[f"loss{k}"] = float(loss)
+    stats["loss"] = float(total.detach())
+    return total, stats
+
+
+def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minutes: float | None = None,
+                 progress: Callable[[int, dict], None] | None = None, stop_at: int | None = None,
+                 feature_layers: tuple[int, ...] | None = None) -> dict:
+    """Train (or resume) a head on `target` (the model) from feature shards; writes OUT/head and its report."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    layers = tuple(feature_layers or eagle3_layers(target.config.num_hidden_layers))
+    examples = load_examples(config.data, layers, config.max_len, config.max_examples)
+    rng = random.Random(config.seed)
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    n_val = max(1, int(len(order) * config.val_fraction)) if len(order) > 1 else 0
+    val = [examples[i] for i in order[:n_val]]
+    train = [examples[i] for i in order[n_val:]]
+    vocab_path = out / "vocab_ids.json"  # fixed at the first chunk, so resumed chunks keep the same head shape
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    if vocab_path.exists():
+        vocab_ids = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long)
+    else:
+        vocab_ids = draft_vocabulary(train, config.draft_vocab, eos_ids, vocab)
+        tmp = vocab_path.with_name(vocab_path.name + ".tmp")
+        tmp.write_text(json.dumps(vocab_ids.tolist()))
+        tmp.replace(vocab_path)
+    head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=config.intermediate_size,
+                          target_name=config.target_name, feature_layers=layers)
+    target_rows = target.get_output_embeddings().weight.detach().float()[vocab_ids]  # [Vd, H]
+    hidden = head.config.hidden_size
+    params = [p for n, p in head.named_parameters()]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+
+    def step_fn(picked: list[int]):
+        return ttt_losses(head, target_rows, _batch([train[i] for i in picked], config.ttt_steps, hidden),
+                          config.ttt_steps, config.decay)
+
+    started = time.perf_counter()
+    deadline = time.monotonic() + minutes * 60 if minutes else None
+    step = train_loop(
+        model=head, optimizer=optimizer, num_examples=len(train), batch_size=config.batch_size,
+        total_steps=config.steps, lr=lambda s: cosine_lr(s, peak=config.lr, warmup=config.warmup, total=config.steps),
+        step_fn=step_fn, checkpoint=out / "checkpoint.pt", checkpoint_every=config.checkpoint_every,
+        config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at, deadline=deadline,
+    )
+    head.eval()
+    validation = evaluate(head, target_rows, val, config)
+    report = {"steps": step, "finished": step >= config.steps, "train_examples": len(train),
+              "val_examples": len(val), "train_answer_tokens": sum(int(e.tokens.shape[0]) - e.answer_start for e in train),
+              "draft_vocab_coverage": coverage(val or train, vocab_ids),
+              "train_seconds_this_chunk": time.perf_counter() - started, "validation": validation}
+    head.save(out / "head")
+    tmp = out / "distill-report.json.tmp"
+    tmp.write_text(json.dumps({"config": asdict(config), **report}, indent=2))
+    tmp.replace(out / "distill-report.json")
+    return report
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, target_rows: torch.Tensor, val: list[Example], config: Eagle3TrainConfig) -> dict:
+    sums: Counter[str] = Counter()
+    batches = 0
+    for i in range(0, len(val), config.batch_size):
+        _, stats = ttt_losses(head, target_rows, _batch(val[i : i + config.batch_size], config.ttt_steps,
+                                                        head.config.hidden_size), config.ttt_steps, config.decay)
+        sums.update(stats)
+        batches += 1
+    return {k: v / max(batches, 1) for k, v in sums.items()}

@@ -1,0 +1,266 @@
+"""The EAGLE-3-style head: feature capture during generation, training-time test, drafting against cache-free
+rollouts, exactness at T=0, and resumable data and training."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import draftwise
+from conftest import tiny_llama, tiny_tokenizer
+from draftwise.eagle3 import Eagle3Head
+from draftwise.engine import Request
+from draftwise.errors import DraftwiseError
+from draftwise.models.loading import LoadedModel
+from draftwise.models.runner import ModelRunner
+from draftwise.sampling import SamplingConfig, make_generator
+
+LAYERS = (0, 2, 3)
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def _target(seed: int = 0, vocab: int = 64):
+    return tiny_llama(seed, layers=4, width=32, vocab=vocab)
+
+
+def _head(target, vocab_ids, *, scale: float = 3.0, seed: int = 3) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=48, feature_layers=LAYERS)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.3 * torch.randn_like(p)).mul_(scale)  # sharp, and unlike the target
+    return head.eval()
+
+
+def _features(target, seq) -> torch.Tensor:
+    """Cache-free: the inputs of LAYERS and the final normed state, [len(seq), 4H]."""
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i][0] for i in LAYERS] + [hs[-1][0]], dim=-1)
+
+
+def _rollout(head, target, seq, limit):
+    """Greedy drafts with no cache at all: the true prefix's features, then the head's own outputs."""
+    aux = list(_features(target, seq)[: len(seq) - 1, : head.feature_size])
+    tokens = list(seq[1:])
+    out = []
+    with torch.no_grad():
+        fused = head.fc(torch.stack(aux))  # [n, H]
+        states = list(fused)
+        for _ in range(limit):
+            x = torch.cat([head.embed(torch.tensor([tokens])), torch.stack(states)[None]], dim=-1)
+            pre = head.body(x).last_hidden_state[0, -1]
+            token = int(head.vocab_ids[head.logits(pre).argmax()])
+            out.append(token)
+            states.append(pre)
+            tokens.append(token)
+    return out
+
+
+def test_runner_returns_the_chosen_layers_inputs_padded_and_packed():
+    target = _target()
+    ids = torch.randint(0, 64, (3, 9))
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+    for packing in (False, True):
+        runner = ModelRunner(target, rows=0)
+        runner.packing = packing
+        runner.feature_layers = LAYERS
+        states = runner.forward_rows(ids, [9, 4, 6], hidden=True).hidden
+        for row, n in enumerate([9, 4, 6]):
+            expected = torch.cat([hs[i][row, :n] for i in LAYERS] + [hs[-1][row, :n]], dim=-1)
+            torch.testing.assert_close(states[row, :n], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_training_time_test_equals_a_cache_free_rollout_with_teacher_tokens():
+    """Step k of the unrolled training forward at position i = the head run without cache on the true prefix to i,
+    then k steps on its own outputs with the true tokens: what drafting sees when the earlier drafts were right."""
+    from draftwise.training.eagle3_train import Example, _batch, ttt_forward
+
+    target = _target()
+    head = _head(target, torch.arange(64))
+    seq = [random.Random(1).randrange(64) for _ in range(14)]
+    feats = _features(target, seq)
+    feats[-1] = 0  # the shards' layout: the last token was never fed
+    batch = _batch([Example(torch.tensor(seq), feats.half().float(), 4, "x")], 3, 32)
+    batch["aux"] = _features(target, seq)[:-1, : head.feature_size][None]  # full precision for the comparison
+    with torch.no_grad():
+        logits = ttt_forward(head, batch, 3)
+    aux = _features(target, seq)[:, : head.feature_size]
+    for i in (0, 5, 9):
+        for k in range(3):
+            if i + 1 + k > len(seq) - 1:
+                continue
+            with torch.no_grad():
+                states = list(head.fc(aux[: i + 1]))
+                tokens = seq[1 : i + 2]
+                pre = None
+                for step in range(k + 1):
+                    x = torch.cat([head.embed(torch.tensor([tokens])), torch.stack(states)[None]], dim=-1)
+                    pre = head.body(x).last_hidden_state[0, -1]
+                    states.append(pre)
+                    tokens = tokens + [seq[i + 2 + step]] if i + 2 + step < len(seq) else tokens
+                torch.testing.assert_close(logits[k][0, i], head.logits(pre), atol=1e-4, rtol=1e-4)
+
+
+def test_row_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_acceptance():
+    from draftwise.eagle_rows import EagleRowsDrafter
+
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 2))  # a reduced draft vocabulary
+    drafter = EagleRowsDrafter(head, 64, torch.device("cpu"))
+
+    class Row:
+        def __init__(self, sequence):
+            self.sequence = sequence
+            self.request = Request(tuple(sequence), GREEDY)
+            self.generator = make_generator(0)
+
+    rng = random.Random(2)
+    rows = [Row([rng.randrange(64) for _ in range(n)]) for n in (3, 7, 5)]
+    for b, row in enumerate(rows):
+        drafter.admit(b, row.sequence)
+        drafter.observe(b, 0, _features(target, row.sequence)[: len(row.sequence) - 1])
+    for _ in range(6):
+        limits = [rng.randint(1, 4) for _ in rows]
+        proposal = drafter.propose(rows, limits)
+        for b, row in enumerate(rows):
+            drafted = proposal.tokens[b, : proposal.counts[b]].tolist()
+            assert drafted == _rollout(head, target, row.sequence, limits[b]), b
+            fed = row.sequence + drafted
+            drafter.observe(b, len(row.sequence) - 1, _features(target, fed)[len(row.sequence) - 1 :])
+            keep = rng.randint(0, len(drafted))
+            row.sequence += drafted[:keep] + [rng.randrange(64)]
+            drafter.rewind(b, len(row.sequence) - 1)
+
+
+def test_batch1_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_acceptance():
+    from draftwise.eagle import EagleDrafter
+
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 3))
+    drafter = EagleDrafter(head, GREEDY, 64, torch.device("cpu"))
+    rng = random.Random(4)
+    seq = [rng.randrange(64) for _ in range(6)]
+    drafter.observe(_features(target, seq)[: len(seq) - 1])
+    for _ in range(6):
+        limit = rng.randint(1, 4)
+        drafted = drafter.propose(seq, limit, make_generator(0)).tokens.tolist()
+        assert drafted == _rollout(head, target, seq, limit)
+        drafter.observe(_features(target, seq + drafted)[len(seq) - 1 :])
+        keep = rng.randint(0, len(drafted))
+        seq = seq + drafted[:keep] + [rng.randrange(64)]
+        drafter.rewind(len(seq) - 1)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_sd_with_eagle3_head_equals_ar_token_for_token_at_t0(batched):
+    target = _target()
+    head = _head(target, torch.arange(64), scale=1.0)
+    prompts = [[1, 2, 3], [5, 9, 11, 20, 7], [33]]
+    kwargs = dict(method="sd", temperature=0, max_new_tokens=24, gamma=4, ignore_eos=True)
+    if batched:
+        kwargs["max_batch_size"] = 3
+    ar = draftwise.generate(target, prompts if batched else prompts[1], method="ar", temperature=0,
+                            max_new_tokens=24, ignore_eos=True, **({"max_batch_size": 3} if batched else {}))
+    sd = draftwise.generate(target, prompts if batched else prompts[1], draft=head, **kwargs)
+    ar, sd = (ar, sd) if batched else ([ar], [sd])
+    for a, s in zip(ar, sd):
+        assert s.token_ids == a.token_ids
+    assert sum(s.stats["drafted"] for s in sd) > 0
+
+
+def test_eagle3_head_saves_loads_and_refuses_another_target(tmp_path):
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 2))
+    head.save(tmp_path / "h32", dtype=torch.float32)
+    back = Eagle3Head.load(tmp_path / "h32").attach(target)
+    x = torch.randn(1, 5, head.feature_size)
+    t = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(back.logits(back(x, t)), head.logits(head(x, t)))
+    head.save(tmp_path / "h")  # fp16 by default: half the bytes
+    assert (tmp_path / "h" / "eagle3.safetensors").stat().st_size < 0.6 * (tmp_path / "h32" / "eagle3.safetensors").stat().st_size
+    other = tiny_llama(0, layers=4, width=48, vocab=64)
+    with pytest.raises(DraftwiseError, match="trained for a target"):
+        Eagle3Head.load(tmp_path / "h").attach(other)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "eagle3.json").write_text("{not json")
+    with pytest.raises(DraftwiseError, match="not a readable EAGLE-3 head"):
+        Eagle3Head.load(tmp_path / "bad")
+
+
+# ---------------------------------------------------------------- data with online feature capture
+
+
+class _Prompt:
+    def __init__(self, uid, text):
+        self.uid, self.source, self.category, self.text = uid, "test", "writing", text
+
+
+def _loaded(target):
+    tok = tiny_tokenizer(64)
+    return LoadedModel(target, tok, "tiny", frozenset({tok.eos_token_id}))
+
+
+def test_generate_shards_captures_the_features_a_cache_free_forward_gives_and_resumes(tmp_path):
+    from draftwise.training.shards import generate_shards, read_shards, shard_paths
+
+    target = _target()
+    loaded = _loaded(target)
+    encode = lambda text: loaded.tokenizer(text)["input_ids"]  # noqa: E731
+    prompts = [_Prompt(f"p{i}", t) for i, t in enumerate(
+        ["the cat sat", "a small draft model", "once upon a time there", "the target verifies", "speculative",
+         "the dog sat on the log and"])]
+    out = tmp_path / "shards"
+    first = generate_shards(loaded, prompts[:4], out, max_new_tokens=9, batch_size=3, temperature=0.0, tag="greedy",
+                            shard_size=2, layers=LAYERS, encode=encode)
+    assert first["sequences"] == 4 and len(shard_paths(out)) == 2
+    (out / "shard-00009.safetensors.tmp").write_bytes(b"half a shard")  # an interrupted write is ignored
+    second = generate_shards(loaded, prompts, out, max_new_tokens=9, batch_size=3, temperature=0.0, tag="greedy",
+                             shard_size=2, layers=LAYERS, encode=encode)
+    assert second["sequences"] == 2 and second["skipped"] == 4
+    seen = []
+    for s in read_shards(out, layers=LAYERS):
+        seen.append(s.uid)
+        seq = s.tokens.tolist()
+        expected = _features(target, seq)
+        assert s.features.shape == expected.shape
+        torch.testing.assert_close(s.features[:-1].float(), expected[:-1], atol=2e-2, rtol=1e-2)
+        assert float(s.features[-1].abs().sum()) == 0.0
+        # greedy answers: the target's argmax at each answer position's predecessor
+        logits = target.lm_head(expected[s.answer_start - 1 : -1, -32:])
+        assert logits.argmax(-1).tolist() == seq[s.answer_start :]
+    assert sorted(seen) == sorted(p.uid for p in prompts)
+    with pytest.raises(DraftwiseError, match="layers"):
+        next(read_shards(out, layers=(1, 2, 3)))
+
+
+def test_eagle3_training_lowers_the_loss_resumes_and_drafts_exactly(tmp_path):
+    from draftwise.training.eagle3_train import Eagle3TrainConfig, train_eagle3
+    from draftwise.training.shards import generate_shards
+
+    target = _target(vocab=64)
+    loaded = _loaded(target)
+    encode = lambda text: loaded.tokenizer(text)["input_ids"]  # noqa: E731
+    words = "the cat sat on the mat and the dog sat on the log once upon a time".split()
+    rng = random.Random(0)
+    prompts = [_Prompt(f"p{i}", " ".join(rng.choice(words) for _ in range(4))) for i in range(24)]
+    generate_shards(loaded, prompts, tmp_path / "d", max_new_tokens=16, batch_size=8, temperature=0.0, tag="greedy",
+                    shard_size=8, layers=LAYERS, encode=encode)
+    cfg = Eagle3TrainConfig(data=str(tmp_path / "d"), out=str(tmp_path / "h"), draft_vocab=40, intermediate_size=48,
+                            batch_size=4, steps=40, lr=3e-3, warmup=4, ttt_steps=3, checkpoint_every=10,
+                            val_fraction=0.2)
+    first = train_eagle3(cfg, target, eos_ids={loaded.tokenizer.eos_token_id}, stop_at=1, feature_layers=LAYERS)
+    assert first["steps"] == 1 and not first["finished"]
+    resumed = train_eagle3(cfg, target, eos_ids={loaded.tokenizer.eos_token_id}, feature_layers=LAYERS)
+    assert resumed["steps"] == 40 and resumed["finished"]
+    assert resumed["validation"]["loss"] < first["validation"]["loss"]
+    head = Eagle3Head.load(tmp_path / "h" / "head").attach(target)
+    prompt = encode("the cat sat on")
+    ar = draftwise.generate(target, prompt, method="ar", temperature=0, max_new_tokens=16, ignore_eos=True)
+    sd = draftwise.generate(target, prompt, draft=head, method="sd", temperature=0, max_new_tokens=16, gamma=3,
+                            ignore_eos=True)
+    assert sd.token_ids == ar.token_ids
