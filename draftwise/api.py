@@ -245,7 +245,7 @@ def batched_methods() -> list[str]:
 def _method_refuses(spec: Method, options: dict[str, Any]) -> str | None:
     """Why the batched engine cannot run this method (None when it can)."""
     if spec.loop != "speculative" or spec.drafter not in ("none", "model", "ngram", "sprinter", "stophead",
-                                                          "companion", "staged"):
+                                                          "companion", "staged", "suffix", "hybrid"):
         return f"method {spec.name!r} decodes one request at a time"
     return None
 
@@ -270,9 +270,15 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
     rule = spec.make_rule(plan.options)
     gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
     device = plan.target.device
-    if isinstance(plan.draft, DraftHead):
-        drafter: Any = EagleRowsDrafter(plan.draft, plan.vocab_size, device, eos_token_ids=plan.eos_token_ids,
-                                        policy=_policy(plan))
+    if spec.drafter == "suffix":
+        from .methods import suffix_options
+        from .suffix import SuffixRowsDrafter
+
+        drafter: Any = SuffixRowsDrafter(plan.vocab_size, device, suffix_options(plan.options),
+                                         eos_token_ids=plan.eos_token_ids)
+    elif isinstance(plan.draft, DraftHead):
+        drafter = EagleRowsDrafter(plan.draft, plan.vocab_size, device, eos_token_ids=plan.eos_token_ids,
+                                   policy=_policy(plan))
     elif spec.needs_companion:
         from .selection import CompanionRowsDrafter, StagedRowsDrafter
 
@@ -292,6 +298,13 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
                                     min_ngram=plan.options["min_ngram"], eos_token_ids=plan.eos_token_ids)
     else:
         drafter = NoRowsDrafter(plan.vocab_size, device)
+    if spec.drafter == "hybrid":
+        from .methods import suffix_options
+        from .suffix import HybridRowsDrafter, SuffixRowsDrafter
+
+        suffix = SuffixRowsDrafter(plan.vocab_size, device, suffix_options(plan.options),
+                                   eos_token_ids=plan.eos_token_ids)
+        drafter = HybridRowsDrafter(drafter, suffix, plan.options["threshold"])
     engine = Engine(target, drafter, rule, gamma=gamma, tokenizer=plan.target.tokenizer,
                     max_batch_size=max_batch_size, method=spec.name, stream_text=stream_text,
                     selector=_selector(plan, gamma))
@@ -337,7 +350,7 @@ def _generation(result: Result, spec: Method) -> Generation:
 
 
 # Methods that can draft with an EAGLE feature head (the head drafts one token distribution per step).
-EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly"})
+EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly", "hybrid"})
 
 
 def check_options(

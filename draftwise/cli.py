@@ -230,7 +230,8 @@ def _run_methods(args: argparse.Namespace) -> int:
         needs = {"model": "needs --draft", "ngram": "no draft model", "none": "target only",
                  "sprinter": "needs --draft and --verifier", "stophead": "needs --draft and --head",
                  "beam": "needs --draft", "companion": "needs --draft and --companion (registry defaults)",
-                 "staged": "needs --draft and --companion (registry defaults)"}[m.drafter]
+                 "staged": "needs --draft and --companion (registry defaults)", "suffix": "no draft model",
+                 "hybrid": "needs --draft (an EAGLE head or a draft model)"}[m.drafter]
         if m.needs_profile:
             needs += " and an SV profile (--profile; shipped for the default trio)"
         print(f"{m.name:<14} {kind}, {needs}{', temperature 0 only' if m.greedy_only else ''}")
@@ -878,6 +879,63 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init-from", default="", help="eagle: start from this EAGLE directory (fine-tuning)")
 
 
+def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
+    from .training.eagle3_train import Eagle3TrainConfig
+
+    d = Eagle3TrainConfig(data="", out="")
+    p = sub.add_parser("train-eagle3", help="train an EAGLE-3-style head (training-time test) on feature shards "
+                       "from `draftwise train-data --features`")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--data", required=True, help="shard directory (comma-separated for several)")
+    p.add_argument("--out", required=True, help="output directory; re-running resumes from its checkpoint, and the "
+                   "head is written to OUT/head")
+    for name in ("draft_vocab", "intermediate_size", "max_len", "batch_size", "steps", "warmup", "ttt_steps", "seed",
+                 "checkpoint_every", "max_examples"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    for name in ("lr", "weight_decay", "decay", "val_fraction"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
+    p.add_argument("--fp32", dest="bf16", action="store_false",
+                   help="fp32 matmuls (default: bf16 autocast with fp32 master weights)")
+    p.add_argument("--minutes", type=float, default=None, help="train one chunk of this many minutes, then checkpoint "
+                   "and export (re-run to go on)")
+    p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+
+
+def _run_train_eagle3(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+    from tqdm import tqdm
+
+    from .training.eagle3_train import Eagle3TrainConfig, train_eagle3
+
+    for name in ("draft_vocab", "intermediate_size", "max_len", "batch_size", "steps", "ttt_steps", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise DraftwiseError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = {f.name for f in dataclasses.fields(Eagle3TrainConfig)}
+    config = Eagle3TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, target_name=args.target)
+    target = load_model(args.target, dtype="fp32")
+    log_path = Path(args.out) / "train-log.jsonl"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with tqdm(total=args.steps, desc="train-eagle3", unit="step", file=sys.stderr, mininterval=10) as bar:
+        def progress(step: int, info: dict) -> None:
+            bar.n = step
+            bar.set_postfix({k: f"{v:.3f}" for k, v in info.items() if k in ("loss", "acc0", "acc1", "acc2")},
+                            refresh=False)
+            bar.refresh()
+            if step % 10 == 0:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({"step": step, **{k: round(v, 4) for k, v in info.items()}}) + "\n")
+
+        report = train_eagle3(config, target.model, eos_ids=set(target.eos_token_ids), minutes=args.minutes,
+                              progress=progress, stop_at=args.stop_at)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def _run_distill(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -931,6 +989,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_theory(sub)
     _add_train_data(sub)
     _add_distill(sub)
+    _add_train_eagle3(sub)
     _add_profile_sv(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
     models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
@@ -943,7 +1002,7 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "sweep": _run_sweep,
              "train-verifier": _run_train_verifier, "theory": _run_theory,
              "models": _run_models,
-             "train-data": _run_train_data, "distill": _run_distill, "profile-sv": _run_profile_sv}
+             "train-data": _run_train_data, "distill": _run_distill, "train-eagle3": _run_train_eagle3, "profile-sv": _run_profile_sv}
 
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:

@@ -232,7 +232,8 @@ class Eagle3Head(DraftHead):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if "embed" not in self._shared:
             raise DraftwiseError("EAGLE-3 head used before attach(target_model)")
-        return self._shared["embed"](tokens).to(self.fc.weight.dtype)
+        weight = self._shared["embed"].weight.detach()  # the target's: frozen, no gradient
+        return F.embedding(tokens, weight).to(self.fc.weight.dtype)
 
     def step_input(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x: target features [..., 3H] (fused by fc) or the previous step's output [..., H]; tokens [...]

@@ -47,7 +47,7 @@ class Method:
 
     @property
     def needs_draft(self) -> bool:
-        return self.drafter in ("model", "sprinter", "stophead", "beam", "companion", "staged")
+        return self.drafter in ("model", "sprinter", "stophead", "beam", "companion", "staged", "hybrid")
 
     @property
     def needs_companion(self) -> bool:
@@ -101,6 +101,28 @@ def _ngram_rule(options: dict[str, Any]) -> TargetRule:
 
 
 _ALPHA = Option("alpha", 0.1, float, "deviation allowed from the target (0 = exact)")
+
+_SUFFIX_OPTIONS = (
+    Option("depth", 24, int, "longest substring the suffix tries hold (longest match is depth - 1)"),
+    Option("factor", 1.0, float, "draft at most factor x the matched length (adaptive length)"),
+    Option("min_prob", 0.1, float, "stop when the speculation's running frequency product falls below this"),
+    Option("min_match", 2, int, "shortest suffix match that may draft"),
+    Option("global_tokens", 200_000, int, "tokens of earlier outputs kept for matching (0: this request only)"),
+)
+
+
+def suffix_options(options: dict[str, Any]):
+    from .suffix import SuffixOptions
+
+    return SuffixOptions(depth=options["depth"], factor=options["factor"], min_prob=options["min_prob"],
+                         global_tokens=options["global_tokens"], min_match=options["min_match"])
+
+
+def _suffix_rule(options: dict[str, Any]) -> TargetRule:
+    suffix_options(options)  # checks the values
+    if "threshold" in options and options["threshold"] < 0:
+        raise DraftwiseError(f"threshold must be >= 0, got {options['threshold']}")
+    return ExactRule()
 
 
 def _window(name: str) -> Callable[[dict[str, Any]], TargetRule]:
@@ -240,6 +262,18 @@ METHODS: dict[str, Method] = {
                 Option("min_ngram", 1, int, "shortest n-gram to match"),
             ),
             reference="Saxena 2023 (prompt lookup decoding)",
+        ),
+        Method(
+            "suffix", "suffix-tree drafting over the prompt, the output so far and earlier outputs (exact)",
+            drafter="suffix", make_rule=_suffix_rule, options=_SUFFIX_OPTIONS,
+            reference="Oliaro et al. 2024 (SuffixDecoding)",
+        ),
+        Method(
+            "hybrid", "suffix drafting where its speculation scores high, the draft (an EAGLE head) elsewhere (exact)",
+            drafter="hybrid", make_rule=_suffix_rule,
+            options=(Option("threshold", 1.0, float, "expected accepted tokens a suffix speculation needs to be used"),
+                     *_SUFFIX_OPTIONS),
+            reference="Oliaro et al. 2024 §4 (hybrid with a model drafter)",
         ),
         Method(
             "cascade", "speculative cascade: Algorithm 4 towards pi from a deferral rule (" + ", ".join(CASCADE_RULES) + ")",

@@ -102,7 +102,7 @@ def test_training_time_test_equals_a_cache_free_rollout_with_teacher_tokens():
                     pre = head.body(x).last_hidden_state[0, -1]
                     states.append(pre)
                     tokens = tokens + [seq[i + 2 + step]] if i + 2 + step < len(seq) else tokens
-                torch.testing.assert_close(logits[k][0, i], head.logits(pre), atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(head.logits(logits[k][0, i]), head.logits(pre), atol=1e-4, rtol=1e-4)
 
 
 def test_row_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_acceptance():
@@ -252,7 +252,7 @@ def test_eagle3_training_lowers_the_loss_resumes_and_drafts_exactly(tmp_path):
                     shard_size=8, layers=LAYERS, encode=encode)
     cfg = Eagle3TrainConfig(data=str(tmp_path / "d"), out=str(tmp_path / "h"), draft_vocab=40, intermediate_size=48,
                             batch_size=4, steps=40, lr=3e-3, warmup=4, ttt_steps=3, checkpoint_every=10,
-                            val_fraction=0.2)
+                            val_fraction=0.2, bf16=False)
     first = train_eagle3(cfg, target, eos_ids={loaded.tokenizer.eos_token_id}, stop_at=1, feature_layers=LAYERS)
     assert first["steps"] == 1 and not first["finished"]
     resumed = train_eagle3(cfg, target, eos_ids={loaded.tokenizer.eos_token_id}, feature_layers=LAYERS)

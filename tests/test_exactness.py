@@ -225,6 +225,9 @@ SD_CASES = [
 LOOKUP_CASES = [
     Case("prompt-lookup", 6, 3, WARPED, 3),
     Case("prompt-lookup", 12, 1, PLAIN, 2),
+    # the suffix drafter on the same repeating prompts: its first proposal is the n-gram continuation too
+    Case("suffix", 6, 3, WARPED, 3),
+    Case("suffix", 12, 1, PLAIN, 2),
 ]
 
 
@@ -269,10 +272,11 @@ class AcceptEverything:
 CONTROL_CASES = {
     "sd": Case("sd", 12, 3, PLAIN, 2),
     "prompt-lookup": Case("prompt-lookup", 12, 1, PLAIN, 2),
+    "suffix": Case("suffix", 12, 1, PLAIN, 2),
 }
 
 
-@pytest.mark.parametrize("method", ["sd", "prompt-lookup"])
+@pytest.mark.parametrize("method", ["sd", "prompt-lookup", "suffix"])
 def test_control_residual_bug_is_rejected(method: str, monkeypatch):
     """Recovering from norm(pi) instead of norm(max(0, pi - draft)) must fail the same test."""
     case = CONTROL_CASES[method]
@@ -433,3 +437,28 @@ def test_sd_with_eagle_head_reproduces_target_joint_distribution():
     p_value = pooled_chisquare(counts, expected)
     print(f"eagle: chi-square p = {p_value:.3g}")
     assert p_value > ALPHA, f"eagle: chi-square p = {p_value:.3g}"
+
+
+def test_sd_with_eagle3_head_reproduces_target_joint_distribution():
+    """sd drafting with an EAGLE-3-style head (fused layer inputs, its own reduced-vocabulary LM head: zero draft
+    probability outside 8 of 12 tokens) is exact: joint of 2 tokens, T=0.8/top-k/top-p."""
+    from draftwise.eagle3 import Eagle3Head
+
+    target, _ = target_and_draft(12)
+    torch.manual_seed(7)
+    head = Eagle3Head.new(target, vocab_ids=torch.tensor([0, 2, 3, 5, 6, 8, 9, 11]), intermediate_size=32,
+                          feature_layers=(0, 0, 0))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.2 * torch.randn_like(p))  # unlike the target
+    head.eval()
+    prompt = SD_PROMPTS[12]
+    expected = exact_joint(target, prompt, WARPED, 2)
+    counts, totals = sample_joint(N_EXACT, 2, 12, target=target, prompt=prompt, draft=head, method="sd", gamma=2,
+                                  max_new_tokens=3, temperature=WARPED.temperature, top_k=WARPED.top_k,
+                                  top_p=WARPED.top_p)
+    assert 0 < totals["accepted"] < totals["drafted"]
+    assert counts[expected == 0].sum() == 0
+    p_value = pooled_chisquare(counts, expected)
+    print(f"eagle3: chi-square p = {p_value:.3g}")
+    assert p_value > ALPHA, f"eagle3: chi-square p = {p_value:.3g}"

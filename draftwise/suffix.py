@@ -1,0 +1,305 @@
+"""Suffix drafting (SuffixDecoding, Oliaro et al. 2024) and a hybrid with a feature head.
+
+A `SuffixTrie` holds every substring (up to `depth` tokens) of some token sequences,
+each node counting how often its path occurred. To draft for a context, take the
+longest suffix of the context (at most `depth` tokens) whose node has continuations,
+then follow the most frequent child while the running product of the children's
+empirical frequencies (the speculation's score) stays above `min_prob`, for at most
+`factor` x the matched length tokens (adaptive length: longer matches earn longer
+drafts). Draft cost is a few dictionary lookups.
+
+Two tries serve each request: its own (prompt and output so far, appended as tokens
+commit) and a bounded global one (previous requests' outputs, oldest evicted first).
+The speculation with the higher expected number of accepted tokens (the sum of its
+running scores) wins. Drafts are one-hot distributions, so speculative sampling stays exact.
+
+`HybridRowsDrafter` drafts from the suffix tries for rows whose speculation scores at
+least `threshold` expected tokens, and from an EAGLE head for the others.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .errors import DraftwiseError
+
+
+@dataclass
+class _Node:
+    count: int = 0
+    children: dict[int, "_Node"] = field(default_factory=dict)
+
+
+class SuffixTrie:
+    """Counts of every substring of up to `depth` tokens of the sequences added."""
+
+    def __init__(self, depth: int = 24) -> None:
+        if depth < 1:
+            raise DraftwiseError(f"suffix depth must be >= 1, got {depth}")
+        self.depth = depth
+        self.root = _Node()
+
+    def add(self, tokens: Sequence[int], *, sign: int = 1) -> None:
+        """Add (sign=1) or remove (sign=-1) every substring of `tokens` up to `depth` long."""
+        tokens = list(tokens)
+        for start in range(len(tokens)):
+            node = self.root
+            for token in tokens[start : start + self.depth]:
+                child = node.children.get(token)
+                if child is None:
+                    if sign < 0:
+                        raise DraftwiseError("removing a sequence that was never added")
+                    child = node.children[token] = _Node()
+                child.count += sign
+                if child.count == 0:
+                    del node.children[token]
+                    break
+                node = child
+
+    def find(self, pattern: Sequence[int]) -> _Node | None:
+        node = self.root
+        for token in pattern:
+            node = node.children.get(token)
+            if node is None:
+                return None
+        return node
+
+    def speculate(self, context: Sequence[int], limit: int, *, factor: float, min_prob: float,
+                  min_match: int = 1) -> tuple[list[int], float, int]:
+        """(tokens, score, matched length): the draft from the longest matched suffix with continuations."""
+        if limit <= 0:
+            return [], 0.0, 0
+        longest = min(self.depth - 1, len(context))
+        for length in range(longest, min_match - 1, -1):
+            node = self.find(context[len(context) - length :])
+            if node is None or not node.children:
+                continue
+            budget = min(limit, max(1, int(factor * length)))
+            tokens: list[int] = []
+            score, expected = 1.0, 0.0
+            while node.children and len(tokens) < budget:
+                total = sum(child.count for child in node.children.values())
+                token, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
+                score *= child.count / total
+                if score < min_prob:
+                    break
+                tokens.append(token)
+                expected += score
+                node = child
+            return tokens, expected, length
+        return [], 0.0, 0
+
+
+class RequestSuffix:
+    """One request's trie, kept in step with its committed tokens (appending is O(depth) per token)."""
+
+    def __init__(self, depth: int) -> None:
+        self.trie = SuffixTrie(depth)
+        self.tokens: list[int] = []
+        self.prompt_length = 0
+        self._active: list[_Node] = []  # nodes of the suffixes ending at the last token (shortest first)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            active = []
+            for node in [self.trie.root, *self._active[: self.trie.depth - 1]]:
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = _Node()
+                child.count += 1
+                active.append(child)
+            self._active = active
+            self.tokens.append(token)
+
+
+class GlobalSuffix:
+    """Previous outputs, at most `max_tokens` tokens of them (the oldest are evicted first)."""
+
+    def __init__(self, depth: int, max_tokens: int) -> None:
+        self.trie = SuffixTrie(depth)
+        self.max_tokens = max_tokens
+        self.held: deque[list[int]] = deque()
+        self.size = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)[-self.max_tokens :] if self.max_tokens else []
+        if not tokens:
+            return
+        self.trie.add(tokens)
+        self.held.append(tokens)
+        self.size += len(tokens)
+        while self.size > self.max_tokens:
+            old = self.held.popleft()
+            self.trie.add(old, sign=-1)
+            self.size -= len(old)
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    depth: int = 24
+    factor: float = 1.0
+    min_prob: float = 0.1
+    global_tokens: int = 200_000
+    min_match: int = 2
+
+    def __post_init__(self) -> None:
+        if self.depth < 2:
+            raise DraftwiseError(f"suffix depth must be >= 2, got {self.depth}")
+        if not self.factor > 0:
+            raise DraftwiseError(f"suffix factor must be > 0, got {self.factor}")
+        if not 0 <= self.min_prob < 1:
+            raise DraftwiseError(f"suffix min_prob must be in [0, 1), got {self.min_prob}")
+        if self.global_tokens < 0:
+            raise DraftwiseError(f"suffix global_tokens must be >= 0, got {self.global_tokens}")
+        if not 1 <= self.min_match < self.depth:
+            raise DraftwiseError(f"suffix min_match must be in [1, depth), got {self.min_match}")
+
+
+class SuffixRowsDrafter:
+    """Suffix drafting for the engine's rows; one-hot draft distributions (exact)."""
+
+    calls = 0
+    wants_features = False
+
+    def __init__(self, vocab_size: int, device: torch.device, options: SuffixOptions = SuffixOptions(), *,
+                 eos_token_ids: frozenset[int] = frozenset(), store: GlobalSuffix | None = None) -> None:
+        self.vocab_size, self.device, self.options = vocab_size, device, options
+        self.eos = eos_token_ids
+        self.store = store if store is not None else GlobalSuffix(options.depth, options.global_tokens)
+        self.rows: list[RequestSuffix | None] = []
+        self.last_scores: list[float] = []
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        while len(self.rows) <= row:
+            self.rows.append(None)
+        self._retire(row)
+        state = RequestSuffix(self.options.depth)
+        state.extend(prompt_ids)
+        state.prompt_length = len(prompt_ids)
+        self.rows[row] = state
+
+    def speculate(self, rows, limits) -> tuple[list[list[int]], list[float]]:
+        o = self.options
+        found, scores = [], []
+        for b, (row, limit) in enumerate(zip(rows, limits)):
+            state = self.rows[b]
+            state.extend(row.sequence[len(state.tokens) :])  # the tokens committed since the last step
+            best: tuple[list[int], float, int] = ([], 0.0, 0)
+            for trie in (state.trie, self.store.trie):
+                tokens, score, length = trie.speculate(row.sequence, limit, factor=o.factor, min_prob=o.min_prob,
+                                                       min_match=o.min_match)
+                if score > best[1]:
+                    best = (tokens, score, length)
+            tokens = best[0]
+            for i, token in enumerate(tokens):  # nothing is drafted past an end-of-sequence token
+                if token in self.eos:
+                    tokens = tokens[: i + 1]
+                    break
+            found.append(tokens)
+            scores.append(best[1])
+        self.last_scores = scores
+        return found, scores
+
+    def propose(self, rows, limits):
+        from .engine import RowsDraft, _empty, pad_rows
+
+        found, _ = self.speculate(rows, limits)
+        tokens, counts = pad_rows(found)
+        if tokens.shape[1] == 0:
+            return _empty(len(rows), self.vocab_size, self.device)
+        tokens = tokens.to(self.device)
+        probs = torch.zeros(*tokens.shape, self.vocab_size, device=self.device).scatter_(-1, tokens[..., None], 1.0)
+        return RowsDraft(tokens, probs, counts)
+
+    def rewind(self, row, keep) -> None:
+        pass  # the trie follows committed tokens only
+
+    def observe(self, row, start, states) -> None:
+        pass
+
+    def move_row(self, src: int, dst: int) -> None:
+        self._retire(dst)
+        self.rows[dst] = self.rows[src]
+        self.rows[src] = None
+
+    def release(self, live: int) -> None:
+        for row in range(live, len(self.rows)):
+            self._retire(row)
+        del self.rows[live:]
+
+    def _retire(self, row: int) -> None:
+        """A request leaves: its output joins the global store."""
+        state = self.rows[row] if row < len(self.rows) else None
+        if state is not None:
+            self.store.add(state.tokens[state.prompt_length :])
+            self.rows[row] = None
+
+
+class HybridRowsDrafter:
+    """Suffix speculation where it scores at least `threshold` expected tokens, an EAGLE head elsewhere."""
+
+    def __init__(self, head_drafter, suffix: SuffixRowsDrafter, threshold: float) -> None:
+        if threshold < 0:
+            raise DraftwiseError(f"hybrid threshold must be >= 0, got {threshold}")
+        self.head, self.suffix, self.threshold = head_drafter, suffix, threshold
+        self.wants_features = head_drafter.wants_features
+        self.used_suffix = 0
+        self.used_head = 0
+
+    @property
+    def calls(self) -> int:
+        return self.head.calls
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(getattr(self.head, "feature_layers", ()))
+
+    def admit(self, row, prompt_ids) -> None:
+        self.head.admit(row, prompt_ids)
+        self.suffix.admit(row, prompt_ids)
+
+    def observe(self, row, start, states) -> None:
+        self.head.observe(row, start, states)
+
+    def rewind(self, row, keep) -> None:
+        self.head.rewind(row, keep)
+
+    def move_row(self, src, dst) -> None:
+        self.head.move_row(src, dst)
+        self.suffix.move_row(src, dst)
+
+    def release(self, live) -> None:
+        self.head.release(live)
+        self.suffix.release(live)
+
+    def propose(self, rows, limits):
+        from .engine import RowsDraft, _empty
+
+        found, scores = self.suffix.speculate(rows, limits)
+        use_suffix = [bool(f) and s >= self.threshold for f, s in zip(found, scores)]
+        head_limits = [0 if u else limit for u, limit in zip(use_suffix, limits)]
+        head = self.head.propose(rows, head_limits)
+        self.used_suffix += sum(use_suffix)
+        self.used_head += sum(1 for u, limit in zip(use_suffix, limits) if not u and limit > 0)
+        n = len(rows)
+        counts = [len(found[b]) if use_suffix[b] else head.counts[b] for b in range(n)]
+        k = max(counts, default=0)
+        if k == 0:
+            return _empty(n, self.suffix.vocab_size, self.suffix.device)
+        tokens = torch.zeros(n, k, dtype=torch.long, device=self.suffix.device)
+        probs = torch.zeros(n, k, self.suffix.vocab_size, device=self.suffix.device)
+        for b in range(n):
+            c = counts[b]
+            if c == 0:
+                continue
+            if use_suffix[b]:
+                tokens[b, :c] = torch.tensor(found[b], dtype=torch.long)
+                probs[b, torch.arange(c), tokens[b, :c]] = 1.0
+            else:
+                tokens[b, :c] = head.tokens[b, :c]
+                probs[b, :c] = head.probs[b, :c]
+        return RowsDraft(tokens, probs, counts)
