@@ -29,7 +29,7 @@ from .eagle_rows import EagleRowsDrafter
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from .models.runner import ModelRunner
-from .policies import FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
+from .policies import ConfidenceStop, FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
 from .sampling import SamplingConfig, make_generator
 
 
@@ -337,7 +337,18 @@ def _policy(plan: _Plan) -> LengthPolicy:
         return StopHead(verifier, plan.options["threshold"], embedding)
     if spec.make_stop:
         return StopBefore(spec.make_stop(plan.options))
+    confidence = draft_confidence(plan.options.get("confidence", 0.0), plan.draft)
+    if confidence > 0:
+        return ConfidenceStop(confidence)
     return FixedLength()
+
+
+def draft_confidence(option: float, draft: Any) -> float:
+    """The confidence threshold in force: the option, or with -1 the EAGLE head's tuned one (0 without one)."""
+    if option != -1.0:
+        return float(option)
+    tuned = (getattr(getattr(draft, "config", None), "dynamic", None) or {}) if isinstance(draft, DraftHead) else {}
+    return float(tuned.get("confidence", 0.0))
 
 
 def _generation(result: Result, spec: Method) -> Generation:

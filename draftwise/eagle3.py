@@ -52,7 +52,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     target: str = ""  # registry name or path of the target it was trained for
-    dynamic: dict = field(default_factory=dict)  # confidence-based draft length: {"threshold": p, "max": k}
+    dynamic: dict = field(default_factory=dict)  # tuned dynamic draft length: {"confidence": top-probability floor}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))

@@ -102,6 +102,17 @@ def _ngram_rule(options: dict[str, Any]) -> TargetRule:
 
 _ALPHA = Option("alpha", 0.1, float, "deviation allowed from the target (0 = exact)")
 
+_CONFIDENCE = Option("confidence", -1.0, float,
+                     "dynamic draft length: stop drafting when the draft's top probability falls below this (0: "
+                     "always gamma tokens; -1: the EAGLE head's tuned value, else 0)")
+
+
+def _sd_rule(options: dict[str, Any]) -> TargetRule:
+    if not (options["confidence"] == -1.0 or 0.0 <= options["confidence"] <= 1.0):
+        raise DraftwiseError(f"confidence must be in [0, 1], or -1 for the head's own value; got {options['confidence']!r}")
+    return ExactRule()
+
+
 _SUFFIX_OPTIONS = (
     Option("depth", 24, int, "longest substring the suffix tries hold (longest match is depth - 1)"),
     Option("factor", 1.0, float, "draft at most factor x the matched length (adaptive length)"),
@@ -120,6 +131,8 @@ def suffix_options(options: dict[str, Any]):
 
 def _suffix_rule(options: dict[str, Any]) -> TargetRule:
     suffix_options(options)  # checks the values
+    if "confidence" in options:
+        _sd_rule(options)
     if "threshold" in options and options["threshold"] < 0:
         raise DraftwiseError(f"threshold must be >= 0, got {options['threshold']}")
     return ExactRule()
@@ -241,7 +254,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "sd", "speculative decoding with a draft model and gamma draft tokens (exact)",
-            drafter="model", make_rule=lambda o: ExactRule(), reference="Leviathan et al. 2023",
+            drafter="model", make_rule=_sd_rule, options=(_CONFIDENCE,), reference="Leviathan et al. 2023",
         ),
         Method(
             "lossy", "lossy speculative sampling: accept with min(1, p/((1-alpha) q)), recover from norm(max(0, p/beta - q))",
@@ -272,7 +285,7 @@ METHODS: dict[str, Method] = {
             "hybrid", "suffix drafting where its speculation scores high, the draft (an EAGLE head) elsewhere (exact)",
             drafter="hybrid", make_rule=_suffix_rule,
             options=(Option("threshold", 1.0, float, "expected accepted tokens a suffix speculation needs to be used"),
-                     *_SUFFIX_OPTIONS),
+                     _CONFIDENCE, *_SUFFIX_OPTIONS),
             reference="Oliaro et al. 2024 §4 (hybrid with a model drafter)",
         ),
         Method(

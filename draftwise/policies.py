@@ -66,6 +66,19 @@ class StopBefore(FixedLength):
         return torch.tensor([bool(self.stop(q)) for q in q_raw], dtype=torch.bool, device=q_raw.device)
 
 
+class ConfidenceStop(FixedLength):
+    """Dynamic draft length (EAGLE-2, and the AdaEDL family): stop a row once the draft's top probability, in its
+    unwarped distribution, falls below `threshold`."""
+
+    needs_raw = True
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def stop_before(self, q_raw):
+        return q_raw.max(dim=-1).values < self.threshold
+
+
 class VerifierStop(FixedLength):
     """SPRINTER (seed 000 Algorithm 2): a verifier scores each drafted token; a token scoring below
     `tau` is the run's last, and its verdict sends it to the target."""

@@ -264,3 +264,24 @@ def test_eagle3_training_lowers_the_loss_resumes_and_drafts_exactly(tmp_path):
     sd = draftwise.generate(target, prompt, draft=head, method="sd", temperature=0, max_new_tokens=16, gamma=3,
                             ignore_eos=True)
     assert sd.token_ids == ar.token_ids
+
+
+def test_confidence_stop_shortens_drafts_and_stays_exact_at_t0(tmp_path):
+    from dataclasses import replace
+
+    target = _target()
+    head = _head(target, torch.arange(64), scale=1.0)
+    prompt = [5, 9, 11, 20, 7]
+    kw = dict(method="sd", temperature=0, max_new_tokens=24, gamma=5, ignore_eos=True)
+    ar = draftwise.generate(target, prompt, method="ar", temperature=0, max_new_tokens=24, ignore_eos=True)
+    fixed = draftwise.generate(target, prompt, draft=head, confidence=0.0, **kw)
+    high = draftwise.generate(target, prompt, draft=head, confidence=0.999, **kw)
+    assert fixed.token_ids == high.token_ids == ar.token_ids
+    assert high.stats["drafted"] < fixed.stats["drafted"]
+    # -1 (the default) reads the head's tuned value
+    tuned = _head(target, torch.arange(64), scale=1.0)
+    tuned.config = replace(tuned.config, dynamic={"confidence": 0.999})
+    auto = draftwise.generate(target, prompt, draft=tuned, **kw)
+    assert auto.stats["drafted"] == high.stats["drafted"]
+    with pytest.raises(DraftwiseError, match="confidence"):
+        draftwise.generate(target, prompt, draft=head, confidence=1.5, **kw)
