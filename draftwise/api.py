@@ -278,7 +278,7 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
                                          eos_token_ids=plan.eos_token_ids)
     elif isinstance(plan.draft, DraftHead):
         drafter = EagleRowsDrafter(plan.draft, plan.vocab_size, device, eos_token_ids=plan.eos_token_ids,
-                                   policy=_policy(plan))
+                                   policy=_policy(plan), keep_raw=getattr(rule, "needs_draft_raw", False))
     elif spec.needs_companion:
         from .selection import CompanionRowsDrafter, StagedRowsDrafter
 
@@ -361,7 +361,23 @@ def _generation(result: Result, spec: Method) -> Generation:
 
 
 # Methods that can draft with an EAGLE feature head (the head drafts one token distribution per step).
-EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly", "hybrid"})
+# Methods an EAGLE head drafts for: every token-wise rule on the batched engine whose drafter needs only the
+# draft's distributions. The others, and why a head cannot serve them, are in _HEAD_REFUSALS.
+EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly", "hybrid", "cascade", "token-cascade", "bild",
+                           "adaedl", "svip"})
+_HEAD_REFUSALS = {
+    "sprinter": "SPRINTER's verifier reads an independent draft model's hidden states, which a head does not have",
+    "specdec++": "SpecDec++'s stop head reads an independent draft model's hidden states, which a head does not have",
+    "seq-cascade": "it lets the draft write a whole response alone, and a head cannot decode without the target",
+    "oracle-diff": "it runs the draft alone at every step, and a head cannot decode without the target",
+    "mtad": "MTAD's beam search runs the draft model over its own beams, which a head cannot do without the target's "
+            "features for each beam",
+    "mtjd": "it decodes with the target alone",
+    "sv": "SV's companion reads the draft's unwarped distributions, which the head drafter does not expose",
+    "adaptive-verify": "the SV selectors are built for independent drafts",
+    "smartspec": "the SV selectors are built for independent drafts",
+    "staged": "staged drafting runs the draft model and a companion",
+}
 
 
 def check_options(
@@ -379,6 +395,8 @@ def check_options(
     options = spec.resolve_options(method_options)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     spec.make_rule(options)  # validates option values (alpha range, n-gram sizes) now
+    if spec.needs_draft and draft is not None and spec.name not in EAGLE_METHODS and is_eagle_spec(draft):
+        raise DraftwiseError(_eagle_refused(spec.name, target))  # before asking for files it could not use
     spec.check_required(options)
     if spec.greedy_only and not sampling.greedy:
         raise DraftwiseError(f"method {spec.name!r} is defined for greedy decoding only: pass temperature=0")
@@ -432,8 +450,9 @@ def _eagle_refused(method: str, target: Any) -> str:
     name = _registry_name(target)
     independent = registry.default_draft_for(name, eagle_ok=False) if name else None
     hint = f" (for {name}: {independent})" if independent else ""
-    return (f"an EAGLE draft head drafts for {', '.join(sorted(EAGLE_METHODS))}, not {method!r}: "
-            f"give an independent draft model{hint}")
+    why = _HEAD_REFUSALS.get(method, "it needs an independent draft model")
+    return (f"an EAGLE draft head cannot draft for {method!r}: {why}; give an independent draft model{hint} "
+            f"(a head drafts for {', '.join(sorted(EAGLE_METHODS))})")
 
 
 def _plan(

@@ -29,13 +29,15 @@ class EagleRowsDrafter:
     wants_features = True
 
     def __init__(self, head: DraftHead, vocab_size: int, device: torch.device, *,
-                 eos_token_ids: frozenset[int] = frozenset(), policy: LengthPolicy | None = None) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), policy: LengthPolicy | None = None,
+                 keep_raw: bool = False) -> None:
         self.head = head
         self.vocab_size = vocab_size
         self.device = device
         self.runner = ModelRunner(head.body, rows=0)
         self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
         self.policy = policy or FixedLength()
+        self.keep_raw = keep_raw  # unwarped draft distributions for rules that read them (cascades)
         if self.policy.needs_hidden:
             raise DraftwiseError("an EAGLE head has no draft-model states for a verifier policy")
         usable = head.vocab_ids < vocab_size  # padded vocabularies: draft ids past the shared size are never drafted
@@ -46,6 +48,7 @@ class EagleRowsDrafter:
         self.features: list[torch.Tensor] = []  # per row [n, hidden]
         self.cached: list[int] = []
         self.num_features: list[int] = []
+        self.last_state: list[torch.Tensor | None] = []  # per row: the head's output at position cached - 1
 
     @property
     def calls(self) -> int:
@@ -60,9 +63,11 @@ class EagleRowsDrafter:
             self.features.append(torch.empty(0, self.head.feature_size, device=self.device))
             self.cached.append(0)
             self.num_features.append(0)
+            self.last_state.append(None)
         self.runner.cache.reset_row(row)
         self.features[row] = self.features[row][:0]
         self.cached[row] = self.num_features[row] = 0
+        self.last_state[row] = None
 
     def observe(self, row: int, start: int, states: torch.Tensor) -> None:
         """The target's features of positions start .. start + n - 1 (earlier unread ones past `start` drop)."""
@@ -109,6 +114,7 @@ class EagleRowsDrafter:
         for b in range(n):
             self.cached[b] = self.num_features[b]
             self.features[b] = self.features[b][:0]
+            self.last_state[b] = None if b in bare else predicted[b]
         for b in bare:
             self.runner.trim_row(b, 0)
         configs = [r.request.sampling for r in rows]
@@ -117,19 +123,22 @@ class EagleRowsDrafter:
         active = torch.tensor([limit > 0 for limit in limits], device=self.device)
         limit_t = torch.tensor(list(limits), device=self.device)
         drafted = torch.zeros(n, dtype=torch.long, device=self.device)
-        tokens, probs = [], []
+        tokens, probs, raws = [], [], []
         self.policy.start(n, self.device)
         for step in range(width):
             logits = self.head.logits(predicted)[:, self.usable]  # [rows, usable draft vocabulary]
-            if all_greedy and not self.policy.needs_raw:  # one-hot drafts: the argmax, no full-vocabulary warp
+            if all_greedy and not self.policy.needs_raw and not self.keep_raw:  # one-hot drafts: the argmax only
                 token = self.usable_ids[logits.argmax(-1)]  # [rows]
                 step_probs = torch.zeros(n, self.vocab_size, device=self.device).scatter_(-1, token[:, None], 1.0)
             else:
                 # zero probability outside the draft vocabulary (and past a padded target vocabulary): exact
                 full = torch.full((n, self.vocab_size), float("-inf"), device=self.device, dtype=logits.dtype)
                 full[:, self.usable_ids] = logits  # [rows, vocab]
+                raw = unwarped(full) if self.policy.needs_raw or self.keep_raw else None
                 if self.policy.needs_raw:
-                    active &= ~self.policy.stop_before(unwarped(full))
+                    active &= ~self.policy.stop_before(raw)
+                if self.keep_raw:
+                    raws.append(raw)
                 step_probs = warp_rows(full, configs)  # [rows, vocab], zero outside the draft vocabulary
                 token = sample_rows(step_probs, generators, active.tolist(), [c.greedy for c in configs])
             drafted += active.long()
@@ -146,7 +155,8 @@ class EagleRowsDrafter:
         k = max(counts_out)
         if k == 0:
             return _empty(n, self.vocab_size, self.device)
-        return RowsDraft(torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out)
+        return RowsDraft(torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
+                         torch.stack(raws, 1)[:, :k] if self.keep_raw else None)
 
     def rewind(self, row: int, keep: int) -> None:
         """The row keeps `keep` positions with true features; predicted head positions are dropped."""
@@ -155,12 +165,57 @@ class EagleRowsDrafter:
         self.cached[row] = min(self.cached[row], self.num_features[row])
         self.runner.trim_row(row, min(self.runner.lengths[row], self.cached[row]))
 
+    @torch.inference_mode()
+    def next_distribution(self, contexts: Sequence[Sequence[int]], configs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unwarped, warped) head distributions of the token after each row's context (cascades' bonus from pi).
+
+        Called after verification, before the rewind: the target's features of the context's positions
+        are in, so the head catches up on them (its drafted positions are dropped first) and scores the
+        next token. Features of the context's last position stay unread, as the rewind expects."""
+        from .batched import warp_rows
+        from .sampling import unwarped
+
+        n = len(contexts)
+        counts = []
+        for b, context in enumerate(contexts):
+            self.runner.trim_row(b, min(self.runner.lengths[b], self.cached[b]))
+            count = len(context) - 1 - self.cached[b]
+            if count < 0 or count > self.features[b].shape[0]:
+                raise DraftwiseError(f"EAGLE head row {b}: no target features for a context of {len(context)} tokens")
+            counts.append(count)
+        dtype = self.head.fc.weight.dtype
+        span = max(max(counts, default=0), 1)
+        feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
+        nexts = torch.zeros(n, span, dtype=torch.long)
+        for b, context in enumerate(contexts):
+            c, start = counts[b], self.cached[b]
+            feats[b, :c] = self.features[b][:c].to(dtype)
+            nexts[b, :c] = torch.tensor(list(context[start + 1 : start + 1 + c]), dtype=torch.long)
+        states = self.runner.forward_states(self._embed_fuse(feats, nexts.to(self.device)), [max(c, 1) for c in counts])
+        picked = []
+        for b in range(n):
+            c = counts[b]
+            if c == 0:  # nothing new was accepted: the state from the last catch-up scores the next token
+                self.runner.trim_row(b, self.cached[b])
+                if self.last_state[b] is None:
+                    raise DraftwiseError(f"EAGLE head row {b}: no head state yet for a bonus distribution")
+            else:
+                self.cached[b] += c
+                self.features[b] = self.features[b][c:]
+                self.last_state[b] = states[b, c - 1]
+            picked.append(self.last_state[b])
+        logits = self.head.logits(torch.stack(picked))[:, self.usable]
+        full = torch.full((n, self.vocab_size), float("-inf"), device=self.device, dtype=logits.dtype)
+        full[:, self.usable_ids] = logits
+        return unwarped(full), warp_rows(full, configs)
+
     def move_row(self, src: int, dst: int) -> None:
         self.runner.cache.move_row(src, dst)
         self.features[dst] = self.features[src]
         self.cached[dst] = self.cached[src]
         self.num_features[dst] = self.num_features[src]
+        self.last_state[dst] = self.last_state[src]
 
     def release(self, live: int) -> None:
         self.runner.cache.drop_rows(live)
-        del self.features[live:], self.cached[live:], self.num_features[live:]
+        del self.features[live:], self.cached[live:], self.num_features[live:], self.last_state[live:]

@@ -285,3 +285,66 @@ def test_confidence_stop_shortens_drafts_and_stays_exact_at_t0(tmp_path):
     assert auto.stats["drafted"] == high.stats["drafted"]
     with pytest.raises(DraftwiseError, match="confidence"):
         draftwise.generate(target, prompt, draft=head, confidence=1.5, **kw)
+
+
+def test_head_bonus_distribution_equals_a_cache_free_rollout_and_drafting_goes_on():
+    """Cascades' bonus from pi: after verification the head catches up on the accepted positions and scores the
+    next token exactly as a cache-free head would; the rewind that follows leaves drafting consistent."""
+    from draftwise.eagle_rows import EagleRowsDrafter
+
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 2))
+    drafter = EagleRowsDrafter(head, 64, torch.device("cpu"), keep_raw=True)
+
+    class Row:
+        def __init__(self, sequence):
+            self.sequence = sequence
+            self.request = Request(tuple(sequence), GREEDY)
+            self.generator = make_generator(0)
+
+    def next_logits(seq):
+        aux = _features(target, seq)[: len(seq) - 1, : head.feature_size]
+        with torch.no_grad():
+            x = torch.cat([head.embed(torch.tensor([seq[1:]])), head.fc(aux)[None]], dim=-1)
+            return head.logits(head.body(x).last_hidden_state[0, -1])
+
+    rng = random.Random(5)
+    rows = [Row([rng.randrange(64) for _ in range(n)]) for n in (4, 6)]
+    for b, row in enumerate(rows):
+        drafter.admit(b, row.sequence)
+        drafter.observe(b, 0, _features(target, row.sequence)[: len(row.sequence) - 1])
+    for _ in range(5):
+        limits = [rng.randint(1, 4) for _ in rows]
+        proposal = drafter.propose(rows, limits)
+        contexts = []
+        for b, row in enumerate(rows):
+            drafted = proposal.tokens[b, : proposal.counts[b]].tolist()
+            assert drafted == _rollout(head, target, row.sequence, limits[b])
+            drafter.observe(b, len(row.sequence) - 1, _features(target, row.sequence + drafted)[len(row.sequence) - 1 :])
+            contexts.append(row.sequence + drafted[: rng.randint(0, len(drafted))])
+        raw, _ = drafter.next_distribution(contexts, [GREEDY, GREEDY])
+        for b, context in enumerate(contexts):
+            expected = torch.full((64,), float("-inf"))
+            expected[head.vocab_ids] = next_logits(context)
+            torch.testing.assert_close(raw[b], torch.softmax(expected, -1), atol=1e-5, rtol=1e-4)
+            bonus = int(raw[b].argmax())
+            rows[b].sequence = context + [bonus]
+            drafter.rewind(b, len(rows[b].sequence) - 1)
+
+
+def test_a_head_is_refused_with_the_reason_where_it_cannot_draft():
+    target = _target()
+    head = _head(target, torch.arange(64))
+    for method, reason in (("mtad", "beam search"), ("seq-cascade", "whole response"),
+                           ("sprinter", "hidden states")):
+        with pytest.raises(DraftwiseError, match=reason):
+            draftwise.generate(target, [1, 2, 3], draft=head, method=method, temperature=0, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("method", ["lossy", "cascade", "token-cascade", "adaedl", "fly", "bild", "svip"])
+def test_every_token_wise_rule_runs_with_an_eagle3_head(method):
+    target = _target()
+    head = _head(target, torch.arange(64), scale=1.0)
+    out = draftwise.generate(target, [[1, 2, 3], [4, 5]], draft=head, method=method, temperature=0,
+                             max_new_tokens=12, ignore_eos=True, max_batch_size=2)
+    assert all(len(g.token_ids) == 12 for g in out)
