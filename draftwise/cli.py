@@ -936,6 +936,53 @@ def _run_train_eagle3(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export_eagle(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export-eagle", help="write an EAGLE-3-style head as the checkpoint vLLM and SGLang load "
+                       "(llama_eagle3: config.json, model.safetensors with d2t/t2d)")
+    p.add_argument("--head", required=True, help="a draftwise EAGLE-3 head: registry name or directory")
+    p.add_argument("--out", required=True, help="a new (or empty) directory")
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"])
+    p.add_argument("--with-embeddings", action="store_true",
+                   help="also write the target's token embedding (embed_tokens.weight); vLLM and SGLang share the "
+                   "target's when it is absent")
+    p.add_argument("--target", default=None, help="the target whose embedding --with-embeddings writes (default: the "
+                   "head's own target)")
+
+
+def _run_export_eagle(args: argparse.Namespace) -> int:
+    import torch
+
+    from .eagle import is_eagle_dir, load_head
+    from .eagle3 import Eagle3Head
+    from .export import export_eagle3
+    from .models.loading import resolve_path
+
+    path = resolve_path(args.head)
+    if path is None or not is_eagle_dir(path):
+        raise DraftwiseError(f"--head {args.head}: not an EAGLE head (a registry name or a directory with eagle3.json)")
+    head = load_head(path)
+    if not isinstance(head, Eagle3Head):
+        raise DraftwiseError(f"--head {args.head} is an EAGLE-1 head (one fused last-layer feature, bias in fc, the "
+                             "target's LM head): it has no EAGLE-3 counterpart to export; train an EAGLE-3 head with "
+                             "`draftwise train-eagle3`")
+    embeddings = None
+    if args.with_embeddings:
+        target_name = args.target or head.config.target
+        if not target_name:
+            raise DraftwiseError("--with-embeddings: the head does not record its target; pass --target")
+        target = load_model(target_name, dtype="fp32")
+        head.attach(target.model)
+        embeddings = target.model.get_input_embeddings().weight
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    out = export_eagle3(head, args.out, dtype=dtype, embeddings=embeddings)
+    layers = ",".join(map(str, head.config.feature_layers))
+    print(f"wrote {out} (EAGLE-3 layout, {args.dtype}, draft vocabulary {head.draft_vocab_size}, target layers "
+          f"{layers}). Serve it with vLLM: --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
+          f"\"num_speculative_tokens\": 3}}'; or SGLang: --speculative-algorithm EAGLE3 "
+          f"--speculative-draft-model-path {out}")
+    return 0
+
+
 def _run_distill(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -990,6 +1037,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_data(sub)
     _add_distill(sub)
     _add_train_eagle3(sub)
+    _add_export_eagle(sub)
     _add_profile_sv(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
     models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
@@ -1002,7 +1050,7 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMANDS = {"generate": _run_generate, "methods": _run_methods, "bench": _run_bench, "sweep": _run_sweep,
              "train-verifier": _run_train_verifier, "theory": _run_theory,
              "models": _run_models,
-             "train-data": _run_train_data, "distill": _run_distill, "train-eagle3": _run_train_eagle3, "profile-sv": _run_profile_sv}
+             "train-data": _run_train_data, "distill": _run_distill, "train-eagle3": _run_train_eagle3, "export-eagle": _run_export_eagle, "profile-sv": _run_profile_sv}
 
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:
