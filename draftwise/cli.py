@@ -894,6 +894,8 @@ def _add_train_eagle3(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     for name in ("lr", "weight_decay", "decay", "val_fraction"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
+    p.add_argument("--own-lm-head", dest="shared_lm_head", action="store_false",
+                   help="train and store the head's own LM head (default: the target's rows, frozen, not stored)")
     p.add_argument("--fp32", dest="bf16", action="store_false",
                    help="fp32 matmuls (default: bf16 autocast with fp32 master weights)")
     p.add_argument("--minutes", type=float, default=None, help="train one chunk of this many minutes, then checkpoint "
@@ -961,6 +963,11 @@ def _run_export_eagle(args: argparse.Namespace) -> int:
     if path is None or not is_eagle_dir(path):
         raise DraftwiseError(f"--head {args.head}: not an EAGLE head (a registry name or a directory with eagle3.json)")
     head = load_head(path)
+    if isinstance(head, Eagle3Head) and head.config.shared_lm_head and not args.with_embeddings:
+        target_name = args.target or head.config.target  # its LM head is the target's rows: read them
+        if not target_name:
+            raise DraftwiseError("this head shares its target's LM head and does not record the target; pass --target")
+        head.attach(load_model(target_name, dtype="fp32").model)
     if not isinstance(head, Eagle3Head):
         raise DraftwiseError(f"--head {args.head} is an EAGLE-1 head (one fused last-layer feature, bias in fc, the "
                              "target's LM head): it has no EAGLE-3 counterpart to export; train an EAGLE-3 head with "

@@ -5,8 +5,9 @@ Inputs: the target's hidden states entering a low, a middle and a high decoder l
 by `fc` (3H -> H, no bias). One decoder layer (`midlayer`) reads the concatenation of
 its normed token embedding and its normed hidden input (2H wide into q, k and v); its
 residual stream carries the hidden input. The layer's pre-norm output is both the next
-drafting step's hidden input and, through `norm` and the head's own `lm_head` over a
-reduced draft vocabulary, the next token's distribution:
+drafting step's hidden input and, through `norm` and `lm_head` over a reduced draft
+vocabulary, the next token's distribution (with `shared_lm_head`, lm_head holds the target's
+own LM-head rows for that vocabulary, frozen and not stored: a head file of a few MB):
 
     step 0 at position i:  x = fc([f_low, f_mid, f_high](i)),  token t_{i+1}  ->  scores t_{i+2}
     step k at position i:  x = pre-norm output of step k - 1,  token t_{i+1+k} -> scores t_{i+2+k}
@@ -53,6 +54,7 @@ class Eagle3Config:
     max_position_embeddings: int = 8192
     target: str = ""  # registry name or path of the target it was trained for
     dynamic: dict = field(default_factory=dict)  # tuned dynamic draft length: {"confidence": top-probability floor}
+    shared_lm_head: bool = False  # lm_head = the target's rows of the draft vocabulary (frozen, not stored)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
@@ -192,6 +194,8 @@ class Eagle3Head(DraftHead):
         self.body = Eagle3Body(config)
         self.norm = _RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, int(vocab_ids.shape[0]), bias=False)
+        if config.shared_lm_head:
+            self.lm_head.weight.requires_grad_(False)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [draft_vocab] target token ids
         self._shared: dict[str, object] = {}  # the target's embedding: shared, kept out of the state dict
 
@@ -227,6 +231,10 @@ class Eagle3Head(DraftHead):
                 f"({self.config.target or 'unknown'}); the target has {hidden}, {vocab} and {layers} layers")
         self._shared["target"] = target_model
         self._shared["embed"] = target_model.get_input_embeddings()
+        if self.config.shared_lm_head:
+            with torch.no_grad():
+                rows = target_model.get_output_embeddings().weight.detach()[self.vocab_ids.to(self.fc.weight.device)]
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
         return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -257,7 +265,8 @@ class Eagle3Head(DraftHead):
     def save(self, directory: str | Path, *, dtype: torch.dtype = torch.float16) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()
+                 if not (self.config.shared_lm_head and k == "lm_head.weight")}  # the target's rows: not stored
         tmp = directory / (WEIGHTS_FILE + ".tmp")
         save_file(state, str(tmp))
         tmp.replace(directory / WEIGHTS_FILE)
@@ -274,12 +283,16 @@ class Eagle3Head(DraftHead):
         except (OSError, ValueError, TypeError) as e:
             raise DraftwiseError(f"{directory}: not a readable EAGLE-3 head ({type(e).__name__}: {e})") from None
         head = cls(config, state["vocab_ids"])
-        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        missing, unexpected = head.load_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False)
+        if unexpected or set(missing) - ({"lm_head.weight"} if config.shared_lm_head else set()):
+            raise DraftwiseError(f"{directory}: the head's tensors do not match its config (missing {missing}, "
+                                 f"unexpected {unexpected})")
         return head.eval()
 
     @classmethod
     def new(cls, target_model, *, vocab_ids: torch.Tensor, intermediate_size: int, target_name: str = "",
-            feature_layers: tuple[int, ...] | None = None) -> "Eagle3Head":
+            feature_layers: tuple[int, ...] | None = None, shared_lm_head: bool = False) -> "Eagle3Head":
         """A fresh head for `target_model`, its lm_head initialised from the target's rows of the draft vocabulary."""
         from .training.shards import eagle3_layers
 
@@ -293,7 +306,8 @@ class Eagle3Head(DraftHead):
             rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
             rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", None)
                              or getattr(tc, "rope_theta", 10000.0)),
-            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)), target=target_name)
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 8192)), target=target_name,
+            shared_lm_head=shared_lm_head)
         head = cls(config, vocab_ids)
         with torch.no_grad():
             weight = target_model.get_output_embeddings().weight.detach().float()

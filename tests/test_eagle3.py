@@ -348,3 +348,20 @@ def test_every_token_wise_rule_runs_with_an_eagle3_head(method):
     out = draftwise.generate(target, [[1, 2, 3], [4, 5]], draft=head, method=method, temperature=0,
                              max_new_tokens=12, ignore_eos=True, max_batch_size=2)
     assert all(len(g.token_ids) == 12 for g in out)
+
+
+def test_a_shared_lm_head_is_not_stored_and_comes_back_from_the_target(tmp_path):
+    target = _target()
+    torch.manual_seed(1)
+    head = Eagle3Head.new(target, vocab_ids=torch.arange(0, 64, 2), intermediate_size=48, feature_layers=LAYERS,
+                          shared_lm_head=True).eval()
+    assert not head.lm_head.weight.requires_grad
+    torch.testing.assert_close(head.lm_head.weight, target.lm_head.weight[0::2])
+    head.save(tmp_path / "h", dtype=torch.float32)
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(str(tmp_path / "h" / "eagle3.safetensors"))
+    back = Eagle3Head.load(tmp_path / "h").attach(target)
+    x, t = torch.randn(1, 5, head.feature_size), torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(back.logits(back(x, t)), head.logits(head(x, t)))

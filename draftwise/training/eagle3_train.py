@@ -54,6 +54,7 @@ class Eagle3TrainConfig:
     checkpoint_every: int = 50
     val_fraction: float = 0.03
     max_examples: int = 0  # 0: every sequence in the shards
+    shared_lm_head: bool = True  # the target's LM-head rows, frozen (False: the head trains its own, stored)
     bf16: bool = True  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX
 
 
@@ -214,10 +215,10 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
         tmp.write_text(json.dumps(vocab_ids.tolist()))
         tmp.replace(vocab_path)
     head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=config.intermediate_size,
-                          target_name=config.target_name, feature_layers=layers)
+                          target_name=config.target_name, feature_layers=layers, shared_lm_head=config.shared_lm_head)
     target_rows = target.get_output_embeddings().weight.detach().float()[vocab_ids]  # [Vd, H]
     hidden = head.config.hidden_size
-    params = [p for n, p in head.named_parameters()]
+    params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
     def step_fn(picked: list[int]):
