@@ -364,14 +364,12 @@ def _generation(result: Result, spec: Method) -> Generation:
 # Methods an EAGLE head drafts for: every token-wise rule on the batched engine whose drafter needs only the
 # draft's distributions. The others, and why a head cannot serve them, are in _HEAD_REFUSALS.
 EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly", "hybrid", "cascade", "token-cascade", "bild",
-                           "adaedl", "svip"})
+                           "adaedl", "svip", "mtad"})
 _HEAD_REFUSALS = {
     "sprinter": "SPRINTER's verifier reads an independent draft model's hidden states, which a head does not have",
     "specdec++": "SpecDec++'s stop head reads an independent draft model's hidden states, which a head does not have",
     "seq-cascade": "it lets the draft write a whole response alone, and a head cannot decode without the target",
     "oracle-diff": "it runs the draft alone at every step, and a head cannot decode without the target",
-    "mtad": "MTAD's beam search runs the draft model over its own beams, which a head cannot do without the target's "
-            "features for each beam",
     "mtjd": "it decodes with the target alone",
     "sv": "SV's companion reads the draft's unwarped distributions, which the head drafter does not expose",
     "adaptive-verify": "the SV selectors are built for independent drafts",
@@ -839,6 +837,11 @@ class _Run:
     def _drafter(self, generator_device: torch.device, rule: Any) -> Drafter:
         """The drafter of a method the batched engine does not run (mtad, mtjd, oracle-diff, seq-cascade)."""
         plan = self.plan
+        if plan.method.drafter == "beam" and isinstance(plan.draft, DraftHead):  # MTAD's beams on the head
+            from .eagle_beams import HeadBeamDrafter
+
+            return HeadBeamDrafter(plan.draft, plan.sampling, plan.vocab_size, plan.options["num_beams"],
+                                   plan.target.device)
         runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size) if plan.method.needs_draft else None
         if plan.method.drafter == "beam":
             from .mtad import BeamDrafter

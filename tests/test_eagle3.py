@@ -335,7 +335,7 @@ def test_head_bonus_distribution_equals_a_cache_free_rollout_and_drafting_goes_o
 def test_a_head_is_refused_with_the_reason_where_it_cannot_draft():
     target = _target()
     head = _head(target, torch.arange(64))
-    for method, reason in (("mtad", "beam search"), ("seq-cascade", "whole response"),
+    for method, reason in (("oracle-diff", "draft alone"), ("seq-cascade", "whole response"),
                            ("sprinter", "hidden states")):
         with pytest.raises(DraftwiseError, match=reason):
             draftwise.generate(target, [1, 2, 3], draft=head, method=method, temperature=0, max_new_tokens=4)
@@ -365,3 +365,66 @@ def test_a_shared_lm_head_is_not_stored_and_comes_back_from_the_target(tmp_path)
     x, t = torch.randn(1, 5, head.feature_size), torch.randint(0, 64, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(back.logits(back(x, t)), head.logits(head(x, t)))
+
+
+def test_mtad_beams_on_a_head_equal_a_brute_force_beam_search_under_forced_acceptance():
+    """MTAD's drafter on the head: each proposal (best beam and its joint log-probabilities) equals a beam search
+    whose every distribution is a cache-free head rollout; then a forced outcome and rewind, and again."""
+    from draftwise.eagle_beams import HeadBeamDrafter
+    from draftwise.mtad import step_log_probs
+
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 2), scale=1.0)
+    beams_wanted = 3
+
+    def logprobs_after(seq, beam):
+        aux = _features(target, seq)[: len(seq) - 1, : head.feature_size]
+        with torch.no_grad():
+            states, tokens = list(head.fc(aux)), list(seq[1:])
+            pre = None
+            for step in range(len(beam) + 1):
+                x = torch.cat([head.embed(torch.tensor([tokens])), torch.stack(states)[None]], dim=-1)
+                pre = head.body(x).last_hidden_state[0, -1]
+                if step < len(beam):
+                    states.append(pre)
+                    tokens.append(beam[step])
+            full = torch.full((64,), float("-inf"))
+            full[head.vocab_ids] = head.logits(pre)
+            return step_log_probs(full[None], GREEDY)[0]
+
+    def brute(seq, length):
+        beams = [([], 0.0, [])]
+        for _ in range(length):
+            candidates = []
+            for tokens, score, joints in beams:
+                lp = logprobs_after(seq, tokens)
+                for v in range(64):
+                    if torch.isfinite(lp[v]):
+                        candidates.append((tokens + [v], score + float(lp[v]), joints + [score + float(lp[v])]))
+            candidates.sort(key=lambda c: -c[1])
+            beams = candidates[:beams_wanted]
+        return max(beams, key=lambda b: b[1])
+
+    drafter = HeadBeamDrafter(head, GREEDY, 64, beams_wanted, torch.device("cpu"))
+    rng = random.Random(7)
+    seq = [rng.randrange(64) for _ in range(6)]
+    drafter.observe(_features(target, seq)[: len(seq) - 1])
+    for _ in range(4):
+        limit = rng.randint(1, 3)
+        draft = drafter.propose(seq, limit, make_generator(0))
+        tokens, _, joints = brute(seq, limit)
+        assert draft.tokens.tolist() == tokens
+        torch.testing.assert_close(draft.joint_log_probs, torch.tensor(joints), atol=1e-4, rtol=1e-4)
+        drafted = draft.tokens.tolist()
+        drafter.observe(_features(target, seq + drafted)[len(seq) - 1 :])
+        seq = seq + drafted[: rng.randint(0, len(drafted))] + [rng.randrange(64)]
+        drafter.rewind(len(seq) - 1)
+
+
+def test_mtad_runs_on_a_head():
+    target = _target()
+    head = _head(target, torch.arange(64), scale=1.0)
+    for temperature in (0.0, 1.0):
+        out = draftwise.generate(target, [1, 2, 3, 4], draft=head, method="mtad", temperature=temperature,
+                                 max_new_tokens=16, ignore_eos=True, seed=0)
+        assert len(out.token_ids) == 16 and out.stats["drafted"] > 0

@@ -82,10 +82,14 @@ def load_examples(data: str, layers, max_len: int, limit: int = 0) -> list[Examp
 
 
 def draft_vocabulary(examples: list[Example], size: int, always: set[int], vocab: int) -> torch.Tensor:
-    """The `size` tokens the target emits most often in its answers (plus `always`), sorted by id."""
+    """`size` token ids, sorted: `always`, then by frequency (an answer token counts 4, a prompt token 1: answers
+    copy from prompts), then the lowest ids not yet chosen (a BPE vocabulary's ids follow its merges, most
+    frequent first)."""
     counts: Counter[int] = Counter()
     for e in examples:
-        counts.update(e.tokens[e.answer_start:].tolist())
+        counts.update(e.tokens[: e.answer_start].tolist())
+        for token, n in Counter(e.tokens[e.answer_start :].tolist()).items():
+            counts[token] += 4 * n
     chosen = {t for t in always if t < vocab}
     for token, _ in counts.most_common():
         if len(chosen) >= size:
