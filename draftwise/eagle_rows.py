@@ -127,7 +127,9 @@ class EagleRowsDrafter:
         self.policy.start(n, self.device)
         for step in range(width):
             logits = self.head.logits(predicted)[:, self.usable]  # [rows, usable draft vocabulary]
-            if all_greedy and not self.policy.needs_raw and not self.keep_raw:  # one-hot drafts: the argmax only
+            if all_greedy and not self.keep_raw:  # one-hot drafts: the argmax only, no full-vocabulary tensors
+                if self.policy.needs_raw:  # the stop rules read max / entropy: the same over the draft vocabulary
+                    active &= ~self.policy.stop_before(torch.softmax(logits.float(), dim=-1))
                 token = self.usable_ids[logits.argmax(-1)]  # [rows]
                 step_probs = torch.zeros(n, self.vocab_size, device=self.device).scatter_(-1, token[:, None], 1.0)
             else:
