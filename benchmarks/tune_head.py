@@ -1,0 +1,98 @@
+"""Tune an EAGLE head's draft length on Spec-Bench *training* prompts (never the evaluation split).
+
+For every (gamma, confidence) pair, `sd` with the head decodes the same prompts at batch 1, interleaved
+prompt by prompt with `ar`, after a warm-up; the speed ratio is the median over prompts of
+ar_time / sd_time. Writes JSON with the ratio, mean accepted length and step-1 acceptance per pair.
+With --write, the best confidence is stored in the head's config (`dynamic.confidence`), which `sd`
+and `hybrid` read when their `confidence` option is left at -1.
+
+    .venv/bin/python benchmarks/tune_head.py --head out/eagle3/head --json benchmarks/results/head-tuning.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import draftwise  # noqa: E402
+from draftwise.bench.datasets import load_prompts  # noqa: E402
+from draftwise.bench.report import write_json  # noqa: E402
+from draftwise.eagle import load_head  # noqa: E402
+from draftwise.models.loading import load_draft, load_model, resolve_path  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--head", required=True)
+    p.add_argument("--gammas", default="3,4,5,6")
+    p.add_argument("--confidences", default="0,0.2,0.35,0.5")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", required=True)
+    p.add_argument("--write", action="store_true", help="store the best confidence in the head's config")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_model(args.target, dtype="fp32")
+    head = load_draft(args.head, target)
+    prompts = [q.text for q in load_prompts(split="train")][:: max(1, 384 // args.num_prompts)][: args.num_prompts]
+    pairs = [(int(g), float(c)) for g in args.gammas.split(",") for c in args.confidences.split(",")]
+    kw = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
+    draftwise.generate(target, prompts[0], method="ar", **kw)  # warm-up
+    draftwise.generate(target, prompts[0], method="sd", draft=head, gamma=pairs[0][0], confidence=pairs[0][1], **kw)
+    times: dict[str, list[float]] = {"ar": []}
+    stats: dict[str, list[dict]] = {}
+    for prompt in prompts:
+        start = time.perf_counter()
+        ar = draftwise.generate(target, prompt, method="ar", **kw)
+        times["ar"].append((time.perf_counter() - start) / max(1, len(ar.token_ids)))
+        for gamma, confidence in pairs:
+            key = f"g{gamma}-c{confidence:g}"
+            start = time.perf_counter()
+            out = draftwise.generate(target, prompt, method="sd", draft=head, gamma=gamma, confidence=confidence, **kw)
+            times.setdefault(key, []).append((time.perf_counter() - start) / max(1, len(out.token_ids)))
+            stats.setdefault(key, []).append(out.stats)
+    rows = {}
+    for key, per_token in times.items():
+        if key == "ar":
+            continue
+        ratios = [a / s for a, s in zip(times["ar"], per_token)]
+        st = stats[key]
+        drafted = sum(s["drafted"] for s in st)
+        accepted = sum(s["accepted"] for s in st)
+        steps = sum(s["steps"] for s in st)
+        first_acc = sum(s["accepted_per_position"][0] for s in st if s["accepted_per_position"])
+        first_drafted = sum(s["drafted_per_position"][0] for s in st if s["drafted_per_position"])
+        rows[key] = {"speedup_vs_ar_median": statistics.median(ratios), "mean_accepted_length": (accepted + steps) / max(steps, 1),
+                     "acceptance_rate": accepted / max(drafted, 1), "drafted": drafted, "accepted": accepted,
+                     "steps": steps, "step1_acceptance": first_acc / max(first_drafted, 1)}
+    best = max(rows, key=lambda k: rows[k]["speedup_vs_ar_median"])
+    result = {"config": vars(args), "machine": {"threads": torch.get_num_threads()}, "prompts": len(prompts),
+              "pairs": rows, "best": best}
+    write_json(result, args.json)
+    for key, row in sorted(rows.items(), key=lambda kv: -kv[1]["speedup_vs_ar_median"]):
+        print(f"{key:<10} {row['speedup_vs_ar_median']:.3f}x  MAL {row['mean_accepted_length']:.2f}  "
+              f"acc {row['acceptance_rate']:.3f}  step-1 {row['step1_acceptance']:.3f}")
+    if args.write:
+        gamma, confidence = best[1:].split("-c")
+        path = resolve_path(args.head)
+        original = load_head(path)
+        original.config = replace(original.config, dynamic={"confidence": float(confidence), "gamma": int(gamma)})
+        original.save(path)
+        print(f"stored confidence {confidence} (best gamma {gamma}) in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
