@@ -100,7 +100,8 @@ def test_default_draft_depends_on_the_method(dirs):
     from draftwise.api import default_draft
 
     assert default_draft(TARGET, "sd") == EAGLE
-    assert default_draft(TARGET, "mtad") == DRAFT  # a head cannot beam-search: the independent draft
+    assert default_draft(TARGET, "mtad") == EAGLE  # beam search runs on the head too
+    assert default_draft(TARGET, "sprinter") == DRAFT  # a verifier reads a draft model's states: the independent draft
     assert default_draft(dirs["target"], "sd") is None  # not a registry target
     g = draftwise.generate(TARGET, "the cat", method="mtad", **GREEDY)
     assert g.stats["draft_calls"] > 0
@@ -249,9 +250,9 @@ def test_bench_resolves_the_draft_per_method(dirs):
 
     config = BenchConfig(target=TARGET, methods=("ar", "sd", "mtad", "draft-only"), num_prompts=1,
                          max_new_tokens=4, repeats=1, warmup=0, dtype="fp32", categories=("qa",))
-    assert plan_drafts(config) == {"ar": None, "sd": EAGLE, "mtad": DRAFT, "draft-only": DRAFT}
+    assert plan_drafts(config) == {"ar": None, "sd": EAGLE, "mtad": EAGLE, "draft-only": DRAFT}
     results = run_bench(config)
-    assert results["config"]["drafts"]["mtad"] == DRAFT
+    assert results["config"]["drafts"]["mtad"] == EAGLE
     assert set(results["methods"]) == {"ar", "sd", "mtad", "draft-only"}
 
 
@@ -266,7 +267,7 @@ def test_bench_checks_every_method_before_any_model_loads(dirs, monkeypatch):
     cases = [
         (dict(methods=("ar", "sd", "sprinter")), "method sprinter: sprinter needs verifier=PATH"),
         (dict(methods=("ar", "lossy-greedy"), temperature=1.0), "method lossy-greedy:"),
-        (dict(methods=("ar", "mtad"), draft=EAGLE), "method mtad: an EAGLE draft head"),
+        (dict(methods=("ar", "seq-cascade"), draft=EAGLE), "method seq-cascade: an EAGLE draft head"),
         (dict(methods=("ar", "draft-only"), draft=EAGLE), "method draft-only: smollm2-135m-eagle is an EAGLE"),
     ]
     for kwargs, message in cases:

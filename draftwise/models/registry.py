@@ -160,11 +160,12 @@ WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 _RECIPE = "see benchmarks/README.md for the `draftwise train-data` and `draftwise distill` recipe"
 
 
-def _shipped(name: str, marker: str) -> RegistryEntry:
+def _shipped(name: str, marker: str | tuple[str, ...]) -> RegistryEntry:
     directory = WEIGHTS_DIR / name
+    markers = (marker,) if isinstance(marker, str) else marker
 
     def state() -> str:
-        return "ready" if (directory / marker).is_file() else "not trained yet"
+        return "ready" if any((directory / m).is_file() for m in markers) else "not trained yet"
 
     def resolve() -> Path:
         if state() != "ready":
@@ -174,7 +175,7 @@ def _shipped(name: str, marker: str) -> RegistryEntry:
     return RegistryEntry(name=name, role="", description="", resolve=resolve, cached=state)
 
 
-def _register_shipped(name: str, role: str, marker: str, description: str) -> None:
+def _register_shipped(name: str, role: str, marker: str | tuple[str, ...], description: str) -> None:
     entry = _shipped(name, marker)
     register(RegistryEntry(name=name, role=role, description=description, resolve=entry.resolve, cached=entry.cached))
 
