@@ -284,7 +284,7 @@ METHODS: dict[str, Method] = {
         Method(
             "hybrid", "suffix drafting where its speculation scores high, the draft (an EAGLE head) elsewhere (exact)",
             drafter="hybrid", make_rule=_suffix_rule,
-            options=(Option("threshold", 1.0, float, "expected accepted tokens a suffix speculation needs to be used"),
+            options=(Option("threshold", 3.0, float, "expected accepted tokens a suffix speculation needs to be used"),
                      _CONFIDENCE, *_SUFFIX_OPTIONS),
             reference="Oliaro et al. 2024 §4 (hybrid with a model drafter)",
         ),
