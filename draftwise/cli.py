@@ -665,6 +665,8 @@ def _add_train_data(sub: argparse._SubParsersAction) -> None:
                    help="prompts the target synthesises from its user-turn prefix (source `magpie`; kept in "
                    "OUT/magpie.jsonl, or OUT.magpie.jsonl)")
     p.add_argument("--shard-size", type=int, default=64, help="sequences per shard (--features)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="--features: stop after this many minutes, keeping every finished answer (re-run to go on)")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -680,6 +682,7 @@ def _add_train_data(sub: argparse._SubParsersAction) -> None:
 
 def _run_train_data(args: argparse.Namespace) -> int:
     import random
+    import time
     from pathlib import Path
 
     from tqdm import tqdm
@@ -720,6 +723,11 @@ def _run_train_data(args: argparse.Namespace) -> int:
         from .training.shards import generate_shards
 
         log_path = out / "progress.jsonl"
+        import signal
+
+        def interrupted(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, interrupted)  # `kill` keeps the finished answers, like Ctrl-C
 
         def log(record: dict) -> None:
             with open(log_path, "a") as f:
@@ -729,6 +737,7 @@ def _run_train_data(args: argparse.Namespace) -> int:
             report = generate_shards(target, prompts, out, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, temperature=args.temperature, tag=tag,
                                      seed=args.seed, shard_size=args.shard_size,
+                                     deadline=time.monotonic() + 60 * args.minutes if args.minutes else None,
                                      progress=lambda n, tokens: bar.update(n - bar.n), log=log)
         report.update(tag=tag, target=args.target, batch_size=args.batch_size, torch_threads=__import__("torch").get_num_threads())
         write_json(report, out / f"train-data-report-{tag}.json")

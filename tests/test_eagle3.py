@@ -215,6 +215,11 @@ def test_generate_shards_captures_the_features_a_cache_free_forward_gives_and_re
         ["the cat sat", "a small draft model", "once upon a time there", "the target verifies", "speculative",
          "the dog sat on the log and"])]
     out = tmp_path / "shards"
+    import time
+
+    nothing = generate_shards(loaded, prompts, out, max_new_tokens=9, batch_size=3, temperature=0.0, tag="greedy",
+                              shard_size=2, layers=LAYERS, encode=encode, deadline=time.monotonic() - 1)
+    assert nothing["sequences"] == 0 and shard_paths(out) == []  # a spent budget writes nothing, and no half shard
     first = generate_shards(loaded, prompts[:4], out, max_new_tokens=9, batch_size=3, temperature=0.0, tag="greedy",
                             shard_size=2, layers=LAYERS, encode=encode)
     assert first["sequences"] == 4 and len(shard_paths(out)) == 2

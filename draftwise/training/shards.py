@@ -188,12 +188,14 @@ def generate_shards(
     target: Any, prompts: Sequence[Any], out: Path, *, max_new_tokens: int, batch_size: int, temperature: float,
     tag: str, seed: int = 0, shard_size: int = 64, layers: Sequence[int] | None = None,
     progress: Callable[[int, int], None] | None = None, log: Callable[[dict], None] | None = None,
-    encode: Callable[[str], list[int]] | None = None,
+    encode: Callable[[str], list[int]] | None = None, deadline: float | None = None,
 ) -> dict[str, Any]:
     """Answer `prompts` (objects with uid, source, category, text) with the batched engine, capturing features.
 
     Returns counts and throughput of this run. Re-running skips what earlier runs wrote.
-    `encode` turns a prompt's text into ids (default: the target's chat template, as a user turn)."""
+    `encode` turns a prompt's text into ids (default: the target's chat template, as a user turn).
+    `deadline` (a `time.monotonic()` value): stop there, keeping every finished answer (in-flight ones are
+    redone by the next run)."""
     from ..acceptance import ExactRule
     from ..engine import Engine, Request
     from ..models.runner import ModelRunner
@@ -232,30 +234,37 @@ def generate_shards(
         next_index += 1
         pending = []
 
-    while engine.has_work:
-        for event in engine.step():
-            if not event.finished:
-                continue
-            result = engine.result(event.request_id)
-            p = by_id[event.request_id]
-            buffer = capture.take(serial_of[event.request_id])
-            prompt = list(buffer["prompt"])
-            answer = list(result.token_ids)
-            feats = torch.cat(buffer["chunks"]) if buffer["chunks"] else torch.zeros(0, len(layers) + 1)
-            total = len(prompt) + len(answer)
-            full = torch.zeros(total, feats.shape[1], dtype=torch.float16)
-            full[: feats.shape[0]] = feats[:total]
-            pending.append(Sequence_(p.uid, p.source, p.category, tag, prompt, answer, full))
-            answer_tokens += len(answer)
-            written += 1
-            if progress is not None:
-                progress(written, answer_tokens)
-            if len(pending) >= shard_size:
-                flush()
-                if log is not None:
-                    elapsed = time.perf_counter() - started
-                    log({"sequences": written, "answer_tokens": answer_tokens, "seconds": round(elapsed, 1),
-                         "answer_tokens_per_hour": round(answer_tokens / max(elapsed, 1e-9) * 3600)})
+    try:
+        while engine.has_work:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            for event in engine.step():
+                if not event.finished:
+                    continue
+                result = engine.result(event.request_id)
+                p = by_id[event.request_id]
+                buffer = capture.take(serial_of[event.request_id])
+                prompt = list(buffer["prompt"])
+                answer = list(result.token_ids)
+                feats = torch.cat(buffer["chunks"]) if buffer["chunks"] else torch.zeros(0, (len(layers) + 1) * meta["hidden"])
+                total = len(prompt) + len(answer)
+                full = torch.zeros(total, feats.shape[1], dtype=torch.float16)
+                full[: feats.shape[0]] = feats[:total]
+                pending.append(Sequence_(p.uid, p.source, p.category, tag, prompt, answer, full))
+                answer_tokens += len(answer)
+                written += 1
+                if progress is not None:
+                    progress(written, answer_tokens)
+                if len(pending) >= shard_size:
+                    flush()
+                    if log is not None:
+                        elapsed = time.perf_counter() - started
+                        log({"sequences": written, "answer_tokens": answer_tokens, "seconds": round(elapsed, 1),
+                             "answer_tokens_per_hour": round(answer_tokens / max(elapsed, 1e-9) * 3600)})
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what finished, then stop
+        if pending:
+            flush()
+        raise
     if pending:
         flush()
     elapsed = time.perf_counter() - started
