@@ -462,3 +462,19 @@ def test_sd_with_eagle3_head_reproduces_target_joint_distribution():
     p_value = pooled_chisquare(counts, expected)
     print(f"eagle3: chi-square p = {p_value:.3g}")
     assert p_value > ALPHA, f"eagle3: chi-square p = {p_value:.3g}"
+
+
+def test_hybrid_reproduces_target_joint_distribution():
+    """hybrid (suffix speculation where it expects >= 1.5 tokens, the draft model elsewhere) on a repeating prompt:
+    the joint of 3 tokens is still the target's (T=0.8/top-k/top-p). test_suffix checks both drafters are used."""
+    case = Case("prompt-lookup", 6, 3, WARPED, 3)  # its repeating prompt, so the suffix tries have matches
+    target, draft = target_and_draft(6)
+    expected = case.exact()
+    counts, totals = sample_joint(N_EXACT, 3, 6, target=target, prompt=case.prompt, draft=draft, method="hybrid",
+                                  gamma=3, max_new_tokens=4, temperature=WARPED.temperature, top_k=WARPED.top_k,
+                                  top_p=WARPED.top_p, threshold=1.5)
+    assert 0 < totals["accepted"] < totals["drafted"]
+    assert counts[expected == 0].sum() == 0
+    p_value = pooled_chisquare(counts, expected)
+    print(f"hybrid: chi-square p = {p_value:.3g}")
+    assert p_value > ALPHA, f"hybrid: chi-square p = {p_value:.3g}"
