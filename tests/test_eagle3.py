@@ -433,3 +433,43 @@ def test_mtad_runs_on_a_head():
         out = draftwise.generate(target, [1, 2, 3, 4], draft=head, method="mtad", temperature=temperature,
                                  max_new_tokens=16, ignore_eos=True, seed=0)
         assert len(out.token_ids) == 16 and out.stats["drafted"] > 0
+
+
+def test_train_eagle3_and_export_cli_on_a_tiny_target(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from draftwise.training.shards import eagle3_layers, generate_shards
+
+    target = _target()
+    tok = tiny_tokenizer(64)
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    loaded = _loaded(target)
+    prompts = [_Prompt(f"p{i}", t) for i, t in enumerate(["the cat sat", "a small draft", "once upon a time"] * 3)]
+    for i, p in enumerate(prompts):
+        p.uid = f"p{i}"
+    generate_shards(loaded, prompts, tmp_path / "d", max_new_tokens=8, batch_size=4, temperature=0.0, tag="greedy",
+                    shard_size=4, layers=eagle3_layers(4), encode=lambda text: loaded.tokenizer(text)["input_ids"])
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "draftwise", *argv], capture_output=True, text=True,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+    run = cli("train-eagle3", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "d"), "--out",
+              str(tmp_path / "o"), "--steps", "3", "--draft-vocab", "40", "--intermediate-size", "48", "--batch-size",
+              "2", "--warmup", "1", "--ttt-steps", "2", "--fp32")
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "o" / "distill-report.json").read_text())
+    assert report["steps"] == 3 and report["finished"]
+    run = cli("export-eagle", "--head", str(tmp_path / "o" / "head"), "--out", str(tmp_path / "x"), "--target",
+              str(tmp_path / "target"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "x" / "config.json").is_file()
+    for argv, message in ((("train-eagle3", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "o2"),
+                            "--target", str(tmp_path / "target")), "no feature shards"),
+                          (("train-eagle3", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o3"), "--steps", "0"),
+                           "--steps must be >= 1")):
+        run = cli(*argv)
+        assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]

@@ -273,6 +273,9 @@ def generate_shards(
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise DraftwiseError("the target's tokenizer has no chat template: train-data asks the target as a chat "
+                             "model (give a target with one)")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
