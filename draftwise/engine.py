@@ -241,12 +241,50 @@ class LookupRowsDrafter(NoRowsDrafter):
     def propose(self, rows, limits) -> RowsDraft:
         # a continuation stops after an end-of-sequence token: nothing past it is drafted
         found = [cut_at_eos(self._lookup.lookup(r.sequence, limit), self.eos) for r, limit in zip(rows, limits)]
-        tokens, counts = pad_rows(found)
-        if tokens.shape[1] == 0:
-            return _empty(len(rows), self.vocab_size, self.device)
-        tokens = tokens.to(self.device)
-        probs = torch.zeros(*tokens.shape, self.vocab_size, device=self.device).scatter_(-1, tokens[..., None], 1.0)
-        return RowsDraft(tokens, probs, counts)
+        return one_hot_draft(found, self.vocab_size, self.device)
+
+
+def one_hot_draft(found: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> RowsDraft:
+    """Deterministic drafts (lookup, suffix tries): each row's tokens with one-hot distributions."""
+    tokens, counts = pad_rows(found)
+    if tokens.shape[1] == 0:
+        return _empty(len(found), vocab_size, device)
+    tokens = tokens.to(device)
+    probs = torch.zeros(*tokens.shape, vocab_size, device=device).scatter_(-1, tokens[..., None], 1.0)
+    return RowsDraft(tokens, probs, counts)
+
+
+class RetiringRows:
+    """Per-row state of a rows drafter that outlives its row: when a request leaves (its row is reused,
+    overwritten by a move, or dropped), `retire(state)` receives what it held."""
+
+    def __init__(self) -> None:
+        self.rows: list[Any] = []
+
+    def put(self, row: int, state: Any) -> None:
+        while len(self.rows) <= row:
+            self.rows.append(None)
+        self._retire(row)
+        self.rows[row] = state
+
+    def move_row(self, src: int, dst: int) -> None:
+        self._retire(dst)
+        self.rows[dst] = self.rows[src]
+        self.rows[src] = None
+
+    def release(self, live: int) -> None:
+        for row in range(live, len(self.rows)):
+            self._retire(row)
+        del self.rows[live:]
+
+    def retire(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def _retire(self, row: int) -> None:
+        state = self.rows[row] if row < len(self.rows) else None
+        if state is not None:
+            self.retire(state)
+            self.rows[row] = None
 
 
 class ModelRowsDrafter:

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from .engine import RetiringRows, one_hot_draft
 from .errors import DraftwiseError
 
 
@@ -159,7 +160,7 @@ class SuffixOptions:
             raise DraftwiseError(f"suffix min_match must be in [1, depth), got {self.min_match}")
 
 
-class SuffixRowsDrafter:
+class SuffixRowsDrafter(RetiringRows):
     """Suffix drafting for the engine's rows; one-hot draft distributions (exact)."""
 
     calls = 0
@@ -167,20 +168,17 @@ class SuffixRowsDrafter:
 
     def __init__(self, vocab_size: int, device: torch.device, options: SuffixOptions = SuffixOptions(), *,
                  eos_token_ids: frozenset[int] = frozenset(), store: GlobalSuffix | None = None) -> None:
+        super().__init__()
         self.vocab_size, self.device, self.options = vocab_size, device, options
         self.eos = eos_token_ids
         self.store = store if store is not None else GlobalSuffix(options.depth, options.global_tokens)
-        self.rows: list[RequestSuffix | None] = []
         self.last_scores: list[float] = []
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        while len(self.rows) <= row:
-            self.rows.append(None)
-        self._retire(row)
         state = RequestSuffix(self.options.depth)
         state.extend(prompt_ids)
         state.prompt_length = len(prompt_ids)
-        self.rows[row] = state
+        self.put(row, state)
 
     def speculate(self, rows, limits) -> tuple[list[list[int]], list[float]]:
         o = self.options
@@ -205,15 +203,8 @@ class SuffixRowsDrafter:
         return found, scores
 
     def propose(self, rows, limits):
-        from .engine import RowsDraft, _empty, pad_rows
-
         found, _ = self.speculate(rows, limits)
-        tokens, counts = pad_rows(found)
-        if tokens.shape[1] == 0:
-            return _empty(len(rows), self.vocab_size, self.device)
-        tokens = tokens.to(self.device)
-        probs = torch.zeros(*tokens.shape, self.vocab_size, device=self.device).scatter_(-1, tokens[..., None], 1.0)
-        return RowsDraft(tokens, probs, counts)
+        return one_hot_draft(found, self.vocab_size, self.device)
 
     def rewind(self, row, keep) -> None:
         pass  # the trie follows committed tokens only
@@ -221,22 +212,9 @@ class SuffixRowsDrafter:
     def observe(self, row, start, states) -> None:
         pass
 
-    def move_row(self, src: int, dst: int) -> None:
-        self._retire(dst)
-        self.rows[dst] = self.rows[src]
-        self.rows[src] = None
-
-    def release(self, live: int) -> None:
-        for row in range(live, len(self.rows)):
-            self._retire(row)
-        del self.rows[live:]
-
-    def _retire(self, row: int) -> None:
+    def retire(self, state: RequestSuffix) -> None:
         """A request leaves: its output joins the global store."""
-        state = self.rows[row] if row < len(self.rows) else None
-        if state is not None:
-            self.store.add(state.tokens[state.prompt_length :])
-            self.rows[row] = None
+        self.store.add(state.tokens[state.prompt_length :])
 
 
 class HybridRowsDrafter:

@@ -21,6 +21,15 @@ LAYERS = (0, 2, 3)
 GREEDY = SamplingConfig(temperature=0.0)
 
 
+class Row:
+    """What a rows drafter reads of an engine row."""
+
+    def __init__(self, sequence):
+        self.sequence = sequence
+        self.request = Request(tuple(sequence), GREEDY)
+        self.generator = make_generator(0)
+
+
 def _target(seed: int = 0, vocab: int = 64):
     return tiny_llama(seed, layers=4, width=32, vocab=vocab)
 
@@ -111,12 +120,6 @@ def test_row_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_ac
     target = _target()
     head = _head(target, torch.arange(0, 64, 2))  # a reduced draft vocabulary
     drafter = EagleRowsDrafter(head, 64, torch.device("cpu"))
-
-    class Row:
-        def __init__(self, sequence):
-            self.sequence = sequence
-            self.request = Request(tuple(sequence), GREEDY)
-            self.generator = make_generator(0)
 
     rng = random.Random(2)
     rows = [Row([rng.randrange(64) for _ in range(n)]) for n in (3, 7, 5)]
@@ -300,12 +303,6 @@ def test_head_bonus_distribution_equals_a_cache_free_rollout_and_drafting_goes_o
     target = _target()
     head = _head(target, torch.arange(0, 64, 2))
     drafter = EagleRowsDrafter(head, 64, torch.device("cpu"), keep_raw=True)
-
-    class Row:
-        def __init__(self, sequence):
-            self.sequence = sequence
-            self.request = Request(tuple(sequence), GREEDY)
-            self.generator = make_generator(0)
 
     def next_logits(seq):
         aux = _features(target, seq)[: len(seq) - 1, : head.feature_size]

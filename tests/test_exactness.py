@@ -414,19 +414,34 @@ def test_lossy_with_normalised_pi_samples_pi_itself():
 # ----------------------------------------------------------------------------- EAGLE draft head
 
 
-def test_sd_with_eagle_head_reproduces_target_joint_distribution():
-    """sd drafting with a feature head over a reduced draft vocabulary (8 of 12 tokens: the
-    draft distribution is zero elsewhere) is still exact: joint of 2 tokens, T=0.8/top-k/top-p."""
-    from draftwise.eagle import EagleConfig, EagleHead
-
-    target, _ = target_and_draft(12)
+def _feature_head(kind: str, target):
+    """A feature head over a reduced draft vocabulary (8 of 12 tokens: zero draft probability elsewhere),
+    sharper than random init and unlike the target."""
+    vocab_ids = torch.tensor([0, 2, 3, 5, 6, 8, 9, 11])
     torch.manual_seed(7)
-    head = EagleHead(EagleConfig(hidden_size=16, num_heads=4, num_kv_heads=2, intermediate_size=32,
-                                 target_vocab_size=12), torch.tensor([0, 2, 3, 5, 6, 8, 9, 11]))
+    if kind == "eagle":
+        from draftwise.eagle import EagleConfig, EagleHead
+
+        head = EagleHead(EagleConfig(hidden_size=16, num_heads=4, num_kv_heads=2, intermediate_size=32,
+                                     target_vocab_size=12), vocab_ids)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.mul_(3.0)
+        return head.attach(target)
+    from draftwise.eagle3 import Eagle3Head  # fused layer inputs, its own LM head
+
+    head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=32, feature_layers=(0, 0, 0))
     with torch.no_grad():
         for p in head.parameters():
-            p.mul_(3.0)  # sharper than random init, and unlike the target
-    head.attach(target)
+            p.add_(0.2 * torch.randn_like(p))
+    return head.eval()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_sd_with_a_feature_head_reproduces_target_joint_distribution(kind):
+    """sd drafting with an EAGLE-1 or EAGLE-3-style head is exact: joint of 2 tokens, T=0.8/top-k/top-p."""
+    target, _ = target_and_draft(12)
+    head = _feature_head(kind, target)
     prompt = SD_PROMPTS[12]
     expected = exact_joint(target, prompt, WARPED, 2)
     counts, totals = sample_joint(N_EXACT, 2, 12, target=target, prompt=prompt, draft=head, method="sd", gamma=2,
@@ -435,33 +450,8 @@ def test_sd_with_eagle_head_reproduces_target_joint_distribution():
     assert 0 < totals["accepted"] < totals["drafted"]
     assert counts[expected == 0].sum() == 0
     p_value = pooled_chisquare(counts, expected)
-    print(f"eagle: chi-square p = {p_value:.3g}")
-    assert p_value > ALPHA, f"eagle: chi-square p = {p_value:.3g}"
-
-
-def test_sd_with_eagle3_head_reproduces_target_joint_distribution():
-    """sd drafting with an EAGLE-3-style head (fused layer inputs, its own reduced-vocabulary LM head: zero draft
-    probability outside 8 of 12 tokens) is exact: joint of 2 tokens, T=0.8/top-k/top-p."""
-    from draftwise.eagle3 import Eagle3Head
-
-    target, _ = target_and_draft(12)
-    torch.manual_seed(7)
-    head = Eagle3Head.new(target, vocab_ids=torch.tensor([0, 2, 3, 5, 6, 8, 9, 11]), intermediate_size=32,
-                          feature_layers=(0, 0, 0))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.2 * torch.randn_like(p))  # unlike the target
-    head.eval()
-    prompt = SD_PROMPTS[12]
-    expected = exact_joint(target, prompt, WARPED, 2)
-    counts, totals = sample_joint(N_EXACT, 2, 12, target=target, prompt=prompt, draft=head, method="sd", gamma=2,
-                                  max_new_tokens=3, temperature=WARPED.temperature, top_k=WARPED.top_k,
-                                  top_p=WARPED.top_p)
-    assert 0 < totals["accepted"] < totals["drafted"]
-    assert counts[expected == 0].sum() == 0
-    p_value = pooled_chisquare(counts, expected)
-    print(f"eagle3: chi-square p = {p_value:.3g}")
-    assert p_value > ALPHA, f"eagle3: chi-square p = {p_value:.3g}"
+    print(f"{kind}: chi-square p = {p_value:.3g}")
+    assert p_value > ALPHA, f"{kind}: chi-square p = {p_value:.3g}"
 
 
 def test_hybrid_reproduces_target_joint_distribution():

@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..engine import NoRowsDrafter, RetiringRows
 from ..errors import DraftwiseError
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -43,7 +44,7 @@ def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-class FeatureCapture:
+class FeatureCapture(RetiringRows):
     """A rows drafter that drafts nothing and keeps every row's target features (fp16).
 
     Buffers are numbered in admission order, which is the engine's submission order."""
@@ -51,23 +52,16 @@ class FeatureCapture:
     wants_features = True
 
     def __init__(self, vocab_size: int, device: torch.device, feature_layers: Sequence[int] = ()) -> None:
-        from ..engine import NoRowsDrafter
-
+        super().__init__()
         self.feature_layers = tuple(feature_layers)  # the engine sets the target runner to return these
         self._none = NoRowsDrafter(vocab_size, device)
         self.calls = 0
-        self.rows: list[dict[str, Any]] = []
         self.admitted = 0
         self.retired: dict[int, dict[str, Any]] = {}  # admission serial -> buffer of a row that left
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        buffer = {"serial": self.admitted, "prompt": tuple(prompt_ids), "chunks": [], "length": 0}
+        self.put(row, {"serial": self.admitted, "prompt": tuple(prompt_ids), "chunks": [], "length": 0})
         self.admitted += 1
-        if row == len(self.rows):
-            self.rows.append(buffer)
-        else:
-            self._retire(row)
-            self.rows[row] = buffer
 
     def propose(self, rows, limits):
         return self._none.propose(rows, limits)
@@ -83,21 +77,8 @@ class FeatureCapture:
     def rewind(self, row: int, keep: int) -> None:
         pass  # plain decoding commits every fed token
 
-    def move_row(self, src: int, dst: int) -> None:
-        self._retire(dst)
-        self.rows[dst] = self.rows[src]
-        self.rows[src] = None
-
-    def release(self, live: int) -> None:
-        for row in range(live, len(self.rows)):
-            self._retire(row)
-        del self.rows[live:]
-
-    def _retire(self, row: int) -> None:
-        buffer = self.rows[row] if row < len(self.rows) else None
-        if buffer is not None:
-            self.retired[buffer["serial"]] = buffer
-            self.rows[row] = None
+    def retire(self, buffer: dict[str, Any]) -> None:
+        self.retired[buffer["serial"]] = buffer
 
     def take(self, serial: int) -> dict[str, Any]:
         return self.retired.pop(serial)
