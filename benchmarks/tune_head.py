@@ -46,21 +46,22 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     target = load_model(args.target, dtype="fp32")
     head = load_draft(args.head, target)
-    prompts = [q.text for q in load_prompts(split="train")][:: max(1, 384 // args.num_prompts)][: args.num_prompts]
+    texts = [q.text for q in load_prompts(split="train")][:: max(1, 384 // args.num_prompts)][: args.num_prompts]
+    prompts = [[{"role": "user", "content": text}] for text in texts]  # chat, as the bench asks
     pairs = [(int(g), float(c)) for g in args.gammas.split(",") for c in args.confidences.split(",")]
     kw = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
-    draftwise.generate(target, prompts[0], method="ar", **kw)  # warm-up
-    draftwise.generate(target, prompts[0], method="sd", draft=head, gamma=pairs[0][0], confidence=pairs[0][1], **kw)
+    draftwise.generate(target, messages=prompts[0], method="ar", **kw)  # warm-up
+    draftwise.generate(target, messages=prompts[0], method="sd", draft=head, gamma=pairs[0][0], confidence=pairs[0][1], **kw)
     times: dict[str, list[float]] = {"ar": []}
     stats: dict[str, list[dict]] = {}
     for prompt in prompts:
         start = time.perf_counter()
-        ar = draftwise.generate(target, prompt, method="ar", **kw)
+        ar = draftwise.generate(target, messages=prompt, method="ar", **kw)
         times["ar"].append((time.perf_counter() - start) / max(1, len(ar.token_ids)))
         for gamma, confidence in pairs:
             key = f"g{gamma}-c{confidence:g}"
             start = time.perf_counter()
-            out = draftwise.generate(target, prompt, method="sd", draft=head, gamma=gamma, confidence=confidence, **kw)
+            out = draftwise.generate(target, messages=prompt, method="sd", draft=head, gamma=gamma, confidence=confidence, **kw)
             times.setdefault(key, []).append((time.perf_counter() - start) / max(1, len(out.token_ids)))
             stats.setdefault(key, []).append(out.stats)
     rows = {}

@@ -181,8 +181,9 @@ def _register_shipped(name: str, role: str, marker: str | tuple[str, ...], descr
 
 
 _register_shipped(
-    "smollm2-135m-eagle", "eagle", "eagle.json",
-    "EAGLE draft head for smollm2-135m: 1 decoder layer on the target's features, 8,192-token draft vocabulary",
+    "smollm2-135m-eagle", "eagle", ("eagle3.json", "eagle.json"),
+    "EAGLE-3-style draft head for smollm2-135m: 1 decoder layer on the inputs of target layers 2, 15 and 27, "
+    "trained with the training-time test; 8,192-token draft vocabulary, the target's LM-head rows",
 )
 _register_shipped(
     "smollm2-135m-draft", "draft", "config.json",
