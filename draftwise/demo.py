@@ -32,7 +32,7 @@ def main() -> int:
     target = load_model(TARGET)
     print(f"  ready in {time.perf_counter() - start:.1f} s", flush=True)
     drafts = registry.default_draft(TARGET)
-    methods = ("ar", "prompt-lookup") + (("sd",) if drafts else ())
+    methods = ("ar", "suffix", "prompt-lookup") + (("sd", "hybrid") if drafts else ())
     config = BenchConfig(
         target=TARGET, draft=drafts, methods=methods, num_prompts=6, max_new_tokens=96, temperature=0.0,
         gamma=4, repeats=1, warmup=1, dtype="auto", threads=torch.get_num_threads(),
