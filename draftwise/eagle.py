@@ -151,6 +151,13 @@ class EagleHead(DraftHead):
         return head.eval()
 
 
+def full_vocabulary_logits(small: torch.Tensor, usable_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, usable] draft-vocabulary logits -> [rows, vocab_size], -inf elsewhere (probability zero: exact)."""
+    full = torch.full((small.shape[0], vocab_size), float("-inf"), device=small.device, dtype=small.dtype)
+    full[:, usable_ids] = small
+    return full
+
+
 def is_eagle_dir(path: str | Path) -> bool:
     """A directory holding a draft head: EAGLE-1 (eagle.json) or EAGLE-3 (eagle3.json)."""
     from .eagle3 import is_eagle3_dir

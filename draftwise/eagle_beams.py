@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from .drafters import Draft, empty_draft
-from .eagle import DraftHead
+from .eagle import DraftHead, full_vocabulary_logits
 from .errors import DraftwiseError
 from .models.runner import ModelRunner, RunnerOutput
 from .sampling import SamplingConfig
@@ -46,10 +46,7 @@ class HeadBeamRunner:
         return self.runner.length
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
-        small = self.head.logits(states)[:, self.usable]
-        full = torch.full((states.shape[0], self.vocab_size), float("-inf"), device=self.device, dtype=small.dtype)
-        full[:, self.usable_ids] = small
-        return full
+        return full_vocabulary_logits(self.head.logits(states)[:, self.usable], self.usable_ids, self.vocab_size)
 
     def pending(self, sequence: Sequence[int]) -> list[int]:
         self._sequence = list(sequence)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .eagle import DraftHead
+from .eagle import DraftHead, full_vocabulary_logits
 from .errors import DraftwiseError
 from .models.runner import ModelRunner
 from .policies import FixedLength, LengthPolicy
@@ -134,8 +134,7 @@ class EagleRowsDrafter:
                 step_probs = torch.zeros(n, self.vocab_size, device=self.device).scatter_(-1, token[:, None], 1.0)
             else:
                 # zero probability outside the draft vocabulary (and past a padded target vocabulary): exact
-                full = torch.full((n, self.vocab_size), float("-inf"), device=self.device, dtype=logits.dtype)
-                full[:, self.usable_ids] = logits  # [rows, vocab]
+                full = full_vocabulary_logits(logits, self.usable_ids, self.vocab_size)  # [rows, vocab]
                 raw = unwarped(full) if self.policy.needs_raw or self.keep_raw else None
                 if self.policy.needs_raw:
                     active &= ~self.policy.stop_before(raw)
@@ -207,8 +206,7 @@ class EagleRowsDrafter:
                 self.last_state[b] = states[b, c - 1]
             picked.append(self.last_state[b])
         logits = self.head.logits(torch.stack(picked))[:, self.usable]
-        full = torch.full((n, self.vocab_size), float("-inf"), device=self.device, dtype=logits.dtype)
-        full[:, self.usable_ids] = logits
+        full = full_vocabulary_logits(logits, self.usable_ids, self.vocab_size)
         return unwarped(full), warp_rows(full, configs)
 
     def move_row(self, src: int, dst: int) -> None:
