@@ -6,6 +6,8 @@ geometry is not relearned from scratch) and is tied to its output layer. It is
 trained on the target's own chat answers (`draftwise train-data`) with
 cross-entropy on the answer tokens only: for greedy answers each label is the
 target's argmax, the token the draft must propose for its drafts to be accepted.
+The data is JSONL from `draftwise train-data`, or a shard directory from
+`draftwise train-data --features` (only its tokens are read).
 
 Checkpoints (model, optimizer, step, data order) are written atomically every
 `checkpoint_every` steps; re-running with the same output directory resumes from
@@ -32,7 +34,7 @@ from .loop import cosine_lr, train_loop
 
 @dataclass(frozen=True)
 class DistillConfig:
-    data: str  # JSONL from `draftwise train-data`
+    data: str  # JSONL from `draftwise train-data`, or shard directories (comma-separated for several)
     out: str  # output directory: checkpoint.pt while training, then an HF directory
     hidden_size: int = 160
     num_layers: int = 2
@@ -48,14 +50,22 @@ class DistillConfig:
     checkpoint_every: int = 200
     save_dtype: str = "fp16"
     val_fraction: float = 0.05
+    bf16: bool = False  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX
 
 
 def _examples(paths: str | Path, max_len: int, *, keep_prompt_only: bool = False) -> list[tuple[list[int], int]]:
-    """(ids, answer_start) per record of one or more comma-separated JSONL files, cut to the last max_len tokens."""
+    """(ids, answer_start) per record of comma-separated JSONL files or shard directories, cut to the last
+    max_len tokens."""
     out = []
     for path in [Path(p) for p in str(paths).split(",") if p]:
-        for r in read_answers(path):
-            prompt, answer = r["prompt_ids"], r["answer_ids"]
+        if path.is_dir():
+            from .shards import read_shards
+
+            records = ((s.tokens[: s.answer_start].tolist(), s.tokens[s.answer_start :].tolist())
+                       for s in read_shards(path, features=False))
+        else:
+            records = ((r["prompt_ids"], r["answer_ids"]) for r in read_answers(path))
+        for prompt, answer in records:
             if not answer and not keep_prompt_only:
                 continue
             ids = (prompt + answer)[-max_len:]
@@ -136,12 +146,12 @@ def evaluate(model: LlamaForCausalLM, examples: list, pad: int, batch_size: int 
 
 def distill(
     config: DistillConfig, target_config, target_embedding: torch.Tensor, *, pad: int,
-    progress: Callable[[int, dict], None] | None = None, stop_at: int | None = None,
+    progress: Callable[[int, dict], None] | None = None, stop_at: int | None = None, minutes: float | None = None,
 ) -> dict:
     """Train (or resume) and write `config.out` as a Hugging Face directory; returns the final report.
 
-    stop_at: end this run after that step (checkpointed), as an interruption would; the
-    next call with the same config resumes.
+    stop_at: end this run after that step (checkpointed), as an interruption would; `minutes`: end it
+    after that much time. The next call with the same config resumes.
     """
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +167,12 @@ def distill(
 
     def step_fn(picked: list[int]):
         ids, mask, labels = _batch([train[i] for i in picked], pad)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=config.bf16):
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+            target = labels[:, 1:]
+            valid = target != -100  # the LM head only where there is a label: no logits for prompt and padding
+            logits = model.lm_head(hidden[valid])
+        loss = F.cross_entropy(logits.float(), target[valid])
         return loss, {"loss": float(loss.detach())}
 
     start = time.perf_counter()
@@ -166,6 +181,7 @@ def distill(
         total_steps=config.steps, lr=lambda s: cosine_lr(s, peak=config.lr, warmup=config.warmup, total=config.steps),
         step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
         config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at,
+        deadline=time.monotonic() + 60 * minutes if minutes else None,
     )
     stopped_early = step < config.steps  # an interrupted run still exports what it has (and can resume)
     report = {"steps": step, "stopped_early": stopped_early, "train_examples": len(train), "val_examples": len(val),

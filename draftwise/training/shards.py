@@ -138,16 +138,19 @@ def done_keys(directory: Path) -> set[tuple[str, str]]:
 
 @dataclass
 class ShardSequence:
-    """One sequence read back: tokens [T] int64, features [T, F] fp16, answer_start."""
+    """One sequence read back: tokens [T] int64, features [T, F] fp16 (None when read without them), answer_start."""
 
     tokens: torch.Tensor
-    features: torch.Tensor
+    features: torch.Tensor | None
     answer_start: int
     category: str
     uid: str
 
 
-def read_shards(directory: Path | str, *, layers: Sequence[int] | None = None) -> Iterator[ShardSequence]:
+def read_shards(
+    directory: Path | str, *, layers: Sequence[int] | None = None, features: bool = True,
+) -> Iterator[ShardSequence]:
+    """Every sequence of the shards in `directory`; `features=False` reads only the tokens (features is None)."""
     paths = shard_paths(Path(directory))
     if not paths:
         raise DraftwiseError(f"no feature shards ({SHARD_GLOB}) in {directory}: run `draftwise train-data --features`")
@@ -159,10 +162,11 @@ def read_shards(directory: Path | str, *, layers: Sequence[int] | None = None) -
             tokens = f.get_tensor("tokens").long()
             offsets = f.get_tensor("offsets").tolist()
             prompt_lens = f.get_tensor("prompt_lens").tolist()
-            feats = f.get_tensor("features")
+            feats = f.get_tensor("features") if features else None
         for i in range(len(prompt_lens)):
             a, b = offsets[i], offsets[i + 1]
-            yield ShardSequence(tokens[a:b], feats[a:b], prompt_lens[i], meta["categories"][i], meta["uids"][i])
+            yield ShardSequence(tokens[a:b], None if feats is None else feats[a:b], prompt_lens[i],
+                                meta["categories"][i], meta["uids"][i])
 
 
 def generate_shards(
