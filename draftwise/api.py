@@ -395,6 +395,7 @@ def check_options(
     spec.make_rule(options)  # validates option values (alpha range, n-gram sizes) now
     if spec.needs_draft and draft is not None and spec.name not in EAGLE_METHODS and is_eagle_spec(draft):
         raise DraftwiseError(_eagle_refused(spec.name, target))  # before asking for files it could not use
+    options = _registry_trained_file(spec, options, target, draft, sampling)
     spec.check_required(options)
     if spec.greedy_only and not sampling.greedy:
         raise DraftwiseError(f"method {spec.name!r} is defined for greedy decoding only: pass temperature=0")
@@ -416,6 +417,30 @@ def check_options(
     if spec.needs_draft and draft is not None and spec.name not in EAGLE_METHODS and is_eagle_spec(draft):
         raise DraftwiseError(_eagle_refused(spec.name, target))
     return spec, options, sampling, stops
+
+
+def _registry_trained_file(spec: Method, options: dict[str, Any], target: Any, draft: Any,
+                           sampling: SamplingConfig) -> dict[str, Any]:
+    """SPRINTER's verifier or SpecDec++'s head from the registry when none is given and the pair (the draft
+    given by name, or the default one) has one for this sampling setting. Otherwise the options unchanged, or,
+    when the pair has none, an error saying what the registry ships."""
+    if spec.drafter not in ("sprinter", "stophead"):
+        return options
+    option = next(o for o in spec.options if o.required)
+    if options.get(option.name):
+        return options
+    objective = "acceptance" if spec.drafter == "stophead" else "sprinter"
+    target_name = _registry_name(target)
+    if draft is None:
+        draft_name = registry.default_draft_for(target_name, eagle_ok=False) if target_name else None
+    else:
+        draft_name = _registry_name(draft)
+    path = registry.trained_file(target_name, draft_name, objective, sampling.temperature, sampling.top_k,
+                                 sampling.top_p) if target_name and draft_name else None
+    if path is None:
+        raise DraftwiseError(f"{spec.name} needs {option.name}=PATH: {registry.trained_files_note(objective)}; "
+                             f"for another pair or sampling setting, {option.required}")
+    return {**options, option.name: str(path)}
 
 
 def _registry_name(target: Any) -> str | None:
@@ -505,7 +530,7 @@ def _plan(
         from .sprinter import Verifier
 
         path = next(options[o.name] for o in spec.options if o.required)  # the trained file's option
-        verifier = Verifier.load(path, draft_model.model)
+        verifier = Verifier.load(path, draft_model.model, target_model.model)
         verifier.check_sampling(sampling)
         _check_objective(verifier, spec, path)
     prompt_ids = _prompt_ids(prompt, target_model, vocab_size)

@@ -554,7 +554,7 @@ def _run_train_verifier(args: argparse.Namespace) -> int:
             data = collect(target, draft, ids, data_config, vocab_size=vocab, progress=bar.update)
         if args.data:
             save_data(data, meta, Path(args.data))
-    base = spec_base(draft, args.draft, data_config)
+    base = spec_base(draft, args.draft, data_config, target, args.target)
     reports, saved = [], None
     for lam in sorted(set(lambdas + (args.lam,))):
         verifier, report = train(data, VerifierTrainConfig(lam=lam, features=features, arch=args.arch, tau=args.tau,

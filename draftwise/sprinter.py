@@ -43,10 +43,12 @@ FORMAT = "draftwise-sprinter-verifier-1"
 
 
 def draft_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of a draft model's shape and of the start of its embedding matrix."""
+    """A short hash of a model's shape and of the start of its embedding matrix.
+
+    The rows are rounded to bf16 first, so the same weights loaded in fp32, fp16 or bf16 give one fingerprint."""
     config = model.config
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
-    weight = model.get_input_embeddings().weight.detach()[:64].float().cpu().contiguous()
+    weight = model.get_input_embeddings().weight.detach()[:64].to(torch.bfloat16).float().cpu().contiguous()
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + weight.numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -76,6 +78,8 @@ class VerifierSpec:
     input_size: int
     draft_fingerprint: str
     draft_name: str = ""
+    target_fingerprint: str = ""  # the labels come from this target's distributions ("": not recorded)
+    target_name: str = ""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -122,7 +126,8 @@ class Verifier(torch.nn.Module):
         atomic_save({"format": FORMAT, "spec": json.dumps(spec), "state": self.state_dict()}, path)
 
     @classmethod
-    def load(cls, path: str | Path, draft_model: torch.nn.Module | None = None) -> "Verifier":
+    def load(cls, path: str | Path, draft_model: torch.nn.Module | None = None,
+             target_model: torch.nn.Module | None = None) -> "Verifier":
         path = Path(path)
         if not path.is_file():
             raise DraftwiseError(f"verifier file {str(path)!r} does not exist (train one with `draftwise train-verifier`)")
@@ -138,7 +143,21 @@ class Verifier(torch.nn.Module):
         verifier.load_state_dict(blob["state"])
         if draft_model is not None:
             verifier.check_draft(draft_model)
+        if target_model is not None:
+            verifier.check_target(target_model)
         return verifier.eval()
+
+    def check_target(self, target_model: torch.nn.Module) -> None:
+        if not self.spec.target_fingerprint:
+            return
+        found = draft_fingerprint(target_model)
+        if found != self.spec.target_fingerprint:
+            name = f" ({self.spec.target_name})" if self.spec.target_name else ""
+            raise DraftwiseError(
+                f"this file was trained for another target model{name}: its labels come from that target's "
+                f"distributions (fingerprint {self.spec.target_fingerprint}, the target given has {found}); "
+                "train one for this target with `draftwise train-verifier --target ...`"
+            )
 
     def check_draft(self, draft_model: torch.nn.Module) -> None:
         found = draft_fingerprint(draft_model)

@@ -558,3 +558,77 @@ def test_cli_several_prompts_with_the_default_eagle_draft(capsys, dirs):
         single = draftwise.generate(TARGET, [{"role": "user", "content": text}], temperature=0, max_new_tokens=3,
                                     seed=1)
         assert result["token_ids"] == single.token_ids and result["stats"]["method"] == "sd"
+
+
+# ------------------------------------------------- issue 13: SPRINTER's verifier and SpecDec++'s head out of the box
+
+@pytest.fixture(scope="module")
+def shipped_verifiers(root):
+    """A SPRINTER verifier and a SpecDec++ head for the tiny registry pair at T=1, where the registry looks."""
+    from draftwise.training.verifier import VerifierDataConfig, VerifierTrainConfig, collect, spec_base, train
+
+    target = draftwise.load_model(str(root / "target"))
+    draft = draftwise.load_model(str(root / "draft"))
+    config = VerifierDataConfig(continuation=12, per_kind=6, temperature=1.0)
+    data = collect(target, draft, [[i, i + 1, i + 2, 5, 6, 7] for i in range(40)], config, vocab_size=64)
+    base = spec_base(draft, DRAFT, config, target, TARGET)
+    paths = {}
+    for objective in ("sprinter", "acceptance"):
+        verifier, _ = train(data, VerifierTrainConfig(lam=1.2, features=("hidden", "stats"), objective=objective),
+                            base)
+        paths[objective] = root / "verifiers" / f"{DRAFT}-{objective}-t1.pt"
+        verifier.save(paths[objective])
+    yield paths
+    for path in paths.values():
+        path.unlink()
+
+
+@pytest.mark.parametrize("method, option, objective", [("sprinter", "verifier", "sprinter"),
+                                                       ("specdec++", "head", "acceptance")])
+def test_sprinter_and_specdecpp_run_with_the_registry_files(dirs, shipped_verifiers, method, option, objective):
+    kwargs = dict(method=method, temperature=1.0, seed=3, max_new_tokens=12, ignore_eos=True)
+    default = draftwise.generate(TARGET, "the cat", **kwargs)
+    explicit = draftwise.generate(TARGET, "the cat", draft=DRAFT, **{option: str(shipped_verifiers[objective])},
+                                  **kwargs)
+    assert default.token_ids == explicit.token_ids
+    assert default.stats["verifier_calls"] > 0
+
+
+def test_cli_sprinter_needs_no_file_for_the_registry_pair(capsys, dirs, shipped_verifiers):
+    for method in ("sprinter", "specdec++"):
+        code, out, err = _run(capsys, ["generate", "--method", method, "--temperature", "1", "--max-new-tokens", "4",
+                                       "--json", "the cat"])
+        assert code == 0, err
+        assert json.loads(out)["stats"]["method"] == method
+
+
+def test_registry_verifier_refuses_other_settings_and_targets(capsys, dirs, shipped_verifiers, root):
+    from draftwise.sprinter import Verifier
+
+    # a sampling setting the registry has no file for: the error says what it ships
+    code, out, err = _run(capsys, ["generate", "--method", "sprinter", "--temperature", "0", "the cat"])
+    _one_line_error(code, out, err, "sprinter needs verifier=PATH: the registry ships one for smollm2-135m with "
+                                    "smollm2-135m-draft at temperature 1")
+    with pytest.raises(DraftwiseError, match="needs head=PATH: the registry ships one"):
+        draftwise.generate(TARGET, "the cat", method="specdec++", temperature=1.0, top_k=5)
+    # another target: no registry file, and the shipped file itself refuses it
+    with pytest.raises(DraftwiseError, match="needs verifier=PATH"):
+        draftwise.generate(dirs["target"], "the cat", draft=DRAFT, method="sprinter", temperature=1.0)
+    other = tiny_llama(5, window=512)
+    with pytest.raises(DraftwiseError, match="trained for another target model"):
+        Verifier.load(shipped_verifiers["sprinter"], draftwise.load_model(dirs["draft"]).model, other)
+    with pytest.raises(DraftwiseError, match="trained for another target model"):
+        draftwise.generate(draftwise.load_model(other, tokenizer=dirs["target"]), "the cat", draft=dirs["draft"],
+                           method="sprinter", verifier=str(shipped_verifiers["sprinter"]), temperature=1.0)
+    # the same weights in another dtype are the same model
+    bf16 = draftwise.load_model(dirs["target"], dtype="bf16")
+    Verifier.load(shipped_verifiers["sprinter"], draftwise.load_model(dirs["draft"], dtype="bf16").model, bf16.model)
+
+
+def test_bench_plans_sprinter_with_the_registry_files(dirs, shipped_verifiers):
+    from draftwise.bench import harness
+
+    config = harness.BenchConfig(target=TARGET, methods=("ar", "sd", "sprinter", "specdec++", "mtad"),
+                                 temperature=1.0, num_prompts=1, max_new_tokens=2)
+    assert harness.plan_drafts(config) == {"ar": None, "sd": EAGLE, "sprinter": DRAFT, "specdec++": DRAFT,
+                                           "mtad": EAGLE}

@@ -197,3 +197,35 @@ _register_shipped(
 # Best first: the feature head drafts better than the independent model (see benchmarks/README.md).
 _DEFAULT_DRAFTS[SMOLLM2] = ("smollm2-135m-eagle", "smollm2-135m-draft")
 _COMPANIONS[SMOLLM2] = "smollm2-135m-companion"
+
+
+# --- SPRINTER verifiers and SpecDec++ stop heads, shipped for a (target, draft) pair ------------
+# draftwise/weights/verifiers/<draft>-<objective>-t<temperature>.pt, trained by `draftwise train-verifier`
+# (recipe in benchmarks/README.md). Each is made for one sampling setting: top-k 0, top-p 1 at that temperature.
+
+VERIFIERS_DIR = WEIGHTS_DIR / "verifiers"
+_TRAINED_FILES: dict[tuple[str, str], tuple[float, ...]] = {}  # (target, draft) -> temperatures shipped
+
+
+def trained_file(target: str | None, draft: str | None, objective: str, temperature: float, top_k: int = 0,
+                 top_p: float = 1.0) -> Path | None:
+    """The shipped SPRINTER verifier (objective 'sprinter') or SpecDec++ head ('acceptance') for a registry
+    pair and a sampling setting; None when the registry has none."""
+    if (target, draft) not in _TRAINED_FILES or temperature not in _TRAINED_FILES[(target, draft)]:
+        return None
+    if temperature > 0 and (top_k != 0 or top_p != 1.0):
+        return None
+    path = VERIFIERS_DIR / f"{draft}-{objective}-t{temperature:g}.pt"
+    return path if path.is_file() else None
+
+
+def trained_files_note(objective: str) -> str:
+    """What the registry ships, for an error message."""
+    shipped = {pair: [x for x in temps if trained_file(*pair, objective, x)] for pair, temps in _TRAINED_FILES.items()}
+    pairs = [f"{t} with {d} at temperature {' and '.join(f'{x:g}' for x in temps)}"
+             for (t, d), temps in sorted(shipped.items()) if temps]
+    return ("the registry ships one for " + "; ".join(pairs) + " (top-k 0, top-p 1)") if pairs else \
+        "the registry ships none"
+
+
+_TRAINED_FILES[(SMOLLM2, "smollm2-135m-draft")] = (0.0, 1.0)

@@ -134,12 +134,14 @@ class Service:
 
     def _first_plans(self, spec: Method) -> str | None:
         """Build the method's plan(s) now, the only time plans are built; the reason it cannot run, or None."""
-        if spec.drafter in ("sprinter", "stophead"):  # a trained file at one sampling setting, read at start
-            try:
+        if spec.drafter in ("sprinter", "stophead") and self._given_file(spec):
+            try:  # a trained file at one sampling setting, read at start
                 found = self._verifier_spec(spec)
             except DraftwiseError as error:
                 return str(error)
             settings = [SamplingConfig(found.temperature, found.top_k, found.top_p)]
+        elif spec.drafter in ("sprinter", "stophead"):  # the registry's files for the pair, where it ships them
+            settings = [SamplingConfig(1.0), SamplingConfig(0.0)]
         elif getattr(spec, "needs_profile", False):  # an SV profile per sampling setting: every one found now
             settings = self._profile_settings(spec)
         else:
@@ -167,6 +169,10 @@ class Service:
                 return settings  # the plan build reports the file's problem
             settings = [own] + [s for s in settings if s != own]
         return settings
+
+    def _given_file(self, spec: Method) -> bool:
+        resolved = spec.resolve_options(self._startup_options(spec))
+        return any(resolved[o.name] for o in spec.options if o.required)
 
     def _verifier_spec(self, spec: Method) -> Any:
         from ..sprinter import Verifier

@@ -246,9 +246,12 @@ def train(data: dict[str, torch.Tensor], config: VerifierTrainConfig, spec_base:
     return verifier.eval(), report
 
 
-def spec_base(draft, draft_name: str, config: VerifierDataConfig) -> dict:
-    return {"draft_fingerprint": draft_fingerprint(draft.model), "draft_name": draft_name,
+def spec_base(draft, draft_name: str, config: VerifierDataConfig, target=None, target_name: str = "") -> dict:
+    base = {"draft_fingerprint": draft_fingerprint(draft.model), "draft_name": draft_name,
             "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+    if target is not None:
+        base.update(target_fingerprint=draft_fingerprint(target.model), target_name=target_name)
+    return base
 
 
 def save_data(data: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
