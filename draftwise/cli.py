@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .api import check_options, default_draft, generate, stream
 from .errors import DraftwiseError, DraftwiseWarning
 from .methods import METHODS
-from .models.loading import load_draft, load_model
+from .models.loading import LoadedModel, load_draft, load_model
 from .sampling import SamplingConfig
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -541,7 +541,10 @@ def _run_train_verifier(args: argparse.Namespace) -> int:
     if args.num_prompts < 3:
         raise DraftwiseError("--num-prompts must be >= 3 (train, validation and test splits are by prompt)")
     target = load_model(args.target, dtype=args.dtype)
-    draft = load_model(args.draft, dtype=args.dtype)
+    draft = load_draft(args.draft, target, dtype=args.dtype)
+    if not isinstance(draft, LoadedModel):
+        raise DraftwiseError(f"{args.draft} is an EAGLE draft head; a verifier reads an independent draft model's "
+                             "hidden states: give one with --draft")
     from .api import _shared_vocab
 
     vocab = _shared_vocab(target, draft)
@@ -808,7 +811,7 @@ def _run_profile_sv(args: argparse.Namespace) -> int:
         raise DraftwiseError("profile-sv needs --draft and --companion (the registry has defaults only for "
                              f"{', '.join(registry.companion_targets())})")
     target = load_model(args.target, dtype=args.dtype)
-    draft = load_model(draft_name, dtype=args.dtype)
+    draft = load_draft(draft_name, target, dtype=args.dtype)
     companion = load_model(companion_name, dtype=args.dtype)
     for model in (draft, companion):
         check_same_tokenizer(target, model)
@@ -887,6 +890,8 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--loss-on", default="all", choices=["all", "answer"],
                    help="eagle: train on every position, or only on the target's answers")
     p.add_argument("--init-from", default="", help="eagle: start from this EAGLE directory (fine-tuning)")
+    p.add_argument("--output-vocab", type=int, default=0, help="model: also write output-vocab.json, the N most "
+                   "frequent tokens of the data; decoding then runs the draft's LM head over those rows only (exact)")
     p.add_argument("--bf16", action="store_true", help="model: bf16 autocast for the matmuls (fp32 master "
                    "weights); about 10x faster on CPUs with AMX")
     p.add_argument("--minutes", type=float, default=None, help="model: train one chunk of this many minutes, then "

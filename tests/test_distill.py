@@ -118,3 +118,29 @@ def test_eagle_head_refuses_another_target(tmp_path):
                                  target_vocab_size=64, target="other"), torch.arange(10))
     with pytest.raises(DraftwiseError, match="hidden size 32"):
         head.attach(tiny_llama(0))
+
+
+def test_distill_from_feature_shards_with_an_output_vocabulary(tmp_path):
+    """A shard directory (`train-data --features`) is read for its tokens; --output-vocab writes the draft's
+    restricted vocabulary (the data's frequent tokens, special tokens in), which load_draft then uses."""
+    from types import SimpleNamespace
+
+    from draftwise.models.loading import LoadedModel, load_draft
+    from draftwise.training.shards import generate_shards
+
+    target = LoadedModel(tiny_llama(0), name="tiny", eos_token_ids=frozenset({0}))
+    prompts = [SimpleNamespace(uid=f"p{i}", source="test", category="qa", text=str(i)) for i in range(6)]
+    generate_shards(target, prompts, tmp_path / "shards", max_new_tokens=8, batch_size=3, temperature=0.0,
+                    tag="greedy", shard_size=4, layers=(0, 1, 1), encode=lambda text: [1 + int(text), 7, 9])
+    emb = target.model.get_input_embeddings().weight.detach()
+    config = _config(tmp_path, data=str(tmp_path / "shards"), steps=10, output_vocab=16)
+    report = distill(config, target.model.config, emb, pad=0)
+    assert report["train_examples"] + report["val_examples"] == 6
+    vocab = json.loads((tmp_path / "draft" / "output-vocab.json").read_text())
+    assert len(vocab["ids"]) == 16 and 0 <= vocab["validation_answer_coverage"] <= 1
+    loaded = load_draft(str(tmp_path / "draft"), target)
+    assert loaded.output_ids.tolist() == vocab["ids"]
+    # resuming to export another vocabulary size is not a different training run
+    distill(_config(tmp_path, data=str(tmp_path / "shards"), steps=10, output_vocab=8), target.model.config, emb,
+            pad=0)
+    assert len(json.loads((tmp_path / "draft" / "output-vocab.json").read_text())["ids"]) == 8

@@ -468,3 +468,23 @@ def test_hybrid_reproduces_target_joint_distribution():
     p_value = pooled_chisquare(counts, expected)
     print(f"hybrid: chi-square p = {p_value:.3g}")
     assert p_value > ALPHA, f"hybrid: chi-square p = {p_value:.3g}"
+
+
+def test_sd_with_a_restricted_output_vocabulary_reproduces_target_joint_distribution():
+    """A draft whose LM head runs over 7 of 12 tokens (output-vocab.json; probability zero elsewhere) keeps sd
+    exact: joint of 2 tokens, T=0.8/top-k/top-p. Its drafts never leave the vocabulary."""
+    from draftwise.models.loading import LoadedModel
+
+    target, draft = target_and_draft(12)
+    ids = torch.tensor([0, 1, 3, 4, 6, 7, 10])
+    restricted = LoadedModel(model=draft, name="restricted", output_ids=ids)
+    prompt = SD_PROMPTS[12]
+    expected = exact_joint(target, prompt, WARPED, 2)
+    counts, totals = sample_joint(N_EXACT, 2, 12, target=target, prompt=prompt, draft=restricted, method="sd",
+                                  gamma=2, max_new_tokens=3, temperature=WARPED.temperature, top_k=WARPED.top_k,
+                                  top_p=WARPED.top_p)
+    assert 0 < totals["accepted"] < totals["drafted"]
+    assert counts[expected == 0].sum() == 0
+    p_value = pooled_chisquare(counts, expected)
+    print(f"restricted draft: chi-square p = {p_value:.3g}")
+    assert p_value > ALPHA, f"restricted draft: chi-square p = {p_value:.3g}"

@@ -632,3 +632,29 @@ def test_bench_plans_sprinter_with_the_registry_files(dirs, shipped_verifiers):
                                  temperature=1.0, num_prompts=1, max_new_tokens=2)
     assert harness.plan_drafts(config) == {"ar": None, "sd": EAGLE, "sprinter": DRAFT, "specdec++": DRAFT,
                                            "mtad": EAGLE}
+
+
+# ------------------------------------------------- issue 13: a draft's restricted output vocabulary
+
+def test_draft_directory_with_an_output_vocabulary(capsys, root, tmp_path):
+    import shutil
+
+    from draftwise.models.loading import load_draft, write_output_vocabulary
+
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(root / "draft", draft_dir)
+    ids = torch.arange(0, 64, 2)
+    write_output_vocabulary(draft_dir, ids, size=32)
+    target = draftwise.load_model(str(root / "target"))
+    loaded = load_draft(str(draft_dir), target)
+    assert torch.equal(loaded.output_ids, ids)
+    ar = draftwise.generate(target, "the cat", method="ar", **GREEDY)
+    sd = draftwise.generate(target, "the cat", draft=str(draft_dir), method="sd", gamma=3, **GREEDY)
+    assert sd.token_ids == ar.token_ids and sd.stats["drafted"] > 0  # exact at temperature 0
+    # a damaged file is a one-line error naming it
+    for content, message in (("{", "not an output vocabulary"), ('{"ids": [1, 1]}', "distinct"),
+                             ('{"ids": [99]}', "in [0, 64)")):
+        (draft_dir / "output-vocab.json").write_text(content)
+        code, out, err = _run(capsys, ["generate", "--target", str(root / "target"), "--draft", str(draft_dir),
+                                       "--method", "sd", "--no-chat", "the cat"])
+        _one_line_error(code, out, err, message)

@@ -227,3 +227,25 @@ def test_packed_ragged_forward_equals_padded(make):
     a = packed.forward_rows(feed, counts, logits_at=at)
     b = padded.forward_rows(feed, counts, logits_at=at)
     torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ restricted output vocabulary
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_restricted_output_vocabulary_keeps_those_logits_and_zeroes_the_rest(packing):
+    from draftwise.models.runner import ModelRunner
+
+    model = tiny_llama(3)
+    ids = torch.tensor([0, 5, 9, 17, 40, 63])
+    full, cut = ModelRunner(model, rows=0), ModelRunner(model, rows=0, output_ids=ids)
+    for runner in (full, cut):
+        runner.packing = packing  # [4, 1] of width 4 is packed when packing is on
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 0, 0, 0]])
+    a = full.forward_rows(tokens, [4, 1]).logits
+    b = cut.forward_rows(tokens, [4, 1]).logits
+    assert b.shape == a.shape
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[ids] = False
+    for row, n in enumerate([4, 1]):
+        torch.testing.assert_close(b[row, :n, ids], a[row, :n, ids])
+        assert torch.isneginf(b[row, :n][:, outside]).all()

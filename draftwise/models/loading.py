@@ -9,7 +9,9 @@ reachable; offline they fail fast, naming the offline alternatives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import json
 import os
 import socket
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None = None
     name: str = "model"
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # A draft's restricted output vocabulary (sorted token ids, from its `output-vocab.json`); None: all tokens
+    output_ids: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -159,7 +163,12 @@ def load_draft(
         path = resolve_path(spec) if isinstance(spec, (str, os.PathLike)) else None
         if path is None or not is_eagle_dir(path):
             if isinstance(spec, (str, os.PathLike)):
-                return load_model(spec, device=device or target.device, dtype=dtype or target.dtype, progress=progress)
+                loaded = load_model(spec, device=device or target.device, dtype=dtype or target.dtype,
+                                    progress=progress)
+                if path is not None and (Path(path) / OUTPUT_VOCAB_FILE).is_file():
+                    loaded = dataclasses.replace(
+                        loaded, output_ids=read_output_vocabulary(Path(path) / OUTPUT_VOCAB_FILE, loaded.vocab_size))
+                return loaded
             return load_model(spec, device=device, dtype=dtype)
         try:
             head = load_head(path)
@@ -170,6 +179,31 @@ def load_draft(
     head.attach(target.model)
     weight = head.fc.weight
     return head if (weight.device, weight.dtype) == (target.device, target.dtype) else head.to(target.device, target.dtype)
+
+
+OUTPUT_VOCAB_FILE = "output-vocab.json"  # next to a draft's config.json: its restricted output vocabulary
+
+
+def read_output_vocabulary(path: Path, vocab_size: int) -> torch.Tensor:
+    """The sorted token ids of a draft's `output-vocab.json` ({"ids": [...]}), checked."""
+    try:
+        ids = json.loads(Path(path).read_text())["ids"]
+        assert isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise DraftwiseError(f"{path}: not an output vocabulary (a JSON object with a non-empty 'ids' list of "
+                             "token ids)") from None
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab_size:
+        raise DraftwiseError(f"{path}: token ids must be distinct and in [0, {vocab_size})")
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def write_output_vocabulary(directory: Path, ids: torch.Tensor, **meta: Any) -> Path:
+    """Write `output-vocab.json` atomically."""
+    from ..bench.report import write_json
+
+    path = Path(directory) / OUTPUT_VOCAB_FILE
+    write_json({**meta, "ids": sorted(int(i) for i in ids)}, path)
+    return path
 
 
 def is_eagle_spec(spec: Any) -> bool:

@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ..errors import DraftwiseError
 from .kvcache import PositionCache, check_supported, sliding_window
 
 # Families whose decoder layer is exactly pre-norm attention + MLP with rotary q/k (Llama's): the runner can
@@ -68,7 +69,8 @@ class RowsOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, *, vocab_size: int | None = None, rows: int = 1) -> None:
+    def __init__(self, model: PreTrainedModel, *, vocab_size: int | None = None, rows: int = 1,
+                 output_ids: torch.Tensor | None = None) -> None:
         check_supported(model.config)
         self.model = model
         self.device = next(model.parameters()).device
@@ -88,6 +90,26 @@ class ModelRunner:
         # states are the inputs of those decoder layers followed by the final normed state, concatenated:
         # [..., (len(layers) + 1) * hidden]. Empty: the final normed state only.
         self.feature_layers: tuple[int, ...] = ()
+        # A restricted output vocabulary (a draft's, `output-vocab.json`): the LM head runs over those rows only,
+        # every other token gets logit -inf (probability zero, which keeps speculative sampling exact).
+        self._out_ids = self._out_weight = self._out_bias = None
+        if output_ids is not None:
+            head = model.get_output_embeddings()
+            if not self._split or not isinstance(head, torch.nn.Linear):
+                raise DraftwiseError(f"a restricted output vocabulary needs a plain LM head; "
+                                     f"{getattr(config, 'model_type', '?')} models are not supported")
+            self._out_ids = output_ids.to(device=self.device, dtype=torch.long)
+            self._out_weight = head.weight.detach()[self._out_ids].contiguous()
+            self._out_bias = None if head.bias is None else head.bias.detach()[self._out_ids]
+            self._out_width = head.out_features
+
+    def _logits(self, states: torch.Tensor) -> torch.Tensor:
+        if self._out_ids is None:
+            return self.model.get_output_embeddings()(states)
+        small = torch.nn.functional.linear(states, self._out_weight, self._out_bias)
+        full = small.new_full((*small.shape[:-1], self._out_width), float("-inf"))
+        full[..., self._out_ids] = small
+        return full
 
     def reset(self) -> None:
         self.cache = PositionCache(rows=self._rows, window=self._window)
@@ -125,7 +147,7 @@ class ModelRunner:
                     states = self.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                                    past_key_values=self.cache, use_cache=True).last_hidden_state
                 picked = states if logits_at is None else _gather(states, logits_at)
-                logits = self.model.get_output_embeddings()(picked)
+                logits = self._logits(picked)
                 if captured:
                     states = torch.cat([*captured, states], dim=-1)
             else:
@@ -186,7 +208,7 @@ class ModelRunner:
         else:
             at = torch.minimum(logits_at.to(device), count_t[:, None] - 1)  # padding positions read the last real
             picked = h[offsets[:, None] + at]  # [rows, m, hidden]
-        logits = self.model.get_output_embeddings()(picked)
+        logits = self._logits(picked)
         states = None
         if hidden:
             if captured:

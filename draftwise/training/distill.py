@@ -51,6 +51,7 @@ class DistillConfig:
     save_dtype: str = "fp16"
     val_fraction: float = 0.05
     bf16: bool = False  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX
+    output_vocab: int = 0  # > 0: also write output-vocab.json, the most frequent tokens of the data (runtime cut)
 
 
 def _examples(paths: str | Path, max_len: int, *, keep_prompt_only: bool = False) -> list[tuple[list[int], int]]:
@@ -144,6 +145,28 @@ def evaluate(model: LlamaForCausalLM, examples: list, pad: int, batch_size: int 
     return {"top1_agreement": correct / max(total, 1), "loss": loss_sum / max(total, 1), "tokens": total}
 
 
+def _write_output_vocab(out: Path, size: int, train: list, val: list, target_config) -> dict:
+    """The draft's restricted output vocabulary: the training data's most frequent tokens (special tokens
+    always in). Decoding with it gives every other token probability zero, which keeps speculative decoding
+    exact and cuts the draft's LM head to `size` rows; the model file itself stays a full-vocabulary model."""
+    from ..models.loading import write_output_vocabulary
+    from .eagle3_train import frequency_vocabulary
+
+    vocab = target_config.vocab_size
+    if not 0 < size <= vocab:
+        raise DraftwiseError(f"--output-vocab must be in [1, {vocab}], got {size}")
+    special = {getattr(target_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    always = {int(t) for t in special if isinstance(t, int)}
+    ids = frequency_vocabulary(train, size, always, vocab)
+    inside = torch.zeros(vocab, dtype=torch.bool)
+    inside[ids] = True
+    answers = [t for seq, start in val for t in seq[start:]]
+    coverage = float(inside[torch.tensor(answers, dtype=torch.long)].float().mean()) if answers else None
+    write_output_vocabulary(out, ids, size=size, validation_answer_coverage=coverage,
+                            source="the distillation data: answer tokens x4, prompt tokens x1")
+    return {"size": size, "validation_answer_coverage": coverage}
+
+
 def distill(
     config: DistillConfig, target_config, target_embedding: torch.Tensor, *, pad: int,
     progress: Callable[[int, dict], None] | None = None, stop_at: int | None = None, minutes: float | None = None,
@@ -180,12 +203,14 @@ def distill(
         model=model, optimizer=optimizer, num_examples=len(train), batch_size=config.batch_size,
         total_steps=config.steps, lr=lambda s: cosine_lr(s, peak=config.lr, warmup=config.warmup, total=config.steps),
         step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
-        config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at,
-        deadline=time.monotonic() + 60 * minutes if minutes else None,
+        config={k: v for k, v in asdict(config).items() if k != "output_vocab"},  # an export choice, not training's
+        seed=config.seed, progress=progress, stop_at=stop_at, deadline=time.monotonic() + 60 * minutes if minutes else None,
     )
     stopped_early = step < config.steps  # an interrupted run still exports what it has (and can resume)
     report = {"steps": step, "stopped_early": stopped_early, "train_examples": len(train), "val_examples": len(val),
               "train_seconds_this_run": time.perf_counter() - start, "validation": evaluate(model, val, pad)}
+    if config.output_vocab:
+        report["output_vocab"] = _write_output_vocab(out, config.output_vocab, train, val, target_config)
     save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.save_dtype]
     model.to(save_dtype).save_pretrained(out)
     (out / "distill-report.json").write_text(json.dumps({"config": asdict(config), **report}, indent=2))

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -82,13 +82,19 @@ def load_examples(data: str, layers, max_len: int, limit: int = 0) -> list[Examp
 
 
 def draft_vocabulary(examples: list[Example], size: int, always: set[int], vocab: int) -> torch.Tensor:
-    """`size` token ids, sorted: `always`, then by frequency (an answer token counts 4, a prompt token 1: answers
-    copy from prompts), then the lowest ids not yet chosen (a BPE vocabulary's ids follow its merges, most
-    frequent first)."""
+    """`size` token ids, sorted, by `frequency_vocabulary` over the examples' prompts and answers."""
+    return frequency_vocabulary(((e.tokens.tolist(), e.answer_start) for e in examples), size, always, vocab)
+
+
+def frequency_vocabulary(sequences: Iterable[tuple[Sequence[int], int]], size: int, always: set[int],
+                         vocab: int) -> torch.Tensor:
+    """`size` token ids, sorted: `always`, then by frequency over (tokens, answer_start) sequences (an answer
+    token counts 4, a prompt token 1: answers copy from prompts), then the lowest ids not yet chosen (a BPE
+    vocabulary's ids follow its merges, most frequent first)."""
     counts: Counter[int] = Counter()
-    for e in examples:
-        counts.update(e.tokens[: e.answer_start].tolist())
-        for token, n in Counter(e.tokens[e.answer_start :].tolist()).items():
+    for tokens, answer_start in sequences:
+        counts.update(tokens[:answer_start])
+        for token, n in Counter(tokens[answer_start:]).items():
             counts[token] += 4 * n
     chosen = {t for t in always if t < vocab}
     for token, _ in counts.most_common():

@@ -83,6 +83,10 @@ def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataCon
             t_logits = target.model(input_ids=x_ids.to(target.device)).logits[0, :, :vocab_size]
             rows_at = ends - 1  # the row that predicts the token after the prefix
             q_logits = d_out.logits[0, rows_at, :vocab_size]
+            if draft.output_ids is not None:  # a restricted output vocabulary: as the draft runs when decoding
+                outside = torch.ones(q_logits.shape[-1], dtype=torch.bool, device=q_logits.device)
+                outside[draft.output_ids.to(q_logits.device)] = False
+                q_logits = q_logits.masked_fill(outside, float("-inf"))
             q_w, p_w = warp(q_logits, sampling), warp(t_logits[rows_at.to(t_logits.device)], sampling)
             x = q_w.argmax(-1) if sampling.greedy else sample(q_w, generator)  # [count]
             hidden = d_out.hidden_states[-1][0, rows_at]
