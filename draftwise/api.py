@@ -331,7 +331,8 @@ def _policy(plan: _Plan) -> LengthPolicy:
     """The method's length policy: SPRINTER's verifier, SpecDec++'s head, a stop rule, or fixed gamma."""
     spec = plan.method
     if spec.drafter in ("sprinter", "stophead"):
-        embedding = plan.draft.model.get_input_embeddings()
+        drafter_model = plan.target.model if isinstance(plan.draft, DraftHead) else plan.draft.model  # a head
+        embedding = drafter_model.get_input_embeddings()  # reads the target's token embeddings
         verifier = plan.verifier.to(plan.target.device)
         if spec.drafter == "sprinter":
             return VerifierStop(verifier, plan.options["tau"], embedding)
@@ -365,10 +366,11 @@ def _generation(result: Result, spec: Method) -> Generation:
 # Methods an EAGLE head drafts for: every token-wise rule on the batched engine whose drafter needs only the
 # draft's distributions. The others, and why a head cannot serve them, are in _HEAD_REFUSALS.
 EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly", "hybrid", "cascade", "token-cascade", "bild",
-                           "adaedl", "svip", "mtad"})
+                           "adaedl", "svip", "mtad", "sprinter", "specdec++"})
+# Methods a head can run but whose registry default is the independent draft: the shipped verifier and stop
+# head were trained on that draft's states.
+_INDEPENDENT_BY_DEFAULT = frozenset({"sprinter", "specdec++"})
 _HEAD_REFUSALS = {
-    "sprinter": "SPRINTER's verifier reads an independent draft model's hidden states, which a head does not have",
-    "specdec++": "SpecDec++'s stop head reads an independent draft model's hidden states, which a head does not have",
     "seq-cascade": "it lets the draft write a whole response alone, and a head cannot decode without the target",
     "oracle-diff": "it runs the draft alone at every step, and a head cannot decode without the target",
     "mtjd": "it decodes with the target alone",
@@ -454,7 +456,8 @@ def default_draft(target: Any, method: str) -> str | None:
     """The registry's best ready draft for `target` and `method` (None for other targets): the EAGLE
     head for methods that can draft with one, the independent draft model for the others."""
     name = _registry_name(target)
-    return registry.default_draft_for(name, eagle_ok=method in EAGLE_METHODS) if name else None
+    eagle_ok = method in EAGLE_METHODS and method not in _INDEPENDENT_BY_DEFAULT
+    return registry.default_draft_for(name, eagle_ok=eagle_ok) if name else None
 
 
 def _no_draft_message(method: str, target: Any) -> str:
@@ -531,7 +534,8 @@ def _plan(
         from .sprinter import Verifier
 
         path = next(options[o.name] for o in spec.options if o.required)  # the trained file's option
-        verifier = Verifier.load(path, draft_model.model, target_model.model)
+        drafter_model = draft_model if isinstance(draft_model, DraftHead) else draft_model.model
+        verifier = Verifier.load(path, drafter_model, target_model.model)
         verifier.check_sampling(sampling)
         _check_objective(verifier, spec, path)
     prompt_ids = _prompt_ids(prompt, target_model, vocab_size)

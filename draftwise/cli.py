@@ -541,13 +541,10 @@ def _run_train_verifier(args: argparse.Namespace) -> int:
     if args.num_prompts < 3:
         raise DraftwiseError("--num-prompts must be >= 3 (train, validation and test splits are by prompt)")
     target = load_model(args.target, dtype=args.dtype)
-    draft = load_draft(args.draft, target, dtype=args.dtype)
-    if not isinstance(draft, LoadedModel):
-        raise DraftwiseError(f"{args.draft} is an EAGLE draft head; a verifier reads an independent draft model's "
-                             "hidden states: give one with --draft")
+    draft = load_draft(args.draft, target, dtype=args.dtype)  # a draft model or a feature head
     from .api import _shared_vocab
 
-    vocab = _shared_vocab(target, draft)
+    vocab = _shared_vocab(target, draft if isinstance(draft, LoadedModel) else None)
     meta = {"target": args.target, "draft": args.draft, "num_prompts": args.num_prompts, **vars(data_config)}
     data = load_data(Path(args.data), meta) if args.data else None
     if data is None:

@@ -38,8 +38,6 @@ class EagleRowsDrafter:
         self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
         self.policy = policy or FixedLength()
         self.keep_raw = keep_raw  # unwarped draft distributions for rules that read them (cascades)
-        if self.policy.needs_hidden:
-            raise DraftwiseError("an EAGLE head has no draft-model states for a verifier policy")
         usable = head.vocab_ids < vocab_size  # padded vocabularies: draft ids past the shared size are never drafted
         if not bool(usable.any()):
             raise DraftwiseError(f"no id of this EAGLE head's draft vocabulary is below the vocabulary size {vocab_size}")
@@ -123,11 +121,15 @@ class EagleRowsDrafter:
         active = torch.tensor([limit > 0 for limit in limits], device=self.device)
         limit_t = torch.tensor(list(limits), device=self.device)
         drafted = torch.zeros(n, dtype=torch.long, device=self.device)
-        tokens, probs, raws = [], [], []
+        tokens, probs, raws, verdicts = [], [], [], []
         self.policy.start(n, self.device)
+        # a verifier policy (SPRINTER, SpecDec++) reads the head's state behind each drafted token and its
+        # unwarped distribution, as it reads a draft model's last hidden state
+        fast = all_greedy and not self.keep_raw and not self.policy.needs_hidden
         for step in range(width):
             logits = self.head.logits(predicted)[:, self.usable]  # [rows, usable draft vocabulary]
-            if all_greedy and not self.keep_raw:  # one-hot drafts: the argmax only, no full-vocabulary tensors
+            raw = None
+            if fast:  # one-hot drafts: the argmax only, no full-vocabulary tensors
                 if self.policy.needs_raw:  # the stop rules read max / entropy: the same over the draft vocabulary
                     active &= ~self.policy.stop_before(torch.softmax(logits.float(), dim=-1))
                 token = self.usable_ids[logits.argmax(-1)]  # [rows]
@@ -145,7 +147,9 @@ class EagleRowsDrafter:
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)
-            stop, _ = self.policy.after(None, token, None)
+            stop, verdict = self.policy.after(predicted if self.policy.needs_hidden else None, token, raw)
+            if verdict is not None:
+                verdicts.append(verdict)
             active &= ~torch.isin(token, self.eos) & ~stop & (drafted < limit_t)
             if step + 1 < width:
                 if not bool(active.any()):
@@ -157,7 +161,8 @@ class EagleRowsDrafter:
         if k == 0:
             return _empty(n, self.vocab_size, self.device)
         return RowsDraft(torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
-                         torch.stack(raws, 1)[:, :k] if self.keep_raw else None)
+                         torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
+                         torch.stack(verdicts, 1)[:, :k] if verdicts else None)
 
     def rewind(self, row: int, keep: int) -> None:
         """The row keeps `keep` positions with true features; predicted head positions are dropped."""

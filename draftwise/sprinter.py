@@ -46,6 +46,14 @@ def draft_fingerprint(model: torch.nn.Module) -> str:
     """A short hash of a model's shape and of the start of its embedding matrix.
 
     The rows are rounded to bf16 first, so the same weights loaded in fp32, fp16 or bf16 give one fingerprint."""
+    from .eagle import DraftHead
+
+    if isinstance(model, DraftHead):  # a feature head: its kind, sizes, draft vocabulary and input projection
+        shape = {"head": type(model).__name__, "feature_size": model.feature_size,
+                 "vocab": model.vocab_ids[:64].tolist(), "draft_vocab": int(model.vocab_ids.shape[0])}
+        weight = model.fc.weight.detach()[:64].to(torch.bfloat16).float().cpu().contiguous()
+        digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + weight.numpy().tobytes())
+        return digest.hexdigest()[:16]
     config = model.config
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
     weight = model.get_input_embeddings().weight.detach()[:64].to(torch.bfloat16).float().cpu().contiguous()

@@ -4,6 +4,8 @@ rollouts, exactness at T=0, and resumable data and training."""
 from __future__ import annotations
 
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,7 +340,7 @@ def test_a_head_is_refused_with_the_reason_where_it_cannot_draft():
     target = _target()
     head = _head(target, torch.arange(64))
     for method, reason in (("oracle-diff", "draft alone"), ("seq-cascade", "whole response"),
-                           ("sprinter", "hidden states")):
+                           ("staged", "companion"), ("sv", "unwarped distributions")):
         with pytest.raises(DraftwiseError, match=reason):
             draftwise.generate(target, [1, 2, 3], draft=head, method=method, temperature=0, max_new_tokens=4)
 
@@ -470,3 +472,123 @@ def test_train_eagle3_and_export_cli_on_a_tiny_target(tmp_path):
                            "--steps must be >= 1")):
         run = cli(*argv)
         assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]
+
+
+# ------------------------------------------------------------------ SPRINTER and SpecDec++ on a head (issue 13)
+
+def _rollout_states(head, target, seq, limit):
+    """Cache-free greedy drafts and the head state behind each one (what a verifier reads)."""
+    aux = list(_features(target, seq)[: len(seq) - 1, : head.feature_size])
+    tokens, states, out = list(seq[1:]), [], []
+    with torch.no_grad():
+        states = list(head.fc(torch.stack(aux)))
+        for _ in range(limit):
+            x = torch.cat([head.embed(torch.tensor([tokens])), torch.stack(states)[None]], dim=-1)
+            pre = head.body(x).last_hidden_state[0, -1]
+            token = int(head.vocab_ids[head.logits(pre).argmax()])
+            out.append((token, pre))
+            states.append(pre)
+            tokens.append(token)
+    return out
+
+
+def test_verifier_policy_on_a_head_reads_the_states_of_a_cache_free_rollout():
+    """The head drafter hands a verifier policy the head state behind each drafted token (and the unwarped
+    distribution), checked under forced acceptance against cache-free rollouts; the first-step state is the one
+    `train-verifier` collects for that prefix."""
+    from draftwise.eagle_rows import EagleRowsDrafter
+    from draftwise.policies import FixedLength
+    from draftwise.training.verifier import _head_outputs
+
+    class Recording(FixedLength):
+        needs_hidden = needs_raw = True
+
+        def __init__(self):
+            self.seen = []
+
+        def after(self, hidden, tokens, q_raw):
+            self.seen.append((hidden.clone(), tokens.clone(), q_raw.clone()))
+            return super().after(hidden, tokens, q_raw)
+
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 2), scale=1.0)  # moderate states: fp32 agreement to 1e-4
+    policy = Recording()
+    drafter = EagleRowsDrafter(head, 64, torch.device("cpu"), policy=policy)
+    rng = random.Random(5)
+    rows = [Row([rng.randrange(64) for _ in range(n)]) for n in (4, 7)]
+    for b, row in enumerate(rows):
+        drafter.admit(b, row.sequence)
+        drafter.observe(b, 0, _features(target, row.sequence)[: len(row.sequence) - 1])
+    loaded = draftwise.load_model(target)
+    for _ in range(4):
+        limits = [rng.randint(1, 4) for _ in rows]
+        policy.seen.clear()
+        proposal = drafter.propose(rows, limits)
+        for b, row in enumerate(rows):
+            expected = _rollout_states(head, target, row.sequence, limits[b])
+            for step, (token, state) in enumerate(expected):
+                hidden, tokens, raw = policy.seen[step]
+                assert int(tokens[b]) == token
+                torch.testing.assert_close(hidden[b], state, atol=1e-4, rtol=1e-4)
+                assert (raw[b][1::2] == 0).all()  # zero probability outside the draft vocabulary
+                torch.testing.assert_close(raw[b][0::2], torch.softmax(head.logits(state), -1), atol=1e-4, rtol=1e-3)
+            collected, _ = _head_outputs(loaded, head, torch.tensor(row.sequence), 64)
+            torch.testing.assert_close(collected[len(row.sequence) - 2], expected[0][1], atol=1e-4, rtol=1e-4)
+            drafted = proposal.tokens[b, : proposal.counts[b]].tolist()
+            fed = row.sequence + drafted
+            drafter.observe(b, len(row.sequence) - 1, _features(target, fed)[len(row.sequence) - 1 :])
+            keep = rng.randint(0, len(drafted))
+            row.sequence += drafted[:keep] + [rng.randrange(64)]
+            drafter.rewind(b, len(row.sequence) - 1)
+
+
+@pytest.fixture(scope="module")
+def head_verifiers(tmp_path_factory):
+    """A SPRINTER verifier and a SpecDec++ head trained on a tiny EAGLE-3 head's states (train-verifier's data)."""
+    from draftwise.training.verifier import VerifierDataConfig, VerifierTrainConfig, collect, spec_base, train
+
+    target = _target()
+    loaded = draftwise.load_model(target)
+    head = _head(target, torch.arange(0, 64, 2), scale=1.5)
+    config = VerifierDataConfig(continuation=12, per_kind=6)
+    data = collect(loaded, head, [[i, i + 1, i + 2, 5, 6, 7] for i in range(40)], config, vocab_size=64)
+    assert set(data["kind"].tolist()) == {0, 2, 3}  # no draft-only completions for a head
+    base = spec_base(head, "tiny-head", config, loaded, "tiny")
+    out = tmp_path_factory.mktemp("head-verifiers")
+    paths = {}
+    for objective in ("sprinter", "acceptance"):
+        verifier, report = train(data, VerifierTrainConfig(lam=1.2, features=("hidden", "stats"),
+                                                           objective=objective), base)
+        paths[objective] = out / f"{objective}.pt"
+        verifier.save(paths[objective])
+    return target, head, paths
+
+
+def test_sprinter_and_specdecpp_run_on_a_head(head_verifiers):
+    target, head, paths = head_verifiers
+    g = draftwise.generate(target, [1, 2, 3], draft=head, method="sprinter", verifier=str(paths["sprinter"]),
+                           max_run=6, max_new_tokens=30, seed=1, ignore_eos=True)
+    s = g.stats
+    assert s["verifier_calls"] == s["drafted"] > 0 and s["target_calls"] == s["steps"]
+    assert len(g.token_ids) == 30
+    g = draftwise.generate(target, [1, 2, 3], draft=head, method="specdec++", head=str(paths["acceptance"]),
+                           max_new_tokens=30, seed=1, ignore_eos=True, gamma=5)
+    assert g.stats["drafted"] > 0 and len(g.token_ids) == 30
+    # a verifier trained on this head refuses another head, and an independent draft's refuses this head
+    other = _head(target, torch.arange(0, 64, 2), scale=1.5, seed=9)
+    with pytest.raises(DraftwiseError, match="another draft model"):
+        draftwise.generate(target, [1, 2, 3], draft=other, method="sprinter", verifier=str(paths["sprinter"]))
+
+
+def test_specdecpp_on_a_head_is_exact_at_t0(head_verifiers):
+    from draftwise.sprinter import Verifier, VerifierSpec, draft_fingerprint
+
+    target, head, _ = head_verifiers
+    spec = VerifierSpec(features=("hidden", "stats"), input_size=32 + 3, draft_fingerprint=draft_fingerprint(head),
+                        temperature=0.0, extra={"objective": "acceptance"})
+    path = Path(tempfile.mkdtemp()) / "greedy-head.pt"
+    Verifier(spec).save(path)
+    ar = draftwise.generate(target, [5, 9, 11], method="ar", temperature=0, max_new_tokens=24, ignore_eos=True)
+    sd = draftwise.generate(target, [5, 9, 11], draft=head, method="specdec++", head=str(path), temperature=0,
+                            max_new_tokens=24, ignore_eos=True)
+    assert sd.token_ids == ar.token_ids and sd.stats["drafted"] > 0

@@ -180,7 +180,7 @@ class Service:
         resolved = spec.resolve_options(self._startup_options(spec))
         spec.check_required(resolved)
         path = next(resolved[o.name] for o in spec.options if o.required)
-        return Verifier.load(path, self.draft.model).spec
+        return Verifier.load(path, getattr(self.draft, "model", self.draft)).spec  # a head is its own module
 
     @staticmethod
     def _key(spec: Method, sampling: SamplingConfig) -> tuple[str, Any]:

@@ -3,7 +3,8 @@
 Data. For each training prompt (Spec-Bench outside the evaluation split, chat-formatted) four
 token sequences give the four kinds of prefix of §3.2, in equal numbers:
   a. the original prefix: positions inside the prompt itself;
-  b. the prompt completed by the draft model (draft-only sampling);
+  b. the prompt completed by the draft model (draft-only sampling; not for a feature head, which
+     cannot decode without the target);
   c. the prompt completed by the target model (target-only sampling);
   d. the prompt completed by both: speculative decoding's output interleaves draft tokens it
      kept with target tokens it drew.
@@ -48,6 +49,25 @@ class VerifierDataConfig:
 
 
 @torch.inference_mode()
+def _head_outputs(target, head, ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A feature head's first-step outputs over a sequence, as when it drafts after each prefix: row i reads the
+    target's features at position i and token i + 1 and predicts token i + 2. Returns the head's states [T-1, H]
+    and full-vocabulary logits [T-1, vocab] (-inf outside its draft vocabulary)."""
+    from ..eagle import full_vocabulary_logits
+    from ..models.runner import ModelRunner
+
+    runner = ModelRunner(target.model, vocab_size=vocab_size, rows=0)
+    runner.feature_layers = head.feature_layers
+    n = int(ids.shape[0])
+    features = head.take_features(runner.forward_rows(ids[None], [n], hidden=True).hidden[0])  # [T, F]
+    body = ModelRunner(head.body, rows=0)
+    states = body.forward_states(head.step_input(features[None, :-1], ids[None, 1:].to(features.device)), [n - 1])[0]
+    usable = head.vocab_ids < vocab_size
+    logits = full_vocabulary_logits(head.logits(states)[:, usable], head.vocab_ids[usable], vocab_size)
+    return states, logits
+
+
+@torch.inference_mode()
 def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataConfig, *, vocab_size: int,
             progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     """Verifier examples from `prompts` (token ids): a dict of tensors, one row per example.
@@ -56,40 +76,51 @@ def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataCon
     """
     from ..api import generate
 
+    from ..eagle import DraftHead
+
     sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
     generator = make_generator(config.seed)
     rows: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "embedding", "stats", "q_x", "p_x", "prompt", "kind")}
-    embedding = draft.model.get_input_embeddings()
+    is_head = isinstance(draft, DraftHead)
+    embedding = (target.model if is_head else draft.model).get_input_embeddings()  # a head reads the target's
+    device = target.device if is_head else draft.device
     common = dict(max_new_tokens=config.continuation, temperature=config.temperature, top_k=config.top_k,
                   top_p=config.top_p, ignore_eos=True)
     for index, ids in enumerate(prompts):
         seed = config.seed * 100_003 + index
         completions = {
-            "draft": generate(draft, ids, method="ar", seed=seed, **common).token_ids,
             "target": generate(target, ids, method="ar", seed=seed, **common).token_ids,
             "mixed": generate(target, ids, draft=draft, method="sd", gamma=config.gamma, seed=seed, **common).token_ids,
         }
+        if not is_head:  # a head cannot decode without the target: no draft-only completions (kind b)
+            completions["draft"] = generate(draft, ids, method="ar", seed=seed, **common).token_ids
         sequences = {"prompt": list(ids)} | {k: list(ids) + v for k, v in completions.items()}
         for kind_index, kind in enumerate(KINDS):
+            if kind not in sequences:
+                continue
             seq = sequences[kind]
-            # prefix lengths: inside the prompt (its second half) for kind a, inside the completion otherwise
-            low, high = (max(1, len(ids) // 2), len(ids)) if kind == "prompt" else (len(ids), len(seq))
+            # prefix lengths: inside the prompt (its second half) for kind a, inside the completion otherwise;
+            # a head predicts from the second position on (it reads the target's features of the one before)
+            low, high = (max(1 + is_head, len(ids) // 2), len(ids)) if kind == "prompt" else (len(ids), len(seq))
             if high <= low:
                 continue
             count = min(config.per_kind, high - low)
             ends = (low + torch.randperm(high - low, generator=generator)[:count]).sort().values  # prefix lengths
-            x_ids = torch.tensor([seq], device=draft.device)
-            d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
+            x_ids = torch.tensor([seq], device=device)
             t_logits = target.model(input_ids=x_ids.to(target.device)).logits[0, :, :vocab_size]
             rows_at = ends - 1  # the row that predicts the token after the prefix
-            q_logits = d_out.logits[0, rows_at, :vocab_size]
-            if draft.output_ids is not None:  # a restricted output vocabulary: as the draft runs when decoding
+            if is_head:
+                states, q_all = _head_outputs(target, draft, x_ids[0], vocab_size)
+                hidden, q_logits = states[rows_at - 1], q_all[rows_at - 1]  # head row i predicts token i + 2
+            else:
+                d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
+                hidden, q_logits = d_out.hidden_states[-1][0, rows_at], d_out.logits[0, rows_at, :vocab_size]
+            if getattr(draft, "output_ids", None) is not None:  # a restricted output vocabulary, as when decoding
                 outside = torch.ones(q_logits.shape[-1], dtype=torch.bool, device=q_logits.device)
                 outside[draft.output_ids.to(q_logits.device)] = False
                 q_logits = q_logits.masked_fill(outside, float("-inf"))
             q_w, p_w = warp(q_logits, sampling), warp(t_logits[rows_at.to(t_logits.device)], sampling)
             x = q_w.argmax(-1) if sampling.greedy else sample(q_w, generator)  # [count]
-            hidden = d_out.hidden_states[-1][0, rows_at]
             feats = {name: verifier_features((name,), hidden, x, unwarped(q_logits), embedding)
                      for name in FEATURES}
             for name in FEATURES:
@@ -251,7 +282,7 @@ def train(data: dict[str, torch.Tensor], config: VerifierTrainConfig, spec_base:
 
 
 def spec_base(draft, draft_name: str, config: VerifierDataConfig, target=None, target_name: str = "") -> dict:
-    base = {"draft_fingerprint": draft_fingerprint(draft.model), "draft_name": draft_name,
+    base = {"draft_fingerprint": draft_fingerprint(getattr(draft, "model", draft)), "draft_name": draft_name,
             "temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
     if target is not None:
         base.update(target_fingerprint=draft_fingerprint(target.model), target_name=target_name)
