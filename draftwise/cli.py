@@ -496,9 +496,10 @@ def _add_train_verifier(sub: argparse._SubParsersAction) -> None:
     from .training.verifier import VerifierDataConfig, VerifierTrainConfig
 
     d, t = VerifierDataConfig(), VerifierTrainConfig()
-    p = sub.add_parser("train-verifier", help="train SPRINTER's verifier for a (target, draft) pair")
+    p = sub.add_parser("train-verifier", help="train SPRINTER's verifier for a (target, draft or head) pair")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--draft", default="smollm2-135m-draft")
+    p.add_argument("--draft", default="smollm2-135m-draft", help="a draft model, or an EAGLE head (the verifier "
+                   "then reads the head's states)")
     p.add_argument("--lambda", dest="lam", type=float, default=t.lam, help="labels: 1 iff q(x)/p(x) <= lambda")
     p.add_argument("--lambdas", default="1,1.2,1.5", help="lambdas drawn in the ROC plot (the one saved: --lambda)")
     p.add_argument("--features", default=",".join(t.features), help="comma-separated: hidden, embedding, stats")

@@ -156,25 +156,23 @@ class Verifier(torch.nn.Module):
         return verifier.eval()
 
     def check_target(self, target_model: torch.nn.Module) -> None:
-        if not self.spec.target_fingerprint:
-            return
-        found = draft_fingerprint(target_model)
-        if found != self.spec.target_fingerprint:
-            name = f" ({self.spec.target_name})" if self.spec.target_name else ""
-            raise DraftwiseError(
-                f"this file was trained for another target model{name}: its labels come from that target's "
-                f"distributions (fingerprint {self.spec.target_fingerprint}, the target given has {found}); "
-                "train one for this target with `draftwise train-verifier --target ...`"
-            )
+        if self.spec.target_fingerprint:  # files from before targets were recorded: not checked
+            self._check_model(target_model, self.spec.target_fingerprint, self.spec.target_name,
+                              "this file was trained for another target model{name}: its labels come from that "
+                              "target's distributions", "train one for this target with `draftwise train-verifier`")
 
     def check_draft(self, draft_model: torch.nn.Module) -> None:
-        found = draft_fingerprint(draft_model)
-        if found != self.spec.draft_fingerprint:
-            name = f" ({self.spec.draft_name})" if self.spec.draft_name else ""
-            raise DraftwiseError(
-                f"this verifier was trained on the features of another draft model{name}: fingerprint "
-                f"{self.spec.draft_fingerprint}, but the draft given has {found}; train one for this draft"
-            )
+        self._check_model(draft_model, self.spec.draft_fingerprint, self.spec.draft_name,
+                          "this verifier was trained on the features of another draft model{name}",
+                          "train one for this draft")
+
+    @staticmethod
+    def _check_model(model: torch.nn.Module, expected: str, name: str, what: str, fix: str) -> None:
+        found = draft_fingerprint(model)
+        if found != expected:
+            named = f" ({name})" if name else ""
+            raise DraftwiseError(f"{what.format(name=named)}: fingerprint {expected}, but the model given has "
+                                 f"{found}; {fix}")
 
     def check_sampling(self, sampling: SamplingConfig) -> None:
         mine = SamplingConfig(self.spec.temperature, self.spec.top_k, self.spec.top_p)

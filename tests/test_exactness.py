@@ -437,11 +437,19 @@ def _feature_head(kind: str, target):
     return head.eval()
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def _restricted_draft(draft):
+    """The draft with its LM head restricted to 7 of 12 tokens (what output-vocab.json does)."""
+    from draftwise.models.loading import LoadedModel
+
+    return LoadedModel(model=draft, name="restricted", output_ids=torch.tensor([0, 1, 3, 4, 6, 7, 10]))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "restricted-vocab"])
 def test_sd_with_a_feature_head_reproduces_target_joint_distribution(kind):
-    """sd drafting with an EAGLE-1 or EAGLE-3-style head is exact: joint of 2 tokens, T=0.8/top-k/top-p."""
-    target, _ = target_and_draft(12)
-    head = _feature_head(kind, target)
+    """sd drafting with an EAGLE-1 or EAGLE-3-style head, or with a draft model whose output vocabulary is cut
+    (probability zero elsewhere), is exact: joint of 2 tokens, T=0.8/top-k/top-p."""
+    target, draft = target_and_draft(12)
+    head = _restricted_draft(draft) if kind == "restricted-vocab" else _feature_head(kind, target)
     prompt = SD_PROMPTS[12]
     expected = exact_joint(target, prompt, WARPED, 2)
     counts, totals = sample_joint(N_EXACT, 2, 12, target=target, prompt=prompt, draft=head, method="sd", gamma=2,
@@ -468,23 +476,3 @@ def test_hybrid_reproduces_target_joint_distribution():
     p_value = pooled_chisquare(counts, expected)
     print(f"hybrid: chi-square p = {p_value:.3g}")
     assert p_value > ALPHA, f"hybrid: chi-square p = {p_value:.3g}"
-
-
-def test_sd_with_a_restricted_output_vocabulary_reproduces_target_joint_distribution():
-    """A draft whose LM head runs over 7 of 12 tokens (output-vocab.json; probability zero elsewhere) keeps sd
-    exact: joint of 2 tokens, T=0.8/top-k/top-p. Its drafts never leave the vocabulary."""
-    from draftwise.models.loading import LoadedModel
-
-    target, draft = target_and_draft(12)
-    ids = torch.tensor([0, 1, 3, 4, 6, 7, 10])
-    restricted = LoadedModel(model=draft, name="restricted", output_ids=ids)
-    prompt = SD_PROMPTS[12]
-    expected = exact_joint(target, prompt, WARPED, 2)
-    counts, totals = sample_joint(N_EXACT, 2, 12, target=target, prompt=prompt, draft=restricted, method="sd",
-                                  gamma=2, max_new_tokens=3, temperature=WARPED.temperature, top_k=WARPED.top_k,
-                                  top_p=WARPED.top_p)
-    assert 0 < totals["accepted"] < totals["drafted"]
-    assert counts[expected == 0].sum() == 0
-    p_value = pooled_chisquare(counts, expected)
-    print(f"restricted draft: chi-square p = {p_value:.3g}")
-    assert p_value > ALPHA, f"restricted draft: chi-square p = {p_value:.3g}"
