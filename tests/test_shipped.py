@@ -1,0 +1,45 @@
+"""The shipped helpers agree with each other: every verifier file the registry lists exists and was trained
+on the shipped draft's weights, for the sampling setting and objective its name says. (A retrained draft
+without retrained verifiers fails here, not at a user's first `--method sprinter`.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftwise.models import registry
+from draftwise.models.loading import read_output_vocabulary
+from draftwise.sprinter import Verifier
+
+SHIPPED = [(target, draft, objective, temperature)
+           for (target, draft), temperatures in registry._TRAINED_FILES.items()
+           for objective in ("sprinter", "acceptance") for temperature in temperatures]
+
+
+@pytest.fixture(scope="module")
+def drafts():
+    return {}
+
+
+@pytest.mark.parametrize("target, draft, objective, temperature", SHIPPED,
+                         ids=[f"{d}-{o}-t{t:g}" for _, d, o, t in SHIPPED])
+def test_shipped_verifier_matches_the_shipped_draft(drafts, target, draft, objective, temperature):
+    from transformers import AutoModelForCausalLM
+
+    path = registry.trained_file(target, draft, objective, temperature)
+    assert path is not None, f"{draft}-{objective}-t{temperature:g}.pt is listed but not shipped"
+    if draft not in drafts:
+        drafts[draft] = AutoModelForCausalLM.from_pretrained(registry.resolve(draft))
+    verifier = Verifier.load(path, drafts[draft])  # raises if the draft's weights changed since training
+    assert verifier.spec.temperature == temperature and verifier.spec.top_k == 0 and verifier.spec.top_p == 1.0
+    assert verifier.spec.extra.get("objective", "sprinter") == objective
+    assert verifier.spec.target_name == target and verifier.spec.target_fingerprint
+
+
+def test_shipped_draft_output_vocabulary_is_valid():
+    directory = registry.resolve("smollm2-135m-draft")
+    config = json.loads((directory / "config.json").read_text())
+    ids = read_output_vocabulary(directory / "output-vocab.json", config["vocab_size"])
+    assert len(ids) == 8192
+    assert {config["bos_token_id"], config["eos_token_id"]} <= set(ids.tolist())
