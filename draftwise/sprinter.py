@@ -42,21 +42,22 @@ FEATURES = ("hidden", "embedding", "stats")
 FORMAT = "draftwise-sprinter-verifier-1"
 
 
-def draft_fingerprint(model: torch.nn.Module) -> str:
+def draft_fingerprint(model: torch.nn.Module, *, legacy: bool = False) -> str:
     """A short hash of a model's shape and of the start of its embedding matrix.
 
-    The rows are rounded to bf16 first, so the same weights loaded in fp32, fp16 or bf16 give one fingerprint."""
+    The rows are rounded to bf16 first, so the same weights loaded in fp32, fp16 or bf16 give one fingerprint.
+    `legacy`: the hash of the unrounded rows, which files written before that change record."""
     from .eagle import DraftHead
 
     if isinstance(model, DraftHead):  # a feature head: its kind, sizes, draft vocabulary and input projection
         shape = {"head": type(model).__name__, "feature_size": model.feature_size,
                  "vocab": model.vocab_ids[:64].tolist(), "draft_vocab": int(model.vocab_ids.shape[0])}
-        weight = model.fc.weight.detach()[:64].to(torch.bfloat16).float().cpu().contiguous()
-        digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + weight.numpy().tobytes())
-        return digest.hexdigest()[:16]
-    config = model.config
-    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
-    weight = model.get_input_embeddings().weight.detach()[:64].to(torch.bfloat16).float().cpu().contiguous()
+        weight = model.fc.weight.detach()[:64]
+    else:
+        config = model.config
+        shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
+        weight = model.get_input_embeddings().weight.detach()[:64]
+    weight = (weight.float() if legacy else weight.to(torch.bfloat16).float()).cpu().contiguous()
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + weight.numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -169,7 +170,7 @@ class Verifier(torch.nn.Module):
     @staticmethod
     def _check_model(model: torch.nn.Module, expected: str, name: str, what: str, fix: str) -> None:
         found = draft_fingerprint(model)
-        if found != expected:
+        if found != expected and draft_fingerprint(model, legacy=True) != expected:  # older files: unrounded rows
             named = f" ({name})" if name else ""
             raise DraftwiseError(f"{what.format(name=named)}: fingerprint {expected}, but the model given has "
                                  f"{found}; {fix}")

@@ -172,6 +172,17 @@ def test_verifier_file_refuses_another_draft_and_other_sampling(trained):
         Verifier.load(path, tiny_llama(7, layers=1, init=0.08))
     with pytest.raises(DraftwiseError, match="temperature=1.0"):
         verifier.check_sampling(SamplingConfig(temperature=0.0))
+    # a file written before fingerprints were rounded to bf16 still loads with its draft, and only with it
+    from dataclasses import replace
+
+    from draftwise.sprinter import draft_fingerprint
+
+    legacy = path.parent / "legacy.pt"
+    Verifier(replace(verifier.spec, draft_fingerprint=draft_fingerprint(draft.model, legacy=True))).save(legacy)
+    assert draft_fingerprint(draft.model, legacy=True) != draft_fingerprint(draft.model)
+    Verifier.load(legacy, draft.model)
+    with pytest.raises(DraftwiseError, match="another draft model"):
+        Verifier.load(legacy, tiny_llama(7, layers=1, init=0.08))
     with pytest.raises(DraftwiseError, match="not a draftwise SPRINTER verifier"):
         bad = path.parent / "bad.pt"
         bad.write_bytes(b"garbage")
