@@ -651,6 +651,8 @@ def _run_models(args: argparse.Namespace) -> int:
     for entry in registry.entries():
         state = cached.get(entry.name) if args.verify else entry.cached()
         print(f"{entry.name:<26} {entry.role:<10} {state or 'not built yet':<22} {entry.description}")
+    for line in registry.trained_files_listing():
+        print(line)
     return 0
 
 

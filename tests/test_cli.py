@@ -245,3 +245,6 @@ def test_models_lists_the_registry(capsys, tmp_path, monkeypatch):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m " in out and "smollm2-135m-eagle" in out and str(tmp_path) in out
+    # the shipped verifiers and stop heads, with the method and sampling setting each serves
+    assert "smollm2-135m-draft-sprinter-t1 verifier   ready" in out
+    assert "--method specdec++ for smollm2-135m with smollm2-135m-draft at temperature 0" in out

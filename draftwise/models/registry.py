@@ -187,7 +187,8 @@ _register_shipped(
 )
 _register_shipped(
     "smollm2-135m-draft", "draft", "config.json",
-    "independent draft for smollm2-135m: 2-layer Llama, width 160, shares the tokenizer (hf-assisted can use it)",
+    "independent draft for smollm2-135m: 2-layer Llama, width 160, shares the tokenizer (hf-assisted can use it); "
+    "draftwise decodes it over an 8,192-token output vocabulary",
 )
 _register_shipped(
     "smollm2-135m-companion", "draft", "config.json",
@@ -226,6 +227,20 @@ def trained_files_note(objective: str) -> str:
              for (t, d), temps in sorted(shipped.items()) if temps]
     return ("the registry ships one for " + "; ".join(pairs) + " (top-k 0, top-p 1)") if pairs else \
         "the registry ships none"
+
+
+def trained_files_listing() -> list[str]:
+    """One line per shipped verifier / stop head, for `draftwise models`."""
+    lines = []
+    for (target, draft), temperatures in sorted(_TRAINED_FILES.items()):
+        for objective, role in (("sprinter", "verifier"), ("acceptance", "stop-head")):
+            for temperature in temperatures:
+                path = trained_file(target, draft, objective, temperature)
+                state = "ready" if path else "not trained yet"
+                method = "sprinter" if objective == "sprinter" else "specdec++"
+                lines.append(f"{f'{draft}-{objective}-t{temperature:g}':<26} {role:<10} {state:<22} "
+                             f"--method {method} for {target} with {draft} at temperature {temperature:g}")
+    return lines
 
 
 _TRAINED_FILES[(SMOLLM2, "smollm2-135m-draft")] = (0.0, 1.0)
