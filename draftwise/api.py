@@ -28,7 +28,7 @@ from .eagle import DraftHead
 from .eagle_rows import EagleRowsDrafter
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
-from .models.runner import ModelRunner
+from .models.runner import ModelRunner, draft_runner
 from .policies import ConfidenceStop, FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
 from .sampling import SamplingConfig, make_generator
 
@@ -282,16 +282,15 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
     elif spec.needs_companion:
         from .selection import CompanionRowsDrafter, StagedRowsDrafter
 
-        inner = ModelRowsDrafter(ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, rows=0, output_ids=plan.draft.output_ids), plan.vocab_size,
+        inner = ModelRowsDrafter(draft_runner(plan.draft, vocab_size=plan.vocab_size), plan.vocab_size,
                                  eos_token_ids=plan.eos_token_ids, keep_raw=spec.drafter == "companion",
                                  policy=_policy(plan))
-        companion = ModelRunner(plan.companion.model, vocab_size=plan.vocab_size, rows=0,
-                                output_ids=plan.companion.output_ids)
+        companion = draft_runner(plan.companion, vocab_size=plan.vocab_size)
         kind = StagedRowsDrafter if spec.drafter == "staged" else CompanionRowsDrafter
         drafter = kind(inner, companion, plan.vocab_size)
     elif spec.needs_draft:
         drafter = ModelRowsDrafter(
-            ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, rows=0, output_ids=plan.draft.output_ids), plan.vocab_size,
+            draft_runner(plan.draft, vocab_size=plan.vocab_size), plan.vocab_size,
             eos_token_ids=plan.eos_token_ids, keep_raw=getattr(rule, "needs_draft_raw", False),
             policy=_policy(plan))
     elif spec.drafter == "ngram":
@@ -872,8 +871,7 @@ class _Run:
 
             return HeadBeamDrafter(plan.draft, plan.sampling, plan.vocab_size, plan.options["num_beams"],
                                    plan.target.device)
-        runner = ModelRunner(plan.draft.model, vocab_size=plan.vocab_size, output_ids=plan.draft.output_ids) \
-            if plan.method.needs_draft else None
+        runner = draft_runner(plan.draft, vocab_size=plan.vocab_size, rows=1) if plan.method.needs_draft else None
         if plan.method.drafter == "beam":
             from .mtad import BeamDrafter
 

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from .drafters import Draft, empty_draft
+from .models.runner import full_vocabulary_logits  # noqa: F401 - re-exported for the head drafters
 from .errors import DraftwiseError
 from .sampling import SamplingConfig, sample, warp
 
@@ -149,13 +150,6 @@ class EagleHead(DraftHead):
         head = cls(config, state["vocab_ids"])
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return head.eval()
-
-
-def full_vocabulary_logits(small: torch.Tensor, usable_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, usable] draft-vocabulary logits -> [rows, vocab_size], -inf elsewhere (probability zero: exact)."""
-    full = torch.full((small.shape[0], vocab_size), float("-inf"), device=small.device, dtype=small.dtype)
-    full[:, usable_ids] = small
-    return full
 
 
 def is_eagle_dir(path: str | Path) -> bool:

@@ -23,7 +23,7 @@ import torch
 from .engine import Engine, ModelRowsDrafter, Request, RowsDraft, _Row
 from .errors import DraftwiseError
 from .acceptance import ExactRule
-from .models.runner import ModelRunner
+from .models.runner import ModelRunner, draft_runner
 from .sampling import SamplingConfig, unwarped
 from .selection import CompanionRowsDrafter, indicator_pair
 from .sv import (AcceptanceTable, LatencyModel, SVProfile, acceptance_probability, bucket, discretise, equal_edges,
@@ -78,9 +78,9 @@ def collect_samples(target: Any, draft: Any, companion: Any, prompts: Sequence[S
                     eos_token_ids: frozenset[int], seed: int = 0, progress: Any = None) -> dict[str, list[float]]:
     """Plain SD over the prompts with the companion reading every draft; one sample per drafted token."""
     recorder = RecordingSelector()
-    inner = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=vocab_size, rows=0, output_ids=draft.output_ids), vocab_size,
+    inner = ModelRowsDrafter(draft_runner(draft, vocab_size=vocab_size), vocab_size,
                              eos_token_ids=eos_token_ids, keep_raw=True)
-    drafter = CompanionRowsDrafter(inner, ModelRunner(companion.model, vocab_size=vocab_size, rows=0, output_ids=companion.output_ids), vocab_size)
+    drafter = CompanionRowsDrafter(inner, draft_runner(companion, vocab_size=vocab_size), vocab_size)
     engine = Engine(ModelRunner(target.model, vocab_size=vocab_size, rows=0), drafter, ExactRule(), gamma=gamma,
                     max_batch_size=batch_size, method="sd", stream_text=False, selector=recorder)
     for i, ids in enumerate(prompts):
@@ -179,8 +179,8 @@ def measure_latency(target: Any, draft: Any, companion: Any | None, *, gamma: in
     verify, verify_long, draft_ms, companion_ms = [], [], [], []
     t_runner = ModelRunner(target.model, vocab_size=vocab_size, rows=0)
     packed = t_runner.packing
-    d_runner = ModelRunner(draft.model, vocab_size=vocab_size, rows=0, output_ids=draft.output_ids)
-    c_runner = ModelRunner(companion.model, vocab_size=vocab_size, rows=0, output_ids=companion.output_ids) if companion is not None else None
+    d_runner = draft_runner(draft, vocab_size=vocab_size)
+    c_runner = draft_runner(companion, vocab_size=vocab_size) if companion is not None else None
     with torch.inference_mode():
         for r in rows:
             verify.append([_timed_forward(t_runner, r, n, context, repeats, vocab_size) for n in range(1, gamma + 2)])

@@ -68,6 +68,19 @@ class RowsOutput:
     hidden: torch.Tensor | None  # [rows, width, hidden] last-layer states of the fed tokens, when asked
 
 
+def full_vocabulary_logits(small: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., len(ids)] logits over a restricted vocabulary -> [..., vocab_size], -inf elsewhere (probability
+    zero, which keeps speculative sampling exact)."""
+    full = small.new_full((*small.shape[:-1], vocab_size), float("-inf"))
+    full[..., ids] = small
+    return full
+
+
+def draft_runner(loaded, *, vocab_size: int | None, rows: int = 0) -> "ModelRunner":
+    """The runner of a loaded draft (or companion), with its restricted output vocabulary when it has one."""
+    return ModelRunner(loaded.model, vocab_size=vocab_size, rows=rows, output_ids=getattr(loaded, "output_ids", None))
+
+
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, *, vocab_size: int | None = None, rows: int = 1,
                  output_ids: torch.Tensor | None = None) -> None:
@@ -107,9 +120,7 @@ class ModelRunner:
         if self._out_ids is None:
             return self.model.get_output_embeddings()(states)
         small = torch.nn.functional.linear(states, self._out_weight, self._out_bias)
-        full = small.new_full((*small.shape[:-1], self._out_width), float("-inf"))
-        full[..., self._out_ids] = small
-        return full
+        return full_vocabulary_logits(small, self._out_ids, self._out_width)
 
     def reset(self) -> None:
         self.cache = PositionCache(rows=self._rows, window=self._window)

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import DraftwiseError
+from ..models.runner import full_vocabulary_logits
 from ..sampling import SamplingConfig, make_generator, sample, unwarped, warp
 from ..sprinter import FEATURES, Verifier, VerifierSpec, draft_fingerprint, verifier_features
 from .loop import atomic_save
@@ -53,7 +54,6 @@ def _head_outputs(target, head, ids: torch.Tensor, vocab_size: int) -> tuple[tor
     """A feature head's first-step outputs over a sequence, as when it drafts after each prefix: row i reads the
     target's features at position i and token i + 1 and predicts token i + 2. Returns the head's states [T-1, H]
     and full-vocabulary logits [T-1, vocab] (-inf outside its draft vocabulary)."""
-    from ..eagle import full_vocabulary_logits
     from ..models.runner import ModelRunner
 
     runner = ModelRunner(target.model, vocab_size=vocab_size, rows=0)
@@ -116,9 +116,8 @@ def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataCon
                 d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
                 hidden, q_logits = d_out.hidden_states[-1][0, rows_at], d_out.logits[0, rows_at, :vocab_size]
             if getattr(draft, "output_ids", None) is not None:  # a restricted output vocabulary, as when decoding
-                outside = torch.ones(q_logits.shape[-1], dtype=torch.bool, device=q_logits.device)
-                outside[draft.output_ids.to(q_logits.device)] = False
-                q_logits = q_logits.masked_fill(outside, float("-inf"))
+                ids = draft.output_ids.to(q_logits.device)
+                q_logits = full_vocabulary_logits(q_logits[:, ids], ids, q_logits.shape[-1])
             q_w, p_w = warp(q_logits, sampling), warp(t_logits[rows_at.to(t_logits.device)], sampling)
             x = q_w.argmax(-1) if sampling.greedy else sample(q_w, generator)  # [count]
             feats = {name: verifier_features((name,), hidden, x, unwarped(q_logits), embedding)
