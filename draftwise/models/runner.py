@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import DraftwiseError
+from .fast import FastModel, fast_disabled, supports
 from .kvcache import PositionCache, check_supported, sliding_window
 
 # Families whose decoder layer is exactly pre-norm attention + MLP with rotary q/k (Llama's): the runner can
@@ -97,6 +98,7 @@ class ModelRunner:
         self.packing = (self._split and getattr(config, "model_type", "") in _PACKABLE
                         and os.environ.get("DRAFTWISE_NO_PACKING", "") in ("", "0"))
         self.cache = PositionCache(rows=rows, window=self._window)
+        self.fast = fast_model(model)  # None: the generic transformers path
         self.calls = 0  # forward passes
         self.tokens_processed = 0  # tokens fed through forward passes (padding excluded)
         # Multi-layer features (EAGLE-3 heads and their training data): with layers set, `hidden`
@@ -118,6 +120,8 @@ class ModelRunner:
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         if self._out_ids is None:
+            if self.fast is not None:
+                return self.fast.logits(states)
             return self.model.get_output_embeddings()(states)
         small = torch.nn.functional.linear(states, self._out_weight, self._out_bias)
         return full_vocabulary_logits(small, self._out_ids, self._out_width)
@@ -151,7 +155,9 @@ class ModelRunner:
         rows, width = ids.shape
         packed = self.packing and sum(counts) <= (1.0 - PACK_MIN_SAVING) * rows * width
         with self._writing(counts, begin, ids.shape[1], self.model.dtype) as (positions, mask):
-            if packed:
+            if self.fast is not None:
+                logits, states = self._fast(ids, None, counts, positions, mask, logits_at, hidden)
+            elif packed:
                 logits, states = self._packed(ids, counts, positions, mask, logits_at, hidden)
             elif self._split:
                 with self._capturing(hidden) as captured:
@@ -228,6 +234,28 @@ class ModelRunner:
             states[at_row, at_col] = h
         return logits, states
 
+    def _fast(self, ids: torch.Tensor | None, embeds: torch.Tensor | None, counts: list[int], positions: torch.Tensor,
+              mask: torch.Tensor | None, logits_at: torch.Tensor | None, hidden: bool
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The fast forward (`models.fast`): logits where asked (None for `embeds` feeds) and, with `hidden`,
+        the states of every fed position [rows, width, (features +) hidden]."""
+        rows = len(counts)
+        self.fast.ensure_cache(self.cache, self.cache.num_rows)
+        final, captured, pack = self.fast.forward(self.cache, ids=ids, embeds=embeds, counts=counts, positions=positions,
+                                                  mask=mask, features=self.feature_layers if hidden else ())
+        logits = None
+        if ids is not None:
+            if logits_at is None:
+                picked = pack.rows(final)
+            else:
+                at = torch.minimum(logits_at.to(final.device), pack.counts[:, None] - 1)  # padding reads the last real
+                picked = final[pack.offsets()[:, None] + at]  # [rows, m, hidden]
+            logits = self._logits(picked)
+        states = None
+        if hidden:
+            states = pack.rows(torch.cat([*captured, final], dim=-1) if captured else final)
+        return logits, states
+
     @contextlib.contextmanager
     def _capturing(self, hidden: bool) -> Iterator[list[torch.Tensor]]:
         """While a model forward runs, collect the inputs of `feature_layers` (in that order)."""
@@ -255,7 +283,10 @@ class ModelRunner:
     def forward_states(self, embeds: torch.Tensor, counts: Sequence[int], *, begin: int = 0) -> torch.Tensor:
         """A base-model forward from input embeddings (feature-level draft heads): embeds [rows, width, hidden]
         -> last hidden states [rows, width, hidden], written to rows `begin ..` like `forward_rows`."""
-        with self._writing([int(c) for c in counts], begin, embeds.shape[1], embeds.dtype) as (positions, mask):
+        counts = [int(c) for c in counts]
+        with self._writing(counts, begin, embeds.shape[1], embeds.dtype) as (positions, mask):
+            if self.fast is not None:
+                return self._fast(None, embeds, counts, positions, mask, None, True)[1]
             return self.model.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
                                          past_key_values=self.cache, use_cache=True).last_hidden_state
 
@@ -286,6 +317,10 @@ class ModelRunner:
     def _mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The 4-D mask from the row lengths; None for one unpadded row, where transformers builds the same
         causal mask itself (and SDPA runs a single query with no mask at all)."""
+        if self.fast is not None:  # SDPA with a boolean mask; none for one query over a whole unwindowed row
+            if self.cache.single_row() and positions.shape[1] == 1:
+                return None
+            return self.cache.attention_mask(positions, dtype, additive=False)
         if self.cache.single_row():
             return None
         return self.cache.attention_mask(positions, dtype, additive=self._additive)
@@ -347,6 +382,19 @@ class ModelRunner:
     def select_beams(self, rows: torch.Tensor) -> None:
         """Make cache row i a copy of row `rows[i]` (broadcast one row to many, reorder, or pick one)."""
         self.cache.select_rows(rows)
+
+
+def fast_model(model: PreTrainedModel) -> FastModel | None:
+    """The model's fast forward (built once per model, dtype and device, and shared by its runners), or None
+    where the generic path runs it: another family, or `DRAFTWISE_FAST=0`."""
+    if fast_disabled() or supports(model) is not None:
+        return None
+    key = (next(model.parameters()).dtype, next(model.parameters()).device, getattr(model, "draftwise_weights", None))
+    built = model.__dict__.get("_draftwise_fast")
+    if built is None or built[0] != key:
+        built = (key, FastModel(model, formats=getattr(model, "draftwise_formats", None)))
+        model.__dict__["_draftwise_fast"] = built
+    return built[1]
 
 
 def _unpack(packed: torch.Tensor, at_row: torch.Tensor, at_col: torch.Tensor, rows: int, width: int) -> torch.Tensor:

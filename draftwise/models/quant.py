@@ -1,0 +1,193 @@
+"""Weight formats for the fast forward: float, int8 weight-only, and a GGUF file's own quantisation.
+
+A format is chosen at load time (`load_model(dtype=...)`) and attached to the transformers model as
+`model.draftwise_formats`; the runner's `FastModel` asks it for each projection (`linear(name, parts,
+weight, bias)`). The transformers model itself keeps float weights (its dequantised copy, for the
+generic path and the tests' reference); decoding and verification both run the format, so a lossless
+method is exact towards the target as it runs.
+
+GGUF blocks (ggml's layout; 32 weights along the input dimension per block):
+- Q4_0: fp16 d, 16 bytes of nibbles; w = (q - 8) * d.
+- Q4_1: fp16 d, fp16 m, 16 bytes of nibbles; w = q * d + m.
+- Q8_0: fp16 d, 32 int8; w = q * d.
+Nibble j of a block's byte i is weight i (low) or i + 16 (high). Q4_0 and Q4_1 run as int4 groups of 32
+(`fast.Int4Linear`: w = (q - 8) * scale + zero, so Q4_1's zero is m + 8d and Q4_0's is 0) with bf16
+activations: PyTorch's int4 CPU kernel has no fast fp32 path (the LM-head shape: 0.57 ms in bf16, 24 ms in
+fp32, at one row). Q8_0 blocks are dequantised exactly (in fp32) and run as float in the activations'
+type: no PyTorch CPU kernel takes int8 weights with a scale per group of 32, and the alternatives measured
+slower than oneDNN's prepacked bf16 product (LM head, 1 / 6 rows: 18 per-group `_weight_int8pack_mm` calls
+1.57 / 8.45 ms, bf16 prepacked 1.39 / 1.37 ms). Other GGUF types (F32, F16, BF16, K-quants) run as float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import DraftwiseError
+from .fast import FloatLinear, Int4Linear, Int8Linear
+
+GROUP = 32
+QUANTISED = ("q4_0", "q4_1", "q8_0")
+
+
+@dataclass
+class GGUFTensor:
+    kind: str  # "q4_0" | "q4_1" | "q8_0"
+    codes: torch.Tensor  # [out, in]: uint8 0..15 (q4) or int8 (q8_0)
+    scales: torch.Tensor  # [out, in / 32] float32
+    zeros: torch.Tensor | None  # [out, in / 32] float32 in Int4Linear's convention (q4), None for q8_0
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights the block format encodes (what a dequantising loader reads)."""
+        codes = self.codes.float()
+        scales = self.scales.repeat_interleave(GROUP, dim=1)
+        if self.kind == "q8_0":
+            return codes * scales
+        return (codes - 8) * scales + self.zeros.repeat_interleave(GROUP, dim=1)
+
+    def rows(self, index: torch.Tensor) -> "GGUFTensor":
+        pick = (lambda t: None if t is None else t[index])
+        return GGUFTensor(self.kind, self.codes[index], self.scales[index], pick(self.zeros))
+
+
+def _decode(kind: str, raw: np.ndarray) -> GGUFTensor:
+    """raw: [out, blocks * block_bytes] uint8 as stored -> codes, scales and zeros."""
+    out = raw.shape[0]
+    if kind == "q8_0":
+        blocks = raw.reshape(out, -1, 34)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(out, -1)
+        return GGUFTensor(kind, torch.from_numpy(codes), torch.from_numpy(d), None)
+    size = 18 if kind == "q4_0" else 20
+    blocks = raw.reshape(out, -1, size)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = blocks[..., 4:]
+        zeros = m + 8 * d
+    else:
+        nibbles = blocks[..., 2:]
+        zeros = np.zeros_like(d)
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(out, -1)  # weights 0..15, then 16..31
+    return GGUFTensor(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(zeros))
+
+
+def encode(tensor: GGUFTensor) -> np.ndarray:
+    """The GGUF bytes of a tensor ([out, blocks * block_bytes] uint8): the inverse of `_decode` (tests use it to
+    write files and to check round trips)."""
+    out = tensor.codes.shape[0]
+    d = tensor.scales.numpy().astype(np.float16)[..., None].view(np.uint8)  # [out, blocks, 2]
+    if tensor.kind == "q8_0":
+        codes = tensor.codes.numpy().astype(np.int8).reshape(out, -1, GROUP).view(np.uint8)
+        return np.concatenate([d, codes], axis=-1).reshape(out, -1)
+    codes = tensor.codes.numpy().astype(np.uint8).reshape(out, -1, GROUP)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    if tensor.kind == "q4_1":
+        m = (tensor.zeros - 8 * tensor.scales).numpy().astype(np.float16)[..., None].view(np.uint8)
+        return np.concatenate([d, m, nibbles], axis=-1).reshape(out, -1)
+    return np.concatenate([d, nibbles], axis=-1).reshape(out, -1)
+
+
+def read_gguf_weights(path: Path) -> dict[str, GGUFTensor]:
+    """The Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file by GGUF name (float tensors are left to transformers)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as error:  # noqa: BLE001 - a damaged file is bad input
+        raise DraftwiseError(f"{path}: cannot read the GGUF file ({type(error).__name__}: {error})") from None
+    found = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name.lower()
+        if kind in QUANTISED:
+            found[tensor.name] = _decode(kind, np.asarray(tensor.data))
+    return found
+
+
+_GGUF_NAMES = {  # transformers parameter (inside a decoder layer) -> GGUF tensor
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(part: str, tied: bool) -> str:
+    """'layers.3.self_attn.q_proj' -> 'blk.3.attn_q.weight'; 'lm_head' -> 'output.weight' (or the embedding's
+    tensor when the head is tied to it)."""
+    if part == "lm_head":
+        return "token_embd.weight" if tied else "output.weight"
+    _, index, module = part.split(".", 2)
+    return f"blk.{index}.{_GGUF_NAMES[module]}.weight"
+
+
+def _match_rows(tensor: GGUFTensor, weight: torch.Tensor, name: str, heads: tuple[int, ...]) -> GGUFTensor:
+    """The GGUF tensor with its output rows in transformers' order. llama.cpp's converter permutes the rows of
+    the q and k projections (rotary halves interleaved); the loader that wrote `weight` reversed that. The
+    order is found by comparing with the dequantised weights, never assumed."""
+    reference = weight.float()
+    out = weight.shape[0]
+    candidates = [torch.arange(out)]
+    for count in heads:  # the model's head counts (q) and key/value head counts (k) dividing the rows
+        if out % count == 0 and (out // count) % 2 == 0:
+            candidates.append(torch.arange(out).reshape(count, out // count // 2, 2).transpose(1, 2).reshape(out))
+    tolerance = 1e-2 * float(reference.abs().max()) + 1e-6
+    for order in candidates:
+        rows = tensor.rows(order)
+        if float((rows.dequantized() - reference).abs().max()) <= tolerance:
+            return rows
+    raise DraftwiseError(f"GGUF tensor {name} does not match the model's weights (another file?)")
+
+
+class GGUFFormats:
+    """`linear` for FastModel: each projection in the GGUF file's own quantisation where it has one."""
+
+    def __init__(self, path: Path, model, activation_dtype: torch.dtype) -> None:
+        self.path = Path(path)
+        self.tensors = read_gguf_weights(self.path)
+        if not self.tensors:
+            raise DraftwiseError(f"{path}: no Q4_0, Q4_1 or Q8_0 tensors to keep; load it with a float dtype")
+        self.dtype = activation_dtype
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.kinds: dict[str, int] = {}
+        config = model.config
+        self.heads = tuple({config.num_attention_heads,
+                            getattr(config, "num_key_value_heads", None) or config.num_attention_heads})
+
+    def linear(self, name: str, parts: list[tuple[str, torch.Tensor]], weight: torch.Tensor,
+               bias: torch.Tensor | None):
+        found = [self.tensors.get(gguf_name(part, self.tied)) for part, _ in parts]
+        kinds = {t.kind if t is not None else "float" for t in found}
+        if len(kinds) != 1 or "float" in kinds:  # mixed or float parts: the dequantised weights
+            self.kinds["float"] = self.kinds.get("float", 0) + 1
+            return FloatLinear(weight, bias)
+        kind = kinds.pop()
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        matched = [_match_rows(t, w, gguf_name(p, self.tied), self.heads) for t, (p, w) in zip(found, parts)]
+        codes = torch.cat([t.codes for t in matched])
+        scales = torch.cat([t.scales for t in matched])
+        if kind == "q8_0":  # see the module docstring: float from the exactly dequantised blocks
+            exact = GGUFTensor(kind, codes, scales, None).dequantized()
+            return FloatLinear(exact.to(self.dtype), bias)
+        zeros = torch.cat([t.zeros for t in matched])
+        return Int4Linear(codes, scales, zeros, GROUP, bias, self.dtype)
+
+    def describe(self) -> str:
+        return "gguf (" + ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) + " projections)"
+
+
+class Int8Formats:
+    """Every projection int8 weight-only, one scale per output channel, quantised from the float weights."""
+
+    def describe(self) -> str:
+        return "int8 weight-only"
+
+    def linear(self, name: str, parts, weight: torch.Tensor, bias: torch.Tensor | None):
+        return Int8Linear.quantize(weight, bias)
+
+
+LinearMaker = Callable[[str, list, torch.Tensor, "torch.Tensor | None"], object]
