@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .api import check_options, default_draft, generate, stream
 from .errors import DraftwiseError, DraftwiseWarning
 from .methods import METHODS
-from .models.loading import LoadedModel, load_draft, load_model
+from .models.loading import DTYPE_HELP, LoadedModel, load_draft, load_model
 from .sampling import SamplingConfig
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -87,7 +87,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{option.name.replace('_', '-')}", type=option.type, default=None,
                        help=_option_help(option.name))
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
-    p.add_argument("--dtype", default=None, help="auto, fp32, bf16 or fp16 (default: fp32 on CPU)")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", action="store_true", help="print the Generation (text, token ids, stats) as JSON; "
                    "a list of them for several prompts")
@@ -284,8 +284,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gamma", type=int, default=d.gamma)
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--warmup", type=int, default=d.warmup, help="prompts per method run before timing")
-    p.add_argument("--dtype", default=d.dtype, help="auto (default: bf16 where the CPU has native bf16, else fp32), "
-                   "bf16, fp32")
+    p.add_argument("--dtype", default=d.dtype, help=DTYPE_HELP)
     p.add_argument("--device", default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = default)")
@@ -445,7 +444,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     for name in ("num_prompts", "max_new_tokens", "top_k", "gamma", "repeats", "warmup", "seed", "threads"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--dtype", default=d.dtype, help=DTYPE_HELP)
     p.add_argument("--device", default=d.device)
     p.add_argument("--json", default=None, metavar="OUT.json")
     p.add_argument("--plot", default=None, metavar="OUT.png")

@@ -401,19 +401,43 @@ def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int
     return out, counts
 
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the activations of a long prompt
+PREFILL_CHUNK = 512  # prompt tokens per row and prefill forward: bounds the activations of a long prompt
+PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
 
 
 def _prefill(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:
     """Feed `tokens` to one row in chunks (one forward each); returns the last-layer states per chunk
     when `hidden`, else an empty tensor per chunk."""
-    states = []
-    for start in range(0, len(tokens), PREFILL_CHUNK):
-        chunk = torch.tensor([list(tokens[start : start + PREFILL_CHUNK])], dtype=torch.long)
-        out = runner.forward_rows(chunk, [chunk.shape[1]], begin=row, logits_at=torch.zeros(1, 1, dtype=torch.long),
-                                  hidden=hidden)
-        states.append(out.hidden[0] if hidden else chunk[0, :0])
-    return states
+    states, _ = prefill_rows(runner, row, [tokens], hidden=hidden)
+    return states[0]
+
+
+def prefill_rows(runner: ModelRunner, begin: int, prompts: Sequence[Sequence[int]], *, hidden: bool = False
+                 ) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Feed prompts[i] to row `begin + i`, every row with tokens left in the same forward, chunk by chunk.
+
+    `prompts` must be sorted longest first (the rows still feeding are then always a leading block).
+    Returns per row its last-layer states per chunk (`hidden`; else empty tensors) and the forwards it
+    took part in."""
+    lengths = [len(p) for p in prompts]
+    assert lengths == sorted(lengths, reverse=True), "prefill_rows needs prompts sorted longest first"
+    states: list[list[torch.Tensor]] = [[] for _ in prompts]
+    calls = [0] * len(prompts)
+    start = [0] * len(prompts)
+    while True:
+        active = [i for i, n in enumerate(lengths) if start[i] < n]  # a leading block: sorted longest first
+        if not active:
+            break
+        chunk = max(64, min(PREFILL_CHUNK, PREFILL_TOKENS // len(active)))
+        pieces = [list(prompts[i][start[i]: start[i] + chunk]) for i in active]
+        tokens, counts = pad_rows(pieces)
+        out = runner.forward_rows(tokens, counts, begin=begin, logits_at=torch.zeros(len(active), 1, dtype=torch.long),
+                                  hidden=hidden, prompt=True)
+        for b, i in enumerate(active):
+            states[i].append(out.hidden[b, : counts[b]] if hidden else tokens[b, :0])
+            start[i] += counts[b]
+            calls[i] += 1
+    return states, calls
 
 
 # ---------------------------------------------------------------- the engine
@@ -671,26 +695,34 @@ class Engine:
         return Event(row.id, kept, piece, row.finish_reason is not None, row.finish_reason)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.live) < self.max_batch_size:
+        """Take waiting requests while they fit, and prefill them together (longest prompt first)."""
+        admitted: list[_Row] = []
+        while self.waiting and len(self.live) + len(admitted) < self.max_batch_size:
             candidate = self.waiting[0]
-            if self.kv_budget_tokens is not None and self.live:
+            if self.kv_budget_tokens is not None and (self.live or admitted):
                 # the buffers are [rows allocated, capacity]: capacity follows the longest row (plus a draft
                 # window), rows grow by doubling, neither shrinks; admit only what keeps that within budget
                 longest = max(len(r.request.prompt_ids) + r.request.max_new_tokens
-                              for r in [*self.live, candidate]) + self.gamma + 1
-                if self.target.cache.slots_after(len(self.live) + 1, longest) > self.kv_budget_tokens:
-                    return
-            self.waiting.pop(0)
-            index = len(self.live)
-            prompt = candidate.request.prompt_ids
-            self.target.cache.reset_row(index)
-            states = _prefill(self.target, index, prompt[:-1], hidden=self.drafter.wants_features)
-            candidate.counters.target_tokens += len(prompt) - 1
-            candidate.counters.prefill_calls += len(states)
-            self.drafter.admit(index, prompt)
-            if states and self.drafter.wants_features:
-                self.drafter.observe(index, 0, torch.cat(states))
-            self.live.append(candidate)
+                              for r in [*self.live, *admitted, candidate]) + self.gamma + 1
+                if self.target.cache.slots_after(len(self.live) + len(admitted) + 1, longest) > self.kv_budget_tokens:
+                    break
+            admitted.append(self.waiting.pop(0))
+        if not admitted:
+            return
+        admitted.sort(key=lambda r: len(r.request.prompt_ids), reverse=True)
+        begin = len(self.live)
+        for i in range(len(admitted)):
+            self.target.cache.reset_row(begin + i)
+        states, calls = prefill_rows(self.target, begin, [r.request.prompt_ids[:-1] for r in admitted],
+                                     hidden=self.drafter.wants_features)
+        for i, row in enumerate(admitted):
+            prompt = row.request.prompt_ids
+            row.counters.target_tokens += len(prompt) - 1
+            row.counters.prefill_calls += calls[i]
+            self.drafter.admit(begin + i, prompt)
+            if states[i] and self.drafter.wants_features:
+                self.drafter.observe(begin + i, 0, torch.cat(states[i]))
+            self.live.append(row)
 
     def _free(self, index: int) -> None:
         last = len(self.live) - 1

@@ -87,6 +87,8 @@ def cpu_has_native_bf16() -> bool:
 # int8: int8 weight-only per output channel, quantised at load; dequantize: float weights (auto type).
 WEIGHT_FORMATS = ("gguf", "int8", "dequantize")
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", *WEIGHT_FORMATS)
+DTYPE_HELP = ("auto (default): a GGUF's own quantisation on CPU, else bf16 where the CPU or GPU runs it natively, "
+              "else fp32; or bf16, fp16, fp32, int8 (weight-only), gguf (the file's quantisation), dequantize")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None = None) -> torch.dtype | None:
@@ -153,6 +155,8 @@ def load_model(
     progress: show transformers' weight-loading bars (off by default).
     An EAGLE draft head is not a model: give it as `draft=` (see `load_draft`).
     """
+    if not isinstance(spec, (str, os.PathLike)) and isinstance(dtype, str) and dtype.lower() == "auto":
+        dtype = None  # a model built in memory keeps the type it was built in
     torch_dtype = resolve_dtype(dtype, device)
     if isinstance(spec, LoadedModel):
         loaded = spec

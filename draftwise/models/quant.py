@@ -170,10 +170,12 @@ class GGUFFormats:
         matched = [_match_rows(t, w, gguf_name(p, self.tied), self.heads) for t, (p, w) in zip(found, parts)]
         codes = torch.cat([t.codes for t in matched])
         scales = torch.cat([t.scales for t in matched])
-        if kind == "q8_0":  # see the module docstring: float from the exactly dequantised blocks
-            exact = GGUFTensor(kind, codes, scales, None).dequantized()
+        zeros = None if kind == "q8_0" else torch.cat([t.zeros for t in matched])
+        # q8_0 (see the module docstring), or a row count PyTorch's int4 kernel cannot pack (it needs a multiple
+        # of 16): float from the exactly dequantised blocks
+        if kind == "q8_0" or codes.shape[0] % 16:
+            exact = GGUFTensor(kind, codes, scales, zeros).dequantized()
             return FloatLinear(exact.to(self.dtype), bias)
-        zeros = torch.cat([t.zeros for t in matched])
         return Int4Linear(codes, scales, zeros, GROUP, bias, self.dtype)
 
     def describe(self) -> str:

@@ -140,13 +140,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_rows(
         self, tokens: torch.Tensor, counts: Sequence[int], *, begin: int = 0, logits_at: torch.Tensor | None = None,
-        hidden: bool = False,
+        hidden: bool = False, prompt: bool = False,
     ) -> RowsOutput:
         """Feed `counts[i]` tokens (row i of `tokens`, right-padded) to cache row `begin + i`.
 
         tokens: [rows, width] int64. logits_at: [rows, m] positions (within the fed tokens) whose
         logits are wanted, default all `width`. Returns logits [rows, m, vocab] and, with
-        `hidden`, the last-layer states of every fed position [rows, width, hidden]."""
+        `hidden`, the last-layer states of every fed position [rows, width, hidden].
+        prompt: the tokens are prompt tokens (a prefill), which a quantised fast forward may run with its
+        wide-feed kernel (see `fast.Int4Linear`); every request's prompt is fed this way, alone or batched."""
         assert tokens.ndim == 2 and tokens.shape[0] == len(counts), (tokens.shape, len(counts))
         counts = [int(c) for c in counts]
         if min(counts) < 1:
@@ -156,7 +158,7 @@ class ModelRunner:
         packed = self.packing and sum(counts) <= (1.0 - PACK_MIN_SAVING) * rows * width
         with self._writing(counts, begin, ids.shape[1], self.model.dtype) as (positions, mask):
             if self.fast is not None:
-                logits, states = self._fast(ids, None, counts, positions, mask, logits_at, hidden)
+                logits, states = self._fast(ids, None, counts, positions, mask, logits_at, hidden, prompt)
             elif packed:
                 logits, states = self._packed(ids, counts, positions, mask, logits_at, hidden)
             elif self._split:
@@ -235,14 +237,16 @@ class ModelRunner:
         return logits, states
 
     def _fast(self, ids: torch.Tensor | None, embeds: torch.Tensor | None, counts: list[int], positions: torch.Tensor,
-              mask: torch.Tensor | None, logits_at: torch.Tensor | None, hidden: bool
+              mask: torch.Tensor | None, logits_at: torch.Tensor | None, hidden: bool, prompt: bool = False
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The fast forward (`models.fast`): logits where asked (None for `embeds` feeds) and, with `hidden`,
         the states of every fed position [rows, width, (features +) hidden]."""
         rows = len(counts)
         self.fast.ensure_cache(self.cache, self.cache.num_rows)
+        features = self.feature_layers if hidden and ids is not None else ()  # forward_states: the last layer only
         final, captured, pack = self.fast.forward(self.cache, ids=ids, embeds=embeds, counts=counts, positions=positions,
-                                                  mask=mask, features=self.feature_layers if hidden else ())
+                                                  mask=mask, features=features,
+                                                  wide=prompt)
         logits = None
         if ids is not None:
             if logits_at is None:

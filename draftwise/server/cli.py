@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from ..errors import DraftwiseError, DraftwiseWarning
 from ..methods import METHODS
+from ..models.loading import DTYPE_HELP
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 
@@ -43,7 +44,7 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_target: str, method_
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="no line per request")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id, when the target has none")
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
-    p.add_argument("--dtype", default=None, help="auto, fp32, bf16 or fp16 (default: fp32 on CPU)")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
 
     p = sub.add_parser("loadtest", help="load a running server (on this machine): throughput, TTFT and inter-token "
@@ -114,7 +115,7 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
             companion_spec = registry.default_companion(target.name) if target.name in registry.names() else None
         companion = None
         if companion_spec is not None:
-            companion = load_model(companion_spec, device=args.device or target.device, dtype=args.dtype or target.dtype)
+            companion = load_model(companion_spec, device=args.device or target.device, dtype=target.dtype)
             api.check_same_tokenizer(target, companion)
         config = ServerConfig(model_name=args.served_model_name or args.target, method=args.method, options=options,
                               gamma=args.gamma, api_key=api_key, max_batch_size=args.max_batch_size,
