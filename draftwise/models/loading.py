@@ -107,12 +107,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | 
 
 def weight_format(dtype: str | torch.dtype | None, *, gguf: bool, device: torch.device) -> str | None:
     """What `dtype` asks of the weights: 'gguf', 'int8' or None (float). 'auto' keeps a GGUF file's own
-    quantisation on CPU (PyTorch's int4 kernel there); an explicit float type or 'dequantize' never does."""
+    quantisation on a CPU with native bf16 (PyTorch's int4 CPU kernel is fast with bf16 activations only);
+    an explicit float type or 'dequantize' never does."""
     name = str(dtype).lower() if isinstance(dtype, str) else None
     if name == "gguf" and not gguf:
         raise DraftwiseError("dtype 'gguf' keeps a GGUF file's quantisation, but this model was not loaded from "
                              "a .gguf file; choose auto, bf16, fp16, fp32 or int8")
-    if name == "gguf" or (name in ("auto", None) and gguf and device.type == "cpu"):
+    if name == "gguf" and device.type != "cpu":
+        raise DraftwiseError("dtype 'gguf' runs PyTorch's int4 CPU kernel; on a GPU choose auto, bf16, fp16 or int8")
+    if name == "gguf" or (name in ("auto", None) and gguf and device.type == "cpu" and cpu_has_native_bf16()):
         return "gguf"
     return "int8" if name == "int8" else None
 
@@ -168,9 +171,12 @@ def load_model(
         target_device = resolve_device(device)
         if torch_dtype is None:
             torch_dtype = resolve_dtype("auto", target_device)
+        _not_a_model(str(spec))
+        formats = weight_format(dtype, gguf=loaded_gguf(str(spec)) is not None, device=target_device)
+        if formats == "gguf":  # the int4 kernel's fast path takes bf16 activations (fp32 runs 40x slower)
+            torch_dtype = torch.bfloat16
         with _progress_bars(progress):
             loaded = _load_from_string(str(spec), torch_dtype)
-        formats = weight_format(dtype, gguf=loaded_gguf(str(spec)) is not None, device=target_device)
         if tokenizer is not None:
             loaded.tokenizer = _load_tokenizer(tokenizer)
     else:
