@@ -1,11 +1,13 @@
-"""Where decoding time goes: model forward passes vs the loop around them.
+"""Where decoding time goes: model forwards against the loop around them, at batch 1 and batched.
 
-Runs each method on Spec-Bench evaluation prompts, timing every ModelRunner.forward
-(target and draft), and reports loop overhead = 1 - forward time / wall time.
-Writes JSON. Usage:
+Runs each method through `draftwise.generate` on Spec-Bench evaluation prompts (chat-formatted, as
+`draftwise bench` feeds them) and times every model computation: the runners' `forward_rows` and
+`forward_states` (target, draft, companion and head bodies) and a feature head's own input fusion
+and LM head. Loop overhead = 1 - model time / wall time: drafting bookkeeping, sampling, acceptance,
+the rewind and the Python between them. Prefill is included in both (it is a forward).
 
-    python benchmarks/profile_loop.py --target smollm2-135m --methods ar,sd,prompt-lookup \
-        --num-prompts 8 --max-new-tokens 128 --dtype fp32 --json out/profile.json
+    python benchmarks/profile_loop.py --methods ar,sd,suffix --batch-sizes 1,16 --num-prompts 16 \
+        --max-new-tokens 128 --json benchmarks/results/loop-overhead.json
 """
 
 from __future__ import annotations
@@ -19,60 +21,86 @@ import draftwise
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import BenchConfig, _load_bench_draft, _prompt_ids, machine_description, resolve_drafts
 from draftwise.bench.report import write_json
-from draftwise.eagle import EagleHead
+from draftwise.eagle import DraftHead
 from draftwise.models import runner as runner_module
+
+
+class Timer:
+    """Wall time inside the wrapped model calls (nested calls counted once)."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.depth = 0
+
+    def wrap(self, owner: type, name: str) -> None:
+        fn = getattr(owner, name)
+        timer = self
+
+        def wrapper(*args, **kwargs):
+            timer.depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer.depth -= 1
+                if timer.depth == 0:
+                    timer.spent += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--draft", default=None)
-    parser.add_argument("--methods", default="ar,sd,prompt-lookup")
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--methods", default="ar,sd,suffix")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     config = resolve_drafts(BenchConfig(target=args.target, draft=args.draft, dtype=args.dtype))
     target = draftwise.load_model(config.target, dtype=args.dtype)
     draft = _load_bench_draft(config.draft, target, config) if config.draft else None
     prompts = [_prompt_ids(target, p) for p in load_prompts(num_prompts=args.num_prompts)]
 
-    spent = {"forward": 0.0}
+    timer = Timer()
+    for name in ("forward_rows", "forward_states"):
+        timer.wrap(runner_module.ModelRunner, name)
+    for name in ("step_input", "logits"):
+        for head_type in {type(draft), DraftHead} if isinstance(draft, DraftHead) else ():
+            if name in vars(head_type):
+                timer.wrap(head_type, name)
 
-    def timed(fn):
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent["forward"] += time.perf_counter() - start
-        return wrapper
-
-    runner_module.ModelRunner.forward = timed(runner_module.ModelRunner.forward)
-    EagleHead.forward = timed(EagleHead.forward)
     results = {}
     for method in args.methods.split(","):
         spec = draftwise.METHODS[method]
         kwargs = dict(method=method, temperature=0, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
-                      draft=draft if spec.needs_draft else None)
+                      draft=draft if spec.needs_draft else None, ignore_eos=True)
         draftwise.generate(target, prompts[0], **{**kwargs, "max_new_tokens": 8})  # warm-up
-        spent["forward"] = 0.0
-        wall = 0.0
-        tokens = 0
-        for ids in prompts:
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            timer.spent = 0.0
             start = time.perf_counter()
-            out = draftwise.generate(target, ids, **kwargs)
-            wall += time.perf_counter() - start
-            tokens += out.stats["new_tokens"]
-        results[method] = {"wall_s": wall, "forward_s": spent["forward"], "loop_overhead": 1 - spent["forward"] / wall,
-                           "tokens": tokens, "tokens_per_s": tokens / wall}
-        print(f"{method:<14} wall {wall:7.2f}s  forward {spent['forward']:7.2f}s  "
-              f"overhead {100 * results[method]['loop_overhead']:.1f}%  {tokens / wall:.1f} tok/s", flush=True)
-    out = {"config": vars(args) | {"draft": config.draft}, "machine": machine_description(torch.device("cpu")),
-           "methods": results}
+            tokens = 0
+            if batch == 1:
+                for prompt in prompts:
+                    tokens += draftwise.generate(target, prompt, **kwargs).stats["new_tokens"]
+            else:
+                outs = draftwise.generate(target, prompts, max_batch_size=batch, **kwargs)
+                tokens = sum(o.stats["new_tokens"] for o in outs)
+            wall = time.perf_counter() - start
+            row = {"wall_s": wall, "model_s": timer.spent, "loop_overhead": 1 - timer.spent / wall,
+                   "tokens": tokens, "tokens_per_s": tokens / wall}
+            results.setdefault(method, {})[str(batch)] = row
+            print(f"{method:12s} batch {batch:3d}: {tokens / wall:7.1f} tok/s, loop overhead "
+                  f"{100 * row['loop_overhead']:.1f}% ({wall - timer.spent:.2f} of {wall:.2f} s)", flush=True)
+    out = {"machine": machine_description(target.device) | {"weights": target.weights},
+           "config": vars(args), "draft": str(config.draft), "results": results}
     if args.json:
         write_json(out, args.json)
 

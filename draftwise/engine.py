@@ -709,20 +709,24 @@ class Engine:
             admitted.append(self.waiting.pop(0))
         if not admitted:
             return
-        admitted.sort(key=lambda r: len(r.request.prompt_ids), reverse=True)
+        # rows are laid out longest prompt first (prefill_rows feeds a leading block); drafters hear of the
+        # requests in submission order (a drafter may number them as they come, e.g. FeatureCapture)
+        laid_out = sorted(admitted, key=lambda r: len(r.request.prompt_ids), reverse=True)
         begin = len(self.live)
-        for i in range(len(admitted)):
+        for i in range(len(laid_out)):
             self.target.cache.reset_row(begin + i)
-        states, calls = prefill_rows(self.target, begin, [r.request.prompt_ids[:-1] for r in admitted],
+        states, calls = prefill_rows(self.target, begin, [r.request.prompt_ids[:-1] for r in laid_out],
                                      hidden=self.drafter.wants_features)
-        for i, row in enumerate(admitted):
+        self.live.extend(laid_out)
+        slot = {id(row): i for i, row in enumerate(laid_out)}
+        for row in admitted:
+            i = slot[id(row)]
             prompt = row.request.prompt_ids
             row.counters.target_tokens += len(prompt) - 1
             row.counters.prefill_calls += calls[i]
             self.drafter.admit(begin + i, prompt)
             if states[i] and self.drafter.wants_features:
                 self.drafter.observe(begin + i, 0, torch.cat(states[i]))
-            self.live.append(row)
 
     def _free(self, index: int) -> None:
         last = len(self.live) - 1

@@ -301,6 +301,7 @@ def _exploding(model):
 
     model.forward = boom  # nn.Module.__call__ looks the attribute up on the instance
     model.base_model.forward = boom  # the runner calls the base model and applies the LM head itself
+    model.config.hidden_act = "exploding"  # the fast forward refuses an unknown activation: the generic path runs
     return model
 
 
@@ -495,7 +496,8 @@ def test_load_model_round_trip_from_directory(tmp_path, tok):
     model.save_pretrained(path)
     tok.save_pretrained(path)
 
-    loaded = load_model(str(path))
+    loaded = load_model(str(path), dtype="fp32")
+    assert load_model(str(path)).dtype == draftwise.models.loading.resolve_dtype("auto")  # the default: auto
     assert loaded.tokenizer is not None and len(loaded.tokenizer) == 64
     assert loaded.dtype == torch.float32
     assert loaded.device == torch.device("cpu")

@@ -467,7 +467,16 @@ def test_shutdown_lets_in_flight_requests_finish(models):
     assert not server.thread.is_alive() and not service.worker.alive
 
 
-def test_shutdown_past_its_grace_period_cancels_in_flight_requests(models):
+def test_shutdown_past_its_grace_period_cancels_in_flight_requests(models, monkeypatch):
+    from draftwise.models.runner import ModelRunner
+
+    forward = ModelRunner.forward_rows
+
+    def slow(self, *args, **kwargs):  # the tiny model would finish 230 tokens before the stop lands
+        time.sleep(0.01)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "forward_rows", slow)
     service, server = _start(models, draft=False, shutdown_timeout=0.0)
     client = _client(server.url, key="unused")
     stream = client.completions.create(model=MODEL, prompt="the cat", max_tokens=230, temperature=0, stream=True,

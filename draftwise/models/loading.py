@@ -190,9 +190,9 @@ def load_model(
         loaded.model.to(torch_dtype)
     loaded.model.eval()
     if isinstance(spec, (str, os.PathLike)):
-        _attach_formats(loaded, formats, loaded_gguf(str(spec)))
+        _attach_formats(loaded, formats, loaded_gguf(str(spec)), explicit=str(dtype).lower() in WEIGHT_FORMATS)
     elif str(dtype).lower() in ("int8", "gguf"):
-        _attach_formats(loaded, weight_format(dtype, gguf=False, device=loaded.device), None)
+        _attach_formats(loaded, weight_format(dtype, gguf=False, device=loaded.device), None, explicit=True)
     loaded.eos_token_ids = frozenset(loaded.eos_token_ids) | _eos_ids(loaded)  # keep ids a caller set
     return loaded
 
@@ -212,10 +212,12 @@ def loaded_gguf(spec: str) -> Path | None:
     return None
 
 
-def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None) -> None:
-    """Give the model the weight format its fast forward runs (see `models.quant`)."""
+def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None, *, explicit: bool) -> None:
+    """Give the model the weight format its fast forward runs (see `models.quant`). Where 'auto' chose a GGUF's
+    quantisation and the fast forward cannot run the model, or the file holds no Q4_0 / Q4_1 / Q8_0 tensor, the
+    model runs its float weights; an explicit 'gguf' or 'int8' says why it cannot."""
     from .fast import supports
-    from .quant import GGUFFormats, Int8Formats
+    from .quant import GGUFFormats, Int8Formats, NoQuantisedTensors
 
     model = loaded.model
     model.__dict__.pop("draftwise_formats", None)
@@ -224,14 +226,19 @@ def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None)
         return
     why = supports(model)
     if why is not None:
-        if formats == "gguf" and gguf is not None:  # 'auto' on a GGUF of another family: dequantised, as before
+        if not explicit:
             return
         raise DraftwiseError(f"weight format {formats!r} runs on the fast forward, which cannot run this model "
                              f"({why}); choose a float dtype")
     if formats == "int8":
         model.__dict__["draftwise_formats"] = Int8Formats()
     else:
-        model.__dict__["draftwise_formats"] = GGUFFormats(gguf, model, loaded.dtype)
+        try:
+            model.__dict__["draftwise_formats"] = GGUFFormats(gguf, model, loaded.dtype)
+        except NoQuantisedTensors:
+            if explicit:
+                raise
+            return
     model.__dict__["draftwise_weights"] = formats
 
 

@@ -12,8 +12,10 @@ GGUF blocks (ggml's layout; 32 weights along the input dimension per block):
 - Q8_0: fp16 d, 32 int8; w = q * d.
 Nibble j of a block's byte i is weight i (low) or i + 16 (high). Q4_0 and Q4_1 run as int4 groups of 32
 (`fast.Int4Linear`: w = (q - 8) * scale + zero, so Q4_1's zero is m + 8d and Q4_0's is 0) with bf16
-activations: PyTorch's int4 CPU kernel has no fast fp32 path (the LM-head shape: 0.57 ms in bf16, 24 ms in
-fp32, at one row). Q8_0 blocks are dequantised exactly (in fp32) and run as float in the activations'
+activations, so the kernel holds scale and zero in bf16: the file's fp16 d and m are rounded by up to 2^-9
+of their value (the 4-bit codes are kept exactly). PyTorch's int4 CPU kernel has no fast fp32 path (the
+LM-head shape: 0.57 ms in bf16, 24 ms in fp32, at one row). Prompt feeds run the dequantised weights (see
+`fast.Int4Linear`). Q8_0 blocks are dequantised exactly (in fp32) and run as float in the activations'
 type: no PyTorch CPU kernel takes int8 weights with a scale per group of 32, and the alternatives measured
 slower than oneDNN's prepacked bf16 product (LM head, 1 / 6 rows: 18 per-group `_weight_int8pack_mm` calls
 1.57 / 8.45 ms, bf16 prepacked 1.39 / 1.37 ms). Other GGUF types (F32, F16, BF16, K-quants) run as float.
@@ -143,6 +145,10 @@ def _match_rows(tensor: GGUFTensor, weight: torch.Tensor, name: str, heads: tupl
     raise DraftwiseError(f"GGUF tensor {name} does not match the model's weights (another file?)")
 
 
+class NoQuantisedTensors(DraftwiseError):
+    pass
+
+
 class GGUFFormats:
     """`linear` for FastModel: each projection in the GGUF file's own quantisation where it has one."""
 
@@ -150,7 +156,7 @@ class GGUFFormats:
         self.path = Path(path)
         self.tensors = read_gguf_weights(self.path)
         if not self.tensors:
-            raise DraftwiseError(f"{path}: no Q4_0, Q4_1 or Q8_0 tensors to keep; load it with a float dtype")
+            raise NoQuantisedTensors(f"{path}: no Q4_0, Q4_1 or Q8_0 tensors to keep; load it with a float dtype")
         self.dtype = activation_dtype
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.kinds: dict[str, int] = {}

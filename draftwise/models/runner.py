@@ -341,7 +341,7 @@ class ModelRunner:
 
     def forward(
         self, new_tokens: Sequence[int] | torch.Tensor, *, num_logits: int | None = None, hidden: bool = False,
-        hidden_all: bool = False,
+        hidden_all: bool = False, prompt: bool = False,
     ) -> RunnerOutput:
         """Feed tokens to row 0 after its cached ones; return logits for the last `num_logits` (default: all).
 
@@ -356,7 +356,7 @@ class ModelRunner:
         if not 1 <= num_logits <= n:
             raise ValueError(f"num_logits must be in [1, {n}], got {num_logits}")
         at = torch.arange(n - num_logits, n, device=self.device)[None]  # [1, num_logits]
-        out = self.forward_rows(ids, [n], logits_at=at, hidden=hidden or hidden_all)
+        out = self.forward_rows(ids, [n], logits_at=at, hidden=hidden or hidden_all, prompt=prompt)
         states = None
         if hidden_all:
             states = out.hidden[0]
@@ -366,7 +366,7 @@ class ModelRunner:
 
     def prefill(self, tokens: Sequence[int] | torch.Tensor, *, hidden: bool = False) -> RunnerOutput:
         """Forward over a whole prompt, keeping only the last position's logits."""
-        return self.forward(tokens, num_logits=1, hidden=hidden)
+        return self.forward(tokens, num_logits=1, hidden=hidden, prompt=True)
 
     def trim(self, keep: int) -> None:
         """Drop row 0's cached tokens past the first `keep`."""
