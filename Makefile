@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: install demo test test-slow clean
+.PHONY: install demo test test-slow clean bench-peers
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+# Opt-in: draftwise against llama.cpp and vLLM's CPU build (benchmarks/README.md). Installs the peers into .peers/ on
+# first use (llama-cpp-python is built from source: several minutes) and takes about half an hour on 2 cores.
+bench-peers: install
+	$(PY) benchmarks/peers.py --json benchmarks/results/peers.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
