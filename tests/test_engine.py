@@ -162,6 +162,33 @@ def test_batched_requests_equal_requests_decoded_alone_with_joins_and_leaves(lla
 
 # ---------------------------------------------------------------- the scheduler
 
+def test_a_burst_is_prefilled_together_and_decodes_as_alone(llama_pair):
+    """Requests waiting together are prefilled in one forward per chunk round (longest prompt first), not one
+    prompt at a time; each still decodes token for token as it does alone, and a prompt longer than a chunk
+    round takes several rounds beside shorter ones."""
+    from draftwise import engine as engine_module
+
+    target, draft = llama_pair
+    prompts = [tuple(1 + i % 60 for i in range(n)) for n in (5, 40, 12, 90)]  # 90 spans two 64-token rounds
+    requests = [Request(p, GREEDY, max_new_tokens=6) for p in prompts]
+    chunk, tokens = engine_module.PREFILL_CHUNK, engine_module.PREFILL_TOKENS
+    engine_module.PREFILL_CHUNK, engine_module.PREFILL_TOKENS = 64, 128  # 4 rows: 64 tokens per row a round
+    try:
+        engine = _engine(target, draft, max_batch_size=8)
+        ids = [engine.submit(r) for r in requests]
+        engine._admit()
+        assert engine.target.calls == 2  # rounds: 4 rows x 64 tokens, then the 90-token prompt's rest
+        assert [len(r.request.prompt_ids) for r in engine.live] == [90, 40, 12, 5]
+        assert [engine.target.lengths[i] for i in range(4)] == [89, 39, 11, 4]
+        engine.run()
+    finally:
+        engine_module.PREFILL_CHUNK, engine_module.PREFILL_TOKENS = chunk, tokens
+    for rid, request in zip(ids, requests):
+        result = engine.result(rid)
+        assert result.stats["prefill_calls"] == (2 if len(request.prompt_ids) > 65 else 1)
+        assert result.token_ids == _alone(target, draft, request)
+
+
 def test_scheduler_frees_rows_cancels_cleanly_and_counts_per_request(llama_pair):
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=2)
