@@ -19,7 +19,7 @@ from .models.loading import load_model
 
 TARGET = "smollm2-135m"
 # The sample is a chat, as users meet an instruct model: OpenAI-style messages through the chat template.
-SAMPLE_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+SAMPLE_CHAT = [{"role": "user", "content": "What is the capital of Germany?"}]
 SAMPLE_METHOD = "prompt-lookup"  # exact, needs no draft, and the fastest method on this CPU (see the table)
 
 
