@@ -35,7 +35,7 @@ from .acceptance import StepDistributions, TargetRule
 from .batched import sample_rows, speculative_sample_rows, warp_rows
 from .decoding import Counters, cut_at_eos
 from .errors import DraftwiseError
-from .models.runner import ModelRunner
+from .models.runner import ModelRunner, fast_model
 from .policies import FixedLength, LengthPolicy
 from .sampling import SamplingConfig, make_generator
 
@@ -775,7 +775,9 @@ def kv_bytes_per_token(model) -> int:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()
+    fast = fast_model(model)  # the fast forward keeps fp32 keys and values on CPU, whatever the weights
+    dtype = fast.cache_dtype if fast is not None else next(model.parameters()).dtype
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
