@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 FAST_FAMILIES = {"llama", "mistral", "qwen2"}
-PER_ROW_WIDTH = 8  # decode and verification feeds: attention may run row by row
-PER_ROW_MAX_FILL = 0.75  # ... when the rows' live keys fill at most this share of the padded block
+PER_ROW_MAX_FILL = 0.75  # attention runs row by row when live keys or real queries fill at most this share
+PACKED_ROWS_WIDTH = 8  # up to this many tokens per row, row-by-row attention reads padded queries (one cache write)
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq independent of the sequence length
 
 
@@ -270,15 +270,20 @@ class FastModel:
         write = _Writer(step, pack, rows, width)
         kv = step.kv_length
         cache_dtype = self.cache_dtype
-        # Decode feeds over rows of uneven length: attention row by row, each up to its own length, where padding
-        # would be over a quarter of the keys read (batch 32, lengths 100-1,000: 3.4 ms a layer padded)
-        row_kv = row_masks = None
-        if rows > 1 and width <= PER_ROW_WIDTH:
+        # Rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention row by row on the
+        # packed tokens, each row reading its own live keys only, where padding would be over a quarter of the
+        # keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded)
+        per_row = None
+        if rows > 1:
             row_kv = [cache.lengths[step.begin + b] + c for b, c in enumerate(counts)]
-            if sum(row_kv) > PER_ROW_MAX_FILL * rows * kv:
-                row_kv = None
-            elif mask is not None and (width > 1 or cache.window is not None):
-                row_masks = [mask[b: b + 1, :, :, :n] for b, n in enumerate(row_kv)]
+            if sum(row_kv) <= PER_ROW_MAX_FILL * rows * kv or sum(counts) <= PER_ROW_MAX_FILL * rows * width:
+                starts = [n - c for n, c in zip(row_kv, counts)]
+                offsets = [0]
+                for c in counts[:-1]:
+                    offsets.append(offsets[-1] + c)
+                masks = [None if (c == 1 and cache.window is None) else mask[b: b + 1, :, :c, :n]
+                         for b, (c, n) in enumerate(zip(counts, row_kv))]
+                per_row = list(zip(offsets, counts, starts, row_kv, masks))
         for index, layer in enumerate(self.layers):
             if index in features:
                 captured[index] = h
@@ -290,19 +295,35 @@ class FastModel:
             v = qkv[:, k_end:].view(-1, kv_heads, d)
             keys = cache.keys[index][step.begin: step.begin + rows]
             values = cache.values[index][step.begin: step.begin + rows]
-            write(keys, k.to(cache_dtype))
-            write(values, v.to(cache_dtype))
-            q_rows = pack.rows(q.to(cache_dtype)).transpose(1, 2)  # [rows, heads, width, d]
-            if row_kv is None:
-                out = F.scaled_dot_product_attention(q_rows, keys[:, :, :kv], values[:, :, :kv], attn_mask=mask,
-                                                     scale=self.scaling, enable_gqa=kv_heads != heads)
-            else:  # each row reads its own live positions only
+            if per_row is not None and width <= PACKED_ROWS_WIDTH:  # decode / verify: one write, padded queries
+                write(keys, k.to(cache_dtype))
+                write(values, v.to(cache_dtype))
+                q_rows = pack.rows(q.to(cache_dtype)).transpose(1, 2)  # [rows, heads, width, d]
                 out = torch.cat([F.scaled_dot_product_attention(
                     q_rows[b: b + 1], keys[b: b + 1, :, :n], values[b: b + 1, :, :n],
-                    attn_mask=None if row_masks is None else row_masks[b], scale=self.scaling,
-                    enable_gqa=kv_heads != heads) for b, n in enumerate(row_kv)])
-            out = out.transpose(1, 2).to(h.dtype)  # [rows, width, heads, d]
-            out = pack.flat(out.reshape(rows, width, heads * d))
+                    attn_mask=None if row_mask is None else mask[b: b + 1, :, :, :n], scale=self.scaling,
+                    enable_gqa=kv_heads != heads) for b, (_, _, _, n, row_mask) in enumerate(per_row)])
+                out = pack.flat(out.transpose(1, 2).reshape(rows, width, heads * d)).to(h.dtype)
+            elif per_row is not None:  # prompts: packed tokens straight into each row's slots, each row's attention
+                k_t = k.to(cache_dtype).transpose(0, 1)  # [kv_heads, tokens, d]
+                v_t = v.to(cache_dtype).transpose(0, 1)
+                q_t = q.to(cache_dtype).transpose(0, 1)  # [heads, tokens, d]
+                outs = []
+                for b, (o, c, start, n, row_mask) in enumerate(per_row):
+                    keys[b, :, start: start + c] = k_t[:, o: o + c]
+                    values[b, :, start: start + c] = v_t[:, o: o + c]
+                    outs.append(F.scaled_dot_product_attention(
+                        q_t[None, :, o: o + c], keys[b: b + 1, :, :n], values[b: b + 1, :, :n], attn_mask=row_mask,
+                        scale=self.scaling, enable_gqa=kv_heads != heads)[0])  # [heads, c, d]
+                out = torch.cat(outs, dim=1).transpose(0, 1).reshape(-1, heads * d).to(h.dtype)
+            else:
+                write(keys, k.to(cache_dtype))
+                write(values, v.to(cache_dtype))
+                q_rows = pack.rows(q.to(cache_dtype)).transpose(1, 2)  # [rows, heads, width, d]
+                out = F.scaled_dot_product_attention(q_rows, keys[:, :, :kv], values[:, :, :kv], attn_mask=mask,
+                                                     scale=self.scaling, enable_gqa=kv_heads != heads)
+                out = out.transpose(1, 2).to(h.dtype)  # [rows, width, heads, d]
+                out = pack.flat(out.reshape(rows, width, heads * d))
             h = h + layer.o(out, wide)
             x = self._rms(h, layer.post_norm)
             gate_up = layer.gate_up(x, wide)
