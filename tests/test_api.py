@@ -509,9 +509,11 @@ def test_load_model_round_trip_from_directory(tmp_path, tok):
 
     kwargs = dict(method="ar", temperature=0, max_new_tokens=10, ignore_eos=True)
     original = generate(load_model(model, tokenizer=tok), "the cat", **kwargs)
-    again = generate(path, "the cat", **kwargs)  # a Path works as a spec too
+    again = generate(loaded, "the cat", **kwargs)  # fp32, as the model was built
     assert again.token_ids == original.token_ids
     assert again.text == original.text
+    by_path = generate(path, "the cat", **kwargs)  # a Path works as a spec too (dtype auto, as a name would)
+    assert by_path.token_ids == generate(str(path), "the cat", **kwargs).token_ids
 
     bf16 = load_model(str(path), dtype="bf16")
     assert bf16.dtype == torch.bfloat16
