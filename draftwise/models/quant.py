@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -198,4 +197,3 @@ class Int8Formats:
         return Int8Linear.quantize(weight, bias)
 
 
-LinearMaker = Callable[[str, list, torch.Tensor, "torch.Tensor | None"], object]
