@@ -23,7 +23,7 @@ from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, deco
 from .drafters import Drafter, ModelDrafter, NoDrafter
 from .errors import DraftwiseError, DraftwiseWarning
 from .engine import Engine, _find_stop, _safe_prefix, kv_bytes_per_token, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
-from .methods import METHODS, Method, get_method
+from .methods import MAX_GAMMA, METHODS, Method, get_method
 from .eagle import DraftHead
 from .eagle_rows import EagleRowsDrafter
 from .models import registry
@@ -401,8 +401,8 @@ def check_options(
     spec.check_required(options)
     if spec.greedy_only and not sampling.greedy:
         raise DraftwiseError(f"method {spec.name!r} is defined for greedy decoding only: pass temperature=0")
-    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
-        raise DraftwiseError(f"gamma (draft tokens per step) must be an integer >= 1, got {gamma!r}")
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= MAX_GAMMA:
+        raise DraftwiseError(f"gamma (draft tokens per step) must be an integer in [1, {MAX_GAMMA}], got {gamma!r}")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise DraftwiseError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):

@@ -22,6 +22,11 @@ class Option:
     type: type
     help: str
     required: str = ""  # non-empty: the option must be given; the text says how to get a value
+    high: int | None = None  # an integer option's largest value: every size a request can set is bounded
+
+
+MAX_GAMMA = 32  # draft tokens per step: the per-position counters (API, server, /metrics) have this many slots
+MAX_WINDOW = 64  # the bound of every option that sets a draft run, a match length or a block
 
 
 @dataclass(frozen=True)
@@ -78,13 +83,22 @@ class Method:
                     typed = option.type(value)
                 except (TypeError, ValueError):
                     typed = None
-                if typed is None or (isinstance(typed, float) and not math.isfinite(typed)):
+                if typed is None or (isinstance(typed, float) and not math.isfinite(typed)) or (
+                        option.type is int and (isinstance(value, bool) or typed != value and not isinstance(value, str))):
                     raise DraftwiseError(
                         f"option {option.name!r} of method {self.name!r} must be a finite {option.type.__name__}, "
-                        f"got {value!r}"
+                        f"got {_short(value)}"
                     )
+                if option.high is not None and typed > option.high:
+                    raise DraftwiseError(f"option {option.name!r} of method {self.name!r} must be <= {option.high}, "
+                                         f"got {typed}")
                 options[option.name] = typed
         return options
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _positive_int(name: str, value: int) -> int:
@@ -114,11 +128,12 @@ def _sd_rule(options: dict[str, Any]) -> TargetRule:
 
 
 _SUFFIX_OPTIONS = (
-    Option("depth", 24, int, "longest substring the suffix tries hold (longest match is depth - 1)"),
+    Option("depth", 24, int, "longest substring the suffix tries hold (longest match is depth - 1)", high=MAX_WINDOW),
     Option("factor", 1.0, float, "draft at most factor x the matched length (adaptive length)"),
     Option("min_prob", 0.1, float, "stop when the speculation's running frequency product falls below this"),
-    Option("min_match", 2, int, "shortest suffix match that may draft"),
-    Option("global_tokens", 200_000, int, "tokens of earlier outputs kept for matching (0: this request only)"),
+    Option("min_match", 2, int, "shortest suffix match that may draft", high=MAX_WINDOW),
+    Option("global_tokens", 200_000, int, "tokens of earlier outputs kept for matching (0: this request only)",
+           high=10_000_000),
 )
 
 
@@ -199,7 +214,7 @@ def _mtjd_rule(options: dict[str, Any]) -> TargetRule:
     return ExactRule()
 
 
-_BEAMS = Option("num_beams", 4, int, "beams W of the beam search (MTAD's draft, MTJD's target)")
+_BEAMS = Option("num_beams", 4, int, "beams W of the beam search (MTAD's draft, MTJD's target)", high=16)
 
 def model_spec(value: Any) -> Any:
     """A model option: a registry name or a path (as text), or a model already loaded."""
@@ -211,7 +226,7 @@ def model_spec(value: Any) -> Any:
 _COMPANION = Option("companion", "", model_spec, "companion model (registry name or path; default: the registry's "
                     "companion for a registry target)")
 _LOOKAHEAD = Option("lookahead", 1, int, "draft at most this many tokens past the most the request verified in "
-                    "its last 4 steps (0: always draft gamma)")
+                    "its last 4 steps (0: always draft gamma)", high=MAX_GAMMA)
 _PROFILE = Option("profile", "", str, "SV profile from `draftwise profile-sv` (default: the shipped profile for "
                   "the registry's default trio and this sampling setting)")
 
@@ -271,8 +286,8 @@ METHODS: dict[str, Method] = {
             "prompt-lookup", "n-gram drafting over the prompt and output so far, no draft model (exact)",
             drafter="ngram", make_rule=_ngram_rule,
             options=(
-                Option("max_ngram", 3, int, "longest n-gram to match"),
-                Option("min_ngram", 1, int, "shortest n-gram to match"),
+                Option("max_ngram", 3, int, "longest n-gram to match", high=MAX_WINDOW),
+                Option("min_ngram", 1, int, "shortest n-gram to match", high=MAX_WINDOW),
             ),
             reference="Saxena 2023 (prompt lookup decoding)",
         ),
@@ -302,7 +317,8 @@ METHODS: dict[str, Method] = {
         Method(
             "token-cascade", "sequential token-level cascade with Chow's rule: the target runs only when the draft defers",
             drafter="model", make_rule=_window("max_run"), make_stop=lambda o: chow_stop(o["alpha"]),
-            options=(_CHOW_ALPHA, Option("max_run", 10, int, "small-model tokens before the target is invoked anyway")),
+            options=(_CHOW_ALPHA, Option("max_run", 10, int, "small-model tokens before the target is invoked anyway",
+                                         high=MAX_WINDOW)),
             uses_gamma=False, window_option="max_run", exact=False, reference="seed 003 Algorithm 2, §F.1",
         ),
         Method(
@@ -327,7 +343,7 @@ METHODS: dict[str, Method] = {
             options=(
                 Option("alpha", 2.0, float, "rollback threshold on -log p(draft token)"),
                 Option("fallback", 0.5, float, "fallback threshold: the draft stops when max q < 1 - fallback"),
-                Option("max_window", 10, int, "longest draft run"),
+                Option("max_window", 10, int, "longest draft run", high=MAX_WINDOW),
             ),
             uses_gamma=False, window_option="max_window", greedy_only=True, exact=False,
             reference="Kim et al. 2023; seed 003 §B, §F.5",
@@ -339,7 +355,8 @@ METHODS: dict[str, Method] = {
                 Option("verifier", "", str, "verifier file from `draftwise train-verifier`",
                        required="train one with `draftwise train-verifier`"),
                 Option("tau", 0.5, float, "the verifier accepts a token when its score >= tau"),
-                Option("max_run", 16, int, "longest run of verifier-accepted tokens before the target runs anyway"),
+                Option("max_run", 16, int, "longest run of verifier-accepted tokens before the target runs anyway",
+                       high=MAX_WINDOW),
             ),
             uses_gamma=False, window_option="max_run", exact=False, reference="Zhong et al. 2025, seed 000 Algorithm 2",
         ),
@@ -366,7 +383,8 @@ METHODS: dict[str, Method] = {
             "fly", "lossy FLy verification: forgive a mismatch at an uncertain position when the next drafts stay aligned",
             drafter="model", make_rule=lambda o: FLyRule(window=o["window"], entropy_threshold=o["entropy_threshold"]),
             options=(
-                Option("window", 2, int, "drafted tokens after a mismatch that must match the target's argmax"),
+                Option("window", 2, int, "drafted tokens after a mismatch that must match the target's argmax",
+                       high=MAX_GAMMA),
                 Option("entropy_threshold", 0.5, float, "target entropy (nats) above which a mismatch may be forgiven"),
             ),
             exact=False, reference="Li et al. 2025 (FLy), vLLM",
@@ -414,7 +432,7 @@ METHODS: dict[str, Method] = {
         Method(
             "mtjd", "multi-token joint decoding by target beam search over k tokens per step (quality reference, slow)",
             drafter="none", make_rule=_mtjd_rule, loop="mtjd",
-            options=(Option("k", 4, int, "tokens per joint block"), _BEAMS),
+            options=(Option("k", 4, int, "tokens per joint block", high=16), _BEAMS),
             uses_gamma=False, window_option="k", exact=False, reference="seed 004 Def. 3.1, Figure 1",
         ),
     )

@@ -235,11 +235,17 @@ class Service:
             raise ApiError(400, f"option {named[0]!r} names a file or a model, and a request cannot make the server "
                            "read or load one: the server's own (from its command line) is used",
                            param=f"draftwise.{named[0]}", code="option_not_allowed")
+        unknown = sorted(set(override) - set(protocol.OVERRIDE_KEYS) - {o.name for o in spec.options})
+        if unknown:
+            options = ", ".join(o.name for o in spec.options if o.name not in resource_options(spec)) or "none"
+            raise ApiError(400, f"method {method!r} has no option {protocol.short(unknown[0])}: the 'draftwise' field "
+                           f"takes {', '.join(protocol.OVERRIDE_KEYS)} and the method's options ({options})",
+                           param=f"draftwise.{unknown[0][:40]}", code="unknown_option")
         gamma = override.pop("gamma", self.config.gamma)
-        top_k = override.pop("top_k", 0)
-        ignore_eos = override.pop("ignore_eos", False)
+        top_k = override.pop("top_k", parsed.top_k)
+        ignore_eos = override.pop("ignore_eos", parsed.ignore_eos)
         if not isinstance(ignore_eos, bool):
-            raise ApiError(400, f"draftwise.ignore_eos must be true or false, got {ignore_eos!r}",
+            raise ApiError(400, f"draftwise.ignore_eos must be true or false, got {protocol.short(ignore_eos)}",
                            param="draftwise.ignore_eos")
         options = {**self._startup_options(spec), **override}
         try:
@@ -269,6 +275,10 @@ class Service:
             base, options=options, sampling=sampling, gamma=gamma, stop=stops, seed=parsed.seed, prompt_ids=prompt_ids,
             eos_token_ids=frozenset() if ignore_eos else self.target.eos_token_ids,
             requested_new_tokens=budget, max_new_tokens=budget)
+        try:
+            plan = api._with_processors(plan, parsed.repetition_penalty, parsed.min_tokens)
+        except DraftwiseError as error:
+            raise ApiError(400, str(error), param="repetition_penalty") from None
         try:
             request = api._request(plan, prompt_ids)
         except DraftwiseError as error:
@@ -326,7 +336,14 @@ def _error(error: ApiError, service: Service | None = None) -> JSONResponse:
 
 
 async def _http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
-    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    service = request.app.state.service
+    if request.url.path.startswith("/v1"):  # the API's paths say nothing, not even which exist, without the key
+        try:
+            _authorize(service, request)
+        except ApiError as error:
+            return _error(error, service)
+    path = protocol.short(request.url.path, 120)
+    message = {404: f"no route {path}", 405: f"{request.method} is not allowed on {path}"}
     return _error(ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail))))
 
 
@@ -362,9 +379,16 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
             raise too_big
         chunks.append(piece)
     try:
-        return json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, ValueError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:
+        deep = True
+    else:
+        deep = protocol.nesting(body)
+    if deep:
+        raise ApiError(400, f"the request body nests deeper than {protocol.MAX_NESTING} levels", code="invalid_json")
+    return body
 
 
 async def _generate(service: Service, request: HttpRequest, *, chat: bool) -> Response:
@@ -450,9 +474,15 @@ class _Generation(Response):
     async def _stream(self, send: Any) -> None:
         parsed = self.parsed
         usage_on = parsed.include_usage
+        running = parsed.include_usage and parsed.continuous_usage  # vLLM's rule: only with include_usage
+        prompt_tokens = len(self.ticket.request.prompt_ids)
+        generated = 0
 
         def chunk(**kwargs: Any) -> bytes:
-            return protocol.chunk(self.id, parsed.model, parsed.chat, self.created, with_usage=usage_on, **kwargs)
+            counts = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                      "total_tokens": prompt_tokens + generated} if running else None
+            return protocol.chunk(self.id, parsed.model, parsed.chat, self.created, with_usage=usage_on,
+                                  usage_body=counts, **kwargs)
 
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -472,6 +502,10 @@ class _Generation(Response):
                 await body(protocol.sse(ApiError(500, message[1]).body()))
                 await body(protocol.DONE, more=False)
                 return
+            if message[0] == "tokens":
+                generated += message[2]
+            else:
+                generated = len(message[2].token_ids)
             if message[1]:
                 sent.append(message[1])
                 await body(chunk(text=message[1]))

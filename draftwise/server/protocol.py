@@ -18,7 +18,9 @@ from typing import Any
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
-           "draftwise")
+           "draftwise",
+           # vLLM's extensions that benchmark and evaluation clients send (guidellm, lm-eval)
+           "top_k", "min_tokens", "repetition_penalty", "ignore_eos")
 COMPLETION_PARAMS = frozenset(_COMMON + ("prompt",))
 CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens"))
 
@@ -35,6 +37,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 # Keys of the `draftwise` body field that are not method options.
 OVERRIDE_KEYS = ("method", "gamma", "top_k", "ignore_eos")
+MAX_GAMMA = 32  # draft tokens per step a request may ask for (the per-position counters have this many slots)
+MAX_PENALTY = 100.0  # repetition_penalty's bound (1 = off): past it every seen token is as good as banned
+MAX_NESTING = 32  # JSON nesting a request body may have
 
 
 class ApiError(Exception):
@@ -73,6 +78,11 @@ class Parsed:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    top_k: int = 0  # 0: off
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
     override: dict[str, Any] = field(default_factory=dict)  # the `draftwise` field
 
 
@@ -105,8 +115,8 @@ def parse(body: Any, *, chat: bool) -> Parsed:
         if key in _NEUTRAL and _neutral(value, _NEUTRAL[key]):
             continue
         what = "is not supported by draftwise" if key in _NEUTRAL else "is not a parameter of this endpoint"
-        raise ApiError(400, f"parameter {key!r} {what}; supported: {', '.join(sorted(supported))}",
-                       param=key, code="unsupported_parameter")
+        raise ApiError(400, f"parameter {short(key)} {what}; supported: {', '.join(sorted(supported))}",
+                       param=key[:40], code="unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required: a model name from GET /v1/models", param="model")
@@ -124,40 +134,43 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     temperature = body.get("temperature")
     if temperature is not None:
         if not _is_number(temperature) or not 0 <= temperature <= 2:
-            raise ApiError(400, f"temperature must be a number in [0, 2] (0 means greedy), got {temperature!r}",
+            raise ApiError(400, f"temperature must be a number in [0, 2] (0 means greedy), got {short(temperature)}",
                            param="temperature")
         parsed.temperature = float(temperature)
     top_p = body.get("top_p")
     if top_p is not None:
         if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise ApiError(400, f"top_p must be a number in (0, 1], got {top_p!r}", param="top_p")
+            raise ApiError(400, f"top_p must be a number in (0, 1], got {short(top_p)}", param="top_p")
         parsed.top_p = float(top_p)
     parsed.stop = _stop(body.get("stop"))
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed) or not 0 <= seed < 2**63:
-            raise ApiError(400, f"seed must be an integer in [0, 2**63), got {seed!r}", param="seed")
+            raise ApiError(400, f"seed must be an integer in [0, 2**63), got {short(seed)}", param="seed")
         parsed.seed = int(seed)
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
-        raise ApiError(400, f"n must be 1 (one choice per request; send several requests for more), got {n!r}",
+        raise ApiError(400, f"n must be 1 (one choice per request; send several requests for more), got {short(n)}",
                        param="n")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise ApiError(400, f"stream must be true or false, got {stream!r}", param="stream")
+        raise ApiError(400, f"stream must be true or false, got {short(stream)}", param="stream")
     parsed.stream = bool(stream)
     options = body.get("stream_options")
     if options is not None:
         if not parsed.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
-                options.get("include_usage", False), bool):
-            raise ApiError(400, f"stream_options takes {{'include_usage': true|false}}, got {options!r}",
-                           param="stream_options")
+        keys = ("include_usage", "continuous_usage_stats")
+        if not isinstance(options, dict) or set(options) - set(keys) or not all(
+                isinstance(options.get(k, False), bool) for k in keys):
+            raise ApiError(400, "stream_options takes {'include_usage': true|false, 'continuous_usage_stats': "
+                           f"true|false}}, got {short(options)}", param="stream_options")
         parsed.include_usage = bool(options.get("include_usage", False))
+        parsed.continuous_usage = bool(options.get("continuous_usage_stats", False))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise ApiError(400, f"user must be a string, got {user!r}", param="user")
+        raise ApiError(400, f"user must be a string, got {short(user)}", param="user")
+    _extensions(body, parsed)
     override = body.get("draftwise")
     if override is not None:
         if not isinstance(override, dict):
@@ -167,11 +180,70 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     return parsed
 
 
+def _extensions(body: dict[str, Any], parsed: Parsed) -> None:
+    """vLLM's sampling extensions: top_k, min_tokens, repetition_penalty, ignore_eos."""
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < -1:
+            raise ApiError(400, f"top_k must be an integer >= 0 (0 or -1: off), got {short(top_k)}", param="top_k")
+        parsed.top_k = max(0, int(top_k))
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if not _is_int(min_tokens) or min_tokens < 0:
+            raise ApiError(400, f"min_tokens must be an integer >= 0, got {short(min_tokens)}", param="min_tokens")
+        parsed.min_tokens = int(min_tokens)
+    penalty = body.get("repetition_penalty")
+    if penalty is not None:
+        if not _is_number(penalty) or not 0 < penalty <= MAX_PENALTY:
+            raise ApiError(400, f"repetition_penalty must be a number in (0, {MAX_PENALTY:g}] (1: off), got "
+                           f"{short(penalty)}", param="repetition_penalty")
+        parsed.repetition_penalty = float(penalty)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(400, f"ignore_eos must be true or false, got {short(ignore_eos)}", param="ignore_eos")
+        parsed.ignore_eos = ignore_eos
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """A value for an error message, cut short: an error never echoes a whole request."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def text_error(text: str) -> str | None:
+    """Why `text` cannot be encoded (a lone surrogate such as '\\ud800'), or None when it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"it holds {text[error.start]!a} at character {error.start}, which is not valid Unicode text"
+    return None
+
+
+def _check_text(text: str, param: str, what: str) -> str:
+    problem = text_error(text)
+    if problem is not None:
+        raise ApiError(400, f"{what}: {problem}", param=param)
+    return text
+
+
+def nesting(value: Any, limit: int = MAX_NESTING) -> bool:
+    """True when a parsed JSON value nests deeper than `limit` (no recursion: any depth is safe to check)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def _max_tokens(value: Any, name: str, *, default: int | None) -> int | None:
     if value is None:
         return default
     if not _is_int(value) or value < 1:
-        raise ApiError(400, f"{name} must be an integer >= 1, got {value!r}", param=name)
+        raise ApiError(400, f"{name} must be an integer >= 1, got {short(value)}", param=name)
     return int(value)
 
 
@@ -179,10 +251,11 @@ def _stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-        raise ApiError(400, f"stop must be a non-empty string or a list of at most 16 of them, got {value!r}",
-                       param="stop")
-    return tuple(stops)
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16 \
+            or any(len(s) > 256 for s in stops):
+        raise ApiError(400, "stop must be a non-empty string or a list of at most 16 of them, each at most 256 "
+                       f"characters; got {short(value)}", param="stop")
+    return tuple(_check_text(s, "stop", "stop") for s in stops)
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -192,7 +265,7 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise ApiError(400, "prompt is empty", param="prompt")
-        return value
+        return _check_text(value, "prompt", "prompt")
     if isinstance(value, list) and value and all(_is_int(t) for t in value):
         return [int(t) for t in value]
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
@@ -208,16 +281,22 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(value):
         extra = set(message) - {"role", "content", "name"}
         if extra:
-            raise ApiError(400, f"messages[{i}]: field(s) {', '.join(sorted(extra))} are not supported "
-                           "(text messages only)", param="messages")
+            raise ApiError(400, f"messages[{i}]: field(s) {', '.join(sorted(map(str, extra)))[:200]} are not "
+                           "supported (text messages only)", param="messages")
+        if "name" in message and not (isinstance(message["name"], str) and message["name"]):
+            raise ApiError(400, f"messages[{i}]: name must be a non-empty string, got {short(message['name'])}",
+                           param="messages")
         if message.get("role") not in ("system", "developer", "user", "assistant"):
             raise ApiError(400, f"messages[{i}]: role must be system, developer, user or assistant, got "
                            f"{message.get('role')!r}", param="messages")
         content = message.get("content")
-        if not isinstance(content, str) and not (isinstance(content, list) and all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)):
-            raise ApiError(400, f"messages[{i}]: content must be a string or a list of text parts",
-                           param="messages")
+        if not isinstance(content, str) and not (isinstance(content, list) and content and all(
+                isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+                and isinstance(p["text"], str) for p in content)):
+            raise ApiError(400, f"messages[{i}]: content must be a string or a non-empty list of "
+                           "{'type': 'text', 'text': ...} parts", param="messages")
+        for text in [content] if isinstance(content, str) else [p["text"] for p in content]:
+            _check_text(text, "messages", f"messages[{i}].content")
     return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in value]
 
 
@@ -261,7 +340,8 @@ def completion_body(request_id: str, model: str, chat: bool, text: str, finish_r
 
 
 def chunk(request_id: str, model: str, chat: bool, created: int, *, text: str | None = None,
-          role: bool = False, finish_reason: str | None = None, with_usage: bool = False) -> bytes:
+          role: bool = False, finish_reason: str | None = None, with_usage: bool = False,
+          usage_body: dict[str, Any] | None = None) -> bytes:
     """One server-sent event in OpenAI's chunk format."""
     if chat:
         delta: dict[str, Any] = {}
@@ -275,7 +355,7 @@ def chunk(request_id: str, model: str, chat: bool, created: int, *, text: str | 
     body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice]}
     if with_usage:
-        body["usage"] = None
+        body["usage"] = usage_body  # null, or the running counts (stream_options.continuous_usage_stats)
     return sse(body)
 
 

@@ -75,6 +75,11 @@ class EngineWorker:
     def cancel(self, ticket: Ticket) -> None:
         self._commands.put(("cancel", ticket))
 
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (a shutdown past its grace period): each handler gets 'done' with
+        finish_reason 'cancelled' and answers its client."""
+        self._commands.put(("cancel_all", None))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is still in flight (its handlers get 'done' with finish_reason 'cancelled') and end."""
         if self._thread.is_alive():
@@ -113,12 +118,13 @@ class EngineWorker:
             except queue.Empty:
                 return True
             block = False
-            if kind == "stop":
+            if kind in ("stop", "cancel_all"):
                 for key, engine in list(self._engines.items()):
                     for row in [*engine.waiting, *engine.live]:
                         engine.cancel(row.id)
                         self._finished(key, engine, row.id, "")
-                return False
+                if kind == "stop":
+                    return False
             if kind == "submit":
                 self._submit(ticket)
             elif kind == "cancel" and not ticket.done and ticket.engine_id is not None:
