@@ -9,11 +9,13 @@ import dataclasses
 import hashlib
 import json
 import numbers
+import os
 import time
 import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -407,9 +409,13 @@ def check_options(
         raise DraftwiseError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64):
         raise DraftwiseError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    if stop is not None and not isinstance(stop, (str, list, tuple)):
+        raise DraftwiseError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise DraftwiseError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    for s in stops:
+        check_text(s, "a stop string")
     draft_given = draft_given or draft is not None
     if spec.needs_draft and not draft_given and default_draft(target, spec.name) is None:
         raise DraftwiseError(_no_draft_message(spec.name, target))
@@ -460,6 +466,9 @@ def default_draft(target: Any, method: str) -> str | None:
 
 
 def _no_draft_message(method: str, target: Any) -> str:
+    missing = _missing_path(target)
+    if missing:
+        return missing
     name = _registry_name(target)
     listed = registry.listed_drafts(name) if name else ()
     if listed:
@@ -470,6 +479,20 @@ def _no_draft_message(method: str, target: Any) -> str:
         where = ("the registry has drafts only for " + ", ".join(known)) if known else "the registry has no drafts"
     return (f"method {method!r} needs a draft model and {where}: pass draft=... (--draft), "
             "or use method='ar' or 'prompt-lookup', which need none")
+
+
+def _missing_path(target: Any) -> str | None:
+    """'target not found' for a target given as a path that does not exist (before any draft question)."""
+    if not isinstance(target, (str, os.PathLike)) or (isinstance(target, str) and target in registry.names()):
+        return None
+    text = os.fspath(target)
+    path = Path(text).expanduser()
+    looks_like_path = text.startswith((".", "/", "~")) or text.endswith(".gguf") or os.sep in text.strip("/") and \
+        text.count("/") != 1  # a hub id is "owner/name"
+    if looks_like_path and not path.exists():
+        return f"target {text!r} not found: give a registry name ({', '.join(registry.names())}), a model directory, " \
+               "a .gguf file or a hub id"
+    return None
 
 
 def _eagle_refused(method: str, target: Any) -> str:
@@ -766,6 +789,7 @@ def _check_prompt(prompt: Any) -> None:
     if isinstance(prompt, str):
         if not prompt:
             raise DraftwiseError("prompt is empty")
+        check_text(prompt, "prompt")
         return
     if _is_messages(prompt):
         _check_messages(prompt)
@@ -800,9 +824,26 @@ def _check_messages(messages: Any) -> None:
             raise DraftwiseError(f"message {i} needs a 'role' string and a 'content'; got keys {sorted(m)}")
         content = m["content"]
         if not isinstance(content, str) and not (isinstance(content, list) and all(
-                isinstance(part, Mapping) and part.get("type") == "text" for part in content)):
+                isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content)):
             raise DraftwiseError(f"message {i}: content must be a string or a list of {{'type': 'text', 'text': ...}} "
                                  f"parts; got {_describe(content)}")
+        for text in [content] if isinstance(content, str) else [part["text"] for part in content]:
+            check_text(text, f"message {i}")
+
+
+def check_text(text: str, what: str) -> None:
+    """A one-line error for text that is not valid Unicode: a lone surrogate, or (from a command line read with
+    Python's surrogateescape) a byte that was not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        char = text[error.start]
+        if "\udc80" <= char <= "\udcff":
+            raise DraftwiseError(f"{what} is not valid UTF-8: byte 0x{ord(char) - 0xDC00:02x} at character "
+                                 f"{error.start}") from None
+        raise DraftwiseError(f"{what} holds {char!a} at character {error.start}, which is not valid Unicode text "
+                             "(a lone surrogate)") from None
 
 
 def _messages_to_ids(messages: Any, tokenizer: Any) -> list[int]:

@@ -89,8 +89,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--json", action="store_true", help="print the Generation (text, token ids, stats) as JSON; "
-                   "a list of them for several prompts")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the Generation (text, token ids, stats) as JSON, a list of them for several prompts, "
+                   "to PATH (atomically), or to standard output when PATH is '-' or left out")
 
 
 def _read_prompts_file(path: str) -> list[Any]:
@@ -128,6 +129,9 @@ def _collect_prompts(args: argparse.Namespace) -> list[Any]:
     if args.prompts_file:
         prompts += _read_prompts_file(args.prompts_file)
     if not prompts:
+        if args.json not in (None, "-"):
+            raise DraftwiseError(f"no prompt: --json took {args.json!r} as the file to write; --json takes a PATH "
+                                 "(or '-' for standard output), so write --json - PROMPT, or put --json after the prompt")
         raise DraftwiseError("no prompt: give PROMPT arguments, '-' to read standard input, or --prompts-file PATH")
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str) and not prompt.strip():
@@ -198,7 +202,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         print()
         return 0
     if len(prompts) == 1:
-        print(json.dumps(generate(target, prompts[0], draft=draft, **kwargs).to_dict(), indent=2))
+        _json_out(generate(target, prompts[0], draft=draft, **kwargs).to_dict(), args.json)
         return 0
     if _batches(spec, options, draft):  # the batched API: a list in, a list out
         batch = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
@@ -206,22 +210,33 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         results = [generate(target, prompt, draft=draft, **kwargs) for prompt in prompts]
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=2))
+        _json_out([r.to_dict() for r in results], args.json)
     else:
         print("\n\n".join(r.text for r in results))
     return 0
 
 
+def _json_out(value: Any, path: str) -> None:
+    """JSON to standard output ('-') or to a file, written atomically."""
+    if path == "-":
+        print(json.dumps(value, indent=2))
+        return
+    from .bench.report import write_json
+
+    write_json(value, path)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def _run_methods(args: argparse.Namespace) -> int:
     if args.json:
-        print(json.dumps({
+        _json_out({
             m.name: {
                 "summary": m.summary, "drafter": m.drafter, "exact": m.exact, "uses_gamma": m.uses_gamma,
                 "greedy_only": m.greedy_only, "reference": m.reference,
                 "options": {o.name: {"default": o.default, "type": o.type.__name__, "help": o.help} for o in m.options},
             }
             for m in METHODS.values()
-        }, indent=2))
+        }, args.json)
         return 0
     common = ", ".join(f"{k}={v}" for k, v in _API_DEFAULTS.items() if k not in ("prompt", "messages", "draft", "method"))
     print(f"common options (all methods): {common}\n")
@@ -398,7 +413,7 @@ def _check_output(path: str, flag: str) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     for attr, flag in (("json", "--json"), ("plot", "--plot")):
         value = getattr(args, attr, None)
-        if isinstance(value, str):
+        if isinstance(value, str) and value != "-":
             _check_output(value, flag)
     if args.command in ("train-verifier", "profile-sv"):
         _check_output(args.out, "--out")
@@ -1045,16 +1060,24 @@ def _run_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is one `--help` away, not 28 lines of it)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="draftwise", description="Faster LLM decoding with draft models.",
-                                     formatter_class=_HelpFormatter)
+    parser = _Parser(prog="draftwise", description="Faster LLM decoding with draft models.",
+                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"draftwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     methods = sub.add_parser("methods", help="list the methods, their options and defaults")
-    methods.add_argument("--json", action="store_true")
+    methods.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                         help="the methods as JSON, to PATH or to standard output ('-' or left out)")
     _add_bench(sub)
     _add_sweep(sub)
     _add_train_verifier(sub)

@@ -7,8 +7,11 @@ forward runs on a slice of the cache, never a gather.
 
 One `step()`:
 1. **admit**: waiting requests join while the batch has room and the KV budget
-   allows; each is prefilled alone (in chunks) on its new row, with its last
-   prompt token left for the first decoding step;
+   allows. Their prompts (all but the last token, left for the first decoding
+   step) are fed in chunks that share the verification forward with the decoding
+   rows: at most a time budget per step (`prefill_share` of a decoding step), so a
+   long prompt never stalls the others; with nothing decoding, in wide chunks.
+   Rows still prefilling sit after the live rows in the cache;
 2. **draft**: the drafter proposes up to `min(gamma, budget - 1)` tokens per row;
    rows stop on their own rule (EOS, a stop rule, a lookup miss);
 3. **verify**: one target forward feeds each row its pending token and its drafts
@@ -30,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .acceptance import StepDistributions, TargetRule
 from .batched import sample_rows, speculative_sample_rows, warp_rows
 from .decoding import Counters, cut_at_eos
 from .errors import DraftwiseError
-from .models.runner import ModelRunner, fast_model
+from .models.runner import ModelRunner, RowsOutput, fast_model
 from .policies import FixedLength, LengthPolicy
 from .sampling import SamplingConfig, make_generator
 
@@ -108,6 +112,13 @@ class _Row:
     submitted: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
+    fed: int = 0  # prompt tokens in the target's cache (while prefilling)
+    prefill_states: list = field(default_factory=list)  # the prompt's target features, for a drafter that wants them
+
+    @property
+    def unfed(self) -> int:
+        """Prompt tokens still to prefill (the last one is fed by the first decoding step)."""
+        return len(self.request.prompt_ids) - 1 - self.fed
 
     @property
     def budget(self) -> int:
@@ -403,6 +414,8 @@ def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int
 
 PREFILL_CHUNK = 512  # prompt tokens per row and prefill forward: bounds the activations of a long prompt
 PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
+PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
+PREFILL_FIRST = 32  # prompt tokens per step beside decoding rows before the costs are measured
 
 
 def _prefill(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:
@@ -448,10 +461,12 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
         max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
-        selector: VerifySelector | None = None,
+        selector: VerifySelector | None = None, prefill_share: float = PREFILL_SHARE,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+        if not prefill_share > 0:
+            raise DraftwiseError(f"prefill_share must be > 0, got {prefill_share!r}")
         self.target = target
         self.drafter = drafter
         self.rule = rule
@@ -467,6 +482,10 @@ class Engine:
         self.bonus_from_pi = bool(getattr(rule, "bonus_from_pi", False))  # read once: cascades' Algorithm 4 bonus
         self.waiting: list[_Row] = []
         self.live: list[_Row] = []  # row i of every cache is live[i]
+        self.prefilling: list[_Row] = []  # row len(live) + j of the target's cache is prefilling[j]
+        self.prefill_share = prefill_share
+        self._decode_s: float | None = None  # moving averages: a decoding step's time,
+        self._prompt_token_s: float | None = None  # and what one prompt token adds to it
         self.finished: dict[int, Result] = {}
         self._ids = itertools.count()
 
@@ -494,11 +513,21 @@ class Engine:
                 self._finish(row, "cancelled")
                 self._free(i)
                 return True
+        for j, row in enumerate(self.prefilling):
+            if row.id == request_id:
+                self._finish(row, "cancelled")
+                self._unprefill(j)
+                return True
         return False
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.live)
+        return bool(self.waiting or self.live or self.prefilling)
+
+    @property
+    def admitted(self) -> list[_Row]:
+        """Requests holding a row: decoding, then prefilling."""
+        return [*self.live, *self.prefilling]
 
     def result(self, request_id: int) -> Result | None:
         return self.finished.get(request_id)
@@ -508,11 +537,15 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Event]:
-        """Admit what fits, then one draft -> verify -> accept -> rewind step over the live rows."""
+        """Admit what fits, then one draft -> verify -> accept -> rewind step over the live rows (with a share of
+        the waiting prompts fed in the same target forward)."""
         self._admit()
-        rows = self.live
-        if not rows:
+        if not self.live:
+            if self.prefilling:  # nothing decoding: prompts in wide chunks, then decoding starts next step
+                self._feed_prompts(self._prompt_plan(PREFILL_TOKENS, PREFILL_CHUNK))
             return []
+        started = time.perf_counter()
+        rows = self.live
         limits = [max(0, min(self.gamma, row.budget - 1)) for row in rows]
         if self.selector is not None:
             limits = self.selector.limits(rows, limits)
@@ -526,7 +559,21 @@ class Engine:
         counts = [1 + c for c in draft.counts]  # verify: the pending token and the drafts
         last = torch.tensor([row.sequence[-1] for row in rows], dtype=torch.long, device=draft.tokens.device)
         feed = torch.cat([last[:, None], draft.tokens], 1)  # [rows, 1 + k]
-        verified = self.target.forward_rows(feed, counts, hidden=self.drafter.wants_features)
+        plan = self._prompt_plan(self._prompt_budget(), PREFILL_CHUNK) if self.prefilling else []
+        if plan:  # prompt chunks of the rows prefilling, in the same forward (rows after the live ones)
+            pieces = [list(row.request.prompt_ids[row.fed: row.fed + n]) for row, n in zip(self.prefilling, plan)]
+            chunks, chunk_counts = pad_rows(pieces)
+            width = max(feed.shape[1], chunks.shape[1])
+            feed = torch.cat([F.pad(feed, (0, width - feed.shape[1])),
+                              F.pad(chunks.to(feed.device), (0, width - chunks.shape[1]))])
+            at = torch.arange(k + 1, device=feed.device).expand(feed.shape[0], -1)
+            verified = self.target.forward_rows(feed, counts + chunk_counts, logits_at=at,
+                                                hidden=self.drafter.wants_features, prompt=sum(counts))
+            self._fed(plan, verified.hidden[len(rows):] if self.drafter.wants_features else None)
+            verified = RowsOutput(verified.logits[: len(rows)],
+                                  verified.hidden[: len(rows)] if verified.hidden is not None else None)
+        else:
+            verified = self.target.forward_rows(feed, counts, hidden=self.drafter.wants_features)
         if self.drafter.wants_features:
             for b, row in enumerate(rows):
                 self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, : counts[b]])
@@ -569,6 +616,8 @@ class Engine:
                 done.append(b)
         for b in reversed(done):  # highest first: moving the last row never touches a pending index
             self._free(b)
+        self._timed(time.perf_counter() - started, sum(plan))
+        self._start_decoding()
         return events
 
     def run(self) -> dict[int, Result]:
@@ -695,38 +744,94 @@ class Engine:
         return Event(row.id, kept, piece, row.finish_reason is not None, row.finish_reason)
 
     def _admit(self) -> None:
-        """Take waiting requests while they fit, and prefill them together (longest prompt first)."""
-        admitted: list[_Row] = []
-        while self.waiting and len(self.live) + len(admitted) < self.max_batch_size:
+        """Take waiting requests while they fit; they prefill from the next forward on (see `step`)."""
+        while self.waiting and len(self.live) + len(self.prefilling) < self.max_batch_size:
             candidate = self.waiting[0]
-            if self.kv_budget_tokens is not None and (self.live or admitted):
+            held = self.admitted
+            if self.kv_budget_tokens is not None and held:
                 # the buffers are [rows allocated, capacity]: capacity follows the longest row (plus a draft
-                # window), rows grow by doubling, neither shrinks; admit only what keeps that within budget
+                # window), rows grow by doubling; admit only what keeps that within budget
                 longest = max(len(r.request.prompt_ids) + r.request.max_new_tokens
-                              for r in [*self.live, *admitted, candidate]) + self.gamma + 1
-                if self.target.cache.slots_after(len(self.live) + len(admitted) + 1, longest) > self.kv_budget_tokens:
+                              for r in [*held, candidate]) + self.gamma + 1
+                if self.target.cache.slots_after(len(held) + 1, longest) > self.kv_budget_tokens:
                     break
-            admitted.append(self.waiting.pop(0))
-        if not admitted:
-            return
-        # rows are laid out longest prompt first (prefill_rows feeds a leading block); drafters hear of the
-        # requests in submission order (a drafter may number them as they come, e.g. FeatureCapture)
-        laid_out = sorted(admitted, key=lambda r: len(r.request.prompt_ids), reverse=True)
-        begin = len(self.live)
-        for i in range(len(laid_out)):
-            self.target.cache.reset_row(begin + i)
-        states, calls = prefill_rows(self.target, begin, [r.request.prompt_ids[:-1] for r in laid_out],
-                                     hidden=self.drafter.wants_features)
-        self.live.extend(laid_out)
-        slot = {id(row): i for i, row in enumerate(laid_out)}
-        for row in admitted:
-            i = slot[id(row)]
-            prompt = row.request.prompt_ids
-            row.counters.target_tokens += len(prompt) - 1
-            row.counters.prefill_calls += calls[i]
-            self.drafter.admit(begin + i, prompt)
-            if states[i] and self.drafter.wants_features:
-                self.drafter.observe(begin + i, 0, torch.cat(states[i]))
+            row = self.waiting.pop(0)
+            self.target.cache.reset_row(len(held))
+            row.counters.target_tokens += len(row.request.prompt_ids) - 1
+            self.prefilling.append(row)
+        self._start_decoding()
+
+    def _prompt_budget(self) -> int:
+        """Prompt tokens the next step feeds beside the decoding rows: what costs `prefill_share` of a step."""
+        if self._decode_s is None or self._prompt_token_s is None:
+            return PREFILL_FIRST
+        return max(1, min(PREFILL_TOKENS, int(self.prefill_share * self._decode_s / max(self._prompt_token_s, 1e-9))))
+
+    def _prompt_plan(self, budget: int, chunk: int) -> list[int]:
+        """Tokens per prefilling row for one forward: at least one each (the forward covers them all), the rest
+        to the rows with the fewest left first, so a short prompt is not held behind a long one."""
+        plan = [min(1, row.unfed) for row in self.prefilling]
+        left = budget - sum(plan)
+        for j in sorted(range(len(plan)), key=lambda j: self.prefilling[j].unfed):
+            if left <= 0:
+                break
+            extra = min(min(self.prefilling[j].unfed, chunk) - plan[j], left)
+            plan[j] += extra
+            left -= extra
+        return plan
+
+    def _feed_prompts(self, plan: list[int]) -> None:
+        """One forward over the prefilling rows alone (nothing is decoding)."""
+        pieces = [list(row.request.prompt_ids[row.fed: row.fed + n]) for row, n in zip(self.prefilling, plan)]
+        tokens, counts = pad_rows(pieces)
+        out = self.target.forward_rows(tokens, counts, begin=len(self.live),
+                                       logits_at=torch.zeros(len(pieces), 1, dtype=torch.long),
+                                       hidden=self.drafter.wants_features, prompt=True)
+        self._fed(plan, out.hidden if self.drafter.wants_features else None)
+        self._start_decoding()
+
+    def _fed(self, plan: list[int], hidden: torch.Tensor | None) -> None:
+        for j, (row, n) in enumerate(zip(self.prefilling, plan)):
+            row.fed += n
+            row.counters.prefill_calls += 1
+            if hidden is not None:
+                row.prefill_states.append(hidden[j, :n])
+
+    def _start_decoding(self) -> None:
+        """Prefilled rows join the live ones (row len(live) of the cache), and the drafter hears of them (then
+        `live[row].id` is the request's id, for a drafter that keeps something per request)."""
+        while True:
+            j = next((j for j, row in enumerate(self.prefilling) if row.unfed == 0), None)
+            if j is None:
+                return
+            begin = len(self.live)
+            if j:
+                self.target.cache.swap_rows(begin, begin + j)
+                self.prefilling[0], self.prefilling[j] = self.prefilling[j], self.prefilling[0]
+            row = self.prefilling.pop(0)
+            self.live.append(row)
+            self.drafter.admit(begin, row.request.prompt_ids)
+            if row.prefill_states and self.drafter.wants_features:
+                self.drafter.observe(begin, 0, torch.cat(row.prefill_states))
+            row.prefill_states = []
+
+    def _timed(self, seconds: float, prompt_tokens: int) -> None:
+        """Moving averages of a decoding step and of what a prompt token adds to it (the prompt budget's basis)."""
+        if prompt_tokens == 0:
+            self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
+        elif self._decode_s is not None:
+            per_token = max(seconds - self._decode_s, 0.0) / prompt_tokens
+            self._prompt_token_s = per_token if self._prompt_token_s is None else \
+                0.8 * self._prompt_token_s + 0.2 * per_token
+
+    def _unprefill(self, j: int) -> None:
+        """Drop prefilling row j: the last prefilling row takes its place in the cache."""
+        begin, last = len(self.live), len(self.prefilling) - 1
+        if j != last:
+            self.target.cache.move_row(begin + last, begin + j)
+            self.prefilling[j] = self.prefilling[last]
+        self.prefilling.pop()
+        self.target.cache.drop_rows(begin + len(self.prefilling))
 
     def _free(self, index: int) -> None:
         last = len(self.live) - 1
@@ -735,8 +840,13 @@ class Engine:
             self.drafter.move_row(last, index)
             self.live[index] = self.live[last]
         self.live.pop()
-        self.target.cache.drop_rows(len(self.live))
+        if self.prefilling:  # the prefilling rows follow the live ones: the last of them fills the hole
+            self.target.cache.move_row(last + len(self.prefilling), last)
+            self.prefilling.insert(0, self.prefilling.pop())
+        self.target.cache.drop_rows(len(self.live) + len(self.prefilling))
         self.drafter.release(len(self.live))
+        if not self.live and not self.prefilling:
+            self.target.cache.shrink()  # idle: a long prompt's memory goes back
 
     def _finish(self, row: _Row, reason: str) -> None:
         row.finish_reason = reason

@@ -334,7 +334,7 @@ BAD_INPUTS = [
     ("top_p=0", "target", "the cat", dict(method="ar", top_p=0.0), r"top_p must be in \(0, 1\]"),
     ("top_p=1.5", "target", "the cat", dict(method="ar", top_p=1.5), r"top_p must be in \(0, 1\]"),
     ("top_k<0", "target", "the cat", dict(method="ar", top_k=-1), r"top_k"),
-    ("gamma=0", "target", "the cat", dict(method="sd", draft="draft", gamma=0), r"gamma .* >= 1, got 0"),
+    ("gamma=0", "target", "the cat", dict(method="sd", draft="draft", gamma=0), r"gamma .* \[1, 32\], got 0"),
     ("gamma-float", "target", "the cat", dict(method="sd", draft="draft", gamma=2.5), r"gamma"),
     ("max_new_tokens=0", "target", "the cat", dict(method="ar", max_new_tokens=0), r"max_new_tokens"),
     ("seed<0", "target", "the cat", dict(method="ar", seed=-1), r"seed"),

@@ -75,7 +75,7 @@ def test_generate_prints_text(capsys, model_dirs, ignore_eos):
 
 def test_generate_json(capsys, model_dirs):
     argv = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
-            "--max-new-tokens", "5", "--json", "the cat"]
+            "--max-new-tokens", "5", "--json", "-", "the cat"]
     code, out, err = _run(capsys, argv)
     assert code == 0, err
     data = json.loads(out)
@@ -89,7 +89,7 @@ def test_generate_json(capsys, model_dirs):
 
 def test_generate_sd_with_draft(capsys, model_dirs):
     argv = ["generate", "--target", model_dirs["target"], "--draft", model_dirs["draft"], "--method", "sd",
-            "--gamma", "3", "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos", "--json", "the cat"]
+            "--gamma", "3", "--temperature", "0", "--max-new-tokens", "8", "--ignore-eos", "--json", "-", "the cat"]
     code, out, err = _run(capsys, argv)
     assert code == 0, err
     data = json.loads(out)
@@ -106,7 +106,7 @@ def test_generate_sd_with_draft(capsys, model_dirs):
 def test_generate_sampling_flags_and_seed(capsys, model_dirs):
     argv = ["generate", "--target", model_dirs["target"], "--method", "prompt-lookup", "--max-ngram", "2",
             "--temperature", "0.8", "--top-k", "10", "--top-p", "0.9", "--seed", "7", "--max-new-tokens", "6",
-            "--ignore-eos", "--json", "the cat sat on the mat"]
+            "--ignore-eos", "--json", "-", "the cat sat on the mat"]
     first = _run(capsys, argv)
     second = _run(capsys, argv)
     assert first[0] == second[0] == 0
@@ -123,7 +123,7 @@ def test_generate_sampling_flags_and_seed(capsys, model_dirs):
 def test_generate_prompt_from_stdin(capsys, monkeypatch, model_dirs):
     monkeypatch.setattr(sys, "stdin", io.StringIO("the cat"))
     argv = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
-            "--max-new-tokens", "5", "--ignore-eos", "--json", "-"]
+            "--max-new-tokens", "5", "--ignore-eos", "-", "--json"]
     code, out, err = _run(capsys, argv)
     assert code == 0, err
     data = json.loads(out)
@@ -136,7 +136,7 @@ def test_generate_prompt_from_stdin(capsys, monkeypatch, model_dirs):
 
 def test_generate_stop_flag(capsys, model_dirs):
     base = ["generate", "--target", model_dirs["target"], "--method", "ar", "--temperature", "0",
-            "--max-new-tokens", "20", "--ignore-eos", "--json"]
+            "--max-new-tokens", "20", "--ignore-eos", "--json", "-"]
     # the tiny model's text depends on the CPU's arithmetic: take the first prompt whose text has a usable stop
     for prompt in ["the cat", "the mat", "a dog", "on the", "sat cat", "the dog sat"]:
         code, out, _ = _run(capsys, base + [prompt])
@@ -165,13 +165,12 @@ def test_generate_stop_flag(capsys, model_dirs):
     (["--method", "sd", "--draft", "DRAFT", "--alpha", "0.2"], "no option 'alpha'"),
     (["--method", "ar", "--max-ngram", "2"], "no option 'max_ngram'"),
     (["--method", "sd", "--draft", "DRAFT", "--gamma", "0"], "gamma"),
-    (["--method", "sd"], "needs a draft model"),
     (["--method", "lossy-greedy", "--draft", "DRAFT"], "greedy decoding only"),
     (["--method", "lossy", "--draft", "DRAFT", "--alpha", "1.0"], "alpha"),
     (["--method", "ar", "--max-new-tokens", "0"], "max_new_tokens"),
 ], ids=[
     "top-p=1.5", "top-p=0", "temperature=-1", "temperature=nan", "alpha-on-sd", "max-ngram-on-ar", "gamma=0",
-    "sd-without-draft", "lossy-greedy-at-t1", "lossy-alpha=1", "max-new-tokens=0",
+    "lossy-greedy-at-t1", "lossy-alpha=1", "max-new-tokens=0",
 ])
 def test_bad_flags_exit_2_before_loading(capsys, model_dirs, tmp_path, flags, message):
     # the target does not even exist: the flag check must come first and name the flag's problem
@@ -183,6 +182,13 @@ def test_bad_flags_exit_2_before_loading(capsys, model_dirs, tmp_path, flags, me
     assert err.startswith("draftwise: error:")
     assert message in err
     assert "missing-model" not in err
+
+
+def test_sd_without_a_draft_names_the_draft_and_a_missing_target_names_the_target(capsys, model_dirs, tmp_path):
+    code, out, err = _run(capsys, ["generate", "--target", model_dirs["target"], "--method", "sd", "the cat"])
+    assert code == 2 and "needs a draft model" in err
+    code, out, err = _run(capsys, ["generate", "--target", str(tmp_path / "missing-model"), "--method", "sd", "the cat"])
+    assert code == 2 and "not found" in err and "needs a draft" not in err
 
 
 def test_missing_model_exit_2(capsys, tmp_path):

@@ -60,7 +60,7 @@ def _one_line_error(code, out, err, pattern, *, after_progress=False):
 # ------------------------------------------------- 1. the shipped EAGLE draft through the CLI
 
 def test_cli_takes_an_eagle_head_as_draft(capsys, dirs):
-    argv = ["generate", "--target", dirs["target"], "--draft", dirs["eagle"], "--method", "sd", "--json",
+    argv = ["generate", "--target", dirs["target"], "--draft", dirs["eagle"], "--method", "sd", "--json", "-",
             "--temperature", "0", "--max-new-tokens", "6", "--ignore-eos", "--no-chat", "the cat"]
     code, out, err = _run(capsys, argv)
     assert code == 0, err
@@ -127,7 +127,7 @@ def _chat_ids(tokenizer, text, system=None):
 
 def test_cli_applies_the_chat_template_by_default(capsys, dirs, chat_target):
     tok = chat_target.tokenizer  # the saved one (BPE training is not deterministic: never retrain to compare)
-    base = ["generate", "--target", dirs["target"], "--method", "ar", "--json", "--temperature", "0",
+    base = ["generate", "--target", dirs["target"], "--method", "ar", "--json", "-", "--temperature", "0",
             "--max-new-tokens", "4"]
     code, out, err = _run(capsys, base + ["the cat"])
     assert code == 0, err
@@ -597,7 +597,7 @@ def test_sprinter_and_specdecpp_run_with_the_registry_files(dirs, shipped_verifi
 def test_cli_sprinter_needs_no_file_for_the_registry_pair(capsys, dirs, shipped_verifiers):
     for method in ("sprinter", "specdec++"):
         code, out, err = _run(capsys, ["generate", "--method", method, "--temperature", "1", "--max-new-tokens", "4",
-                                       "--json", "the cat"])
+                                       "--json", "-", "the cat"])
         assert code == 0, err
         assert json.loads(out)["stats"]["method"] == method
 

@@ -233,3 +233,50 @@ def test_shutdown_past_its_grace_period_answers_every_client(models, monkeypatch
     status, whole, _ = answers["whole"]
     _assert_error(status, whole, 503, says="shutting down")
     assert not service.worker.alive and _rows(service) == 0
+
+
+# ---- 10-13. the API and the command line
+
+def test_api_refuses_bad_text_and_stop_with_a_draftwise_error(models):
+    import draftwise
+    from draftwise import DraftwiseError
+
+    for kwargs, says in ((dict(prompt="hi \ud800"), "not valid Unicode"), (dict(prompt="hi", stop=5), "stop must be"),
+                         (dict(prompt="hi", stop=["\udfff"]), "stop string"),
+                         (dict(prompt=[{"role": "user", "content": "x\ud801"}]), "not valid Unicode")):
+        with pytest.raises(DraftwiseError, match=says):
+            draftwise.generate(models["target"], method="ar", max_new_tokens=2, **kwargs)
+
+
+def test_cli_errors_are_one_line(models, capsys, tmp_path):
+    from draftwise.cli import main
+
+    def one_line(argv, says, code=2):
+        if code == "exit":
+            with pytest.raises(SystemExit) as caught:
+                main(argv)
+            assert caught.value.code == 2
+        else:
+            assert main(argv) == code
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+
+    target = str(models["target_dir"])
+    one_line(["generate", "--target", target, "--method", "ar", "--no-chat", "caf\udce9"], "not valid UTF-8: byte 0xe9")
+    one_line(["generate", "--target", str(tmp_path / "nope"), "hi"], "not found")
+    one_line(["generate", "--bogus", "hi"], "unrecognized arguments: --bogus", code="exit")
+    one_line(["serve", "--port", "x"], "invalid int value", code="exit")
+    one_line(["generate", "--target", target, "--method", "ar", "--json", "hi"], "--json took 'hi'")
+
+
+def test_generate_json_takes_a_path_like_bench(models, capsys, tmp_path):
+    from draftwise.cli import main
+
+    out = tmp_path / "out.json"
+    argv = ["generate", "--target", str(models["target_dir"]), "--method", "ar", "--temperature", "0",
+            "--max-new-tokens", "3", "--no-chat"]
+    assert main(argv + ["--json", str(out), "the cat"]) == 0
+    written = json.loads(out.read_text())
+    assert len(written["token_ids"]) == 3
+    assert main(argv + ["the cat", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == written["token_ids"]

@@ -123,8 +123,14 @@ class Int4Linear:
         self.bias = None if bias is None else bias.to(dtype)
         self._wide: FloatLinear | None = None  # built at the first prompt feed
 
-    def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+        """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
+        verification forward that also carries prompt chunks): each part runs as it would alone."""
         shape = x.shape
+        if not isinstance(wide, bool):
+            if 0 < wide < shape[0]:
+                return torch.cat([self(x[:wide]), self(x[wide:], True)])
+            wide = wide == 0
         if wide:  # a prompt: the dequantised weights, prepacked once, run it faster
             if self._wide is None:
                 self._wide = FloatLinear(self.dequantized(), self.bias)
@@ -248,11 +254,12 @@ class FastModel:
     # ---- forward ------------------------------------------------------------
 
     def forward(self, cache, *, ids: torch.Tensor | None, embeds: torch.Tensor | None, counts: list[int],
-                positions: torch.Tensor, mask: torch.Tensor | None, features: tuple[int, ...] = (), wide: bool = False
-                ) -> tuple[torch.Tensor, list[torch.Tensor], "Packing"]:
+                positions: torch.Tensor, mask: torch.Tensor | None, features: tuple[int, ...] = (),
+                wide: bool | int = False) -> tuple[torch.Tensor, list[torch.Tensor], "Packing"]:
         """Run the decoder over rows (cache.begin_forward already called). Returns the final normed states of
         the real tokens, packed [tokens, hidden], the packed inputs of the `features` layers, and the packing.
-        wide: a prompt feed; quantised projections may use their wide-feed kernel (`Int4Linear`)."""
+        wide: a prompt feed; quantised projections may use their wide-feed kernel (`Int4Linear`); an int n: the
+        packed tokens from n on are prompt tokens."""
         source = ids if ids is not None else embeds
         rows, width = source.shape[:2]
         pack = Packing.of(counts, width, source.device)

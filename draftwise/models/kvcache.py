@@ -78,7 +78,7 @@ class PositionCache(Cache):
     def __init__(self, *, rows: int = 1, capacity: int = BLOCK, window: int | None = None) -> None:
         super().__init__(layers=[])
         self.lengths = [0] * rows  # host-side lengths: building masks never waits on a device
-        self.capacity = capacity
+        self.capacity = self._initial_capacity = capacity
         self.window = window
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
@@ -180,6 +180,24 @@ class PositionCache(Cache):
                 for buf in store:
                     buf[dst, :, :n] = buf[src, :, :n]
         self.lengths[dst] = n
+
+    @torch.inference_mode()
+    def swap_rows(self, a: int, b: int) -> None:
+        """Rows `a` and `b` trade places (their valid positions only)."""
+        n = max(self.lengths[a], self.lengths[b])
+        if a != b and n:
+            for store in (self.keys, self.values):
+                for buf in store:
+                    buf[[a, b], :, :n] = buf[[b, a], :, :n]
+        self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
+
+    def shrink(self) -> None:
+        """Free the buffers (no row holds anything): the next forward allocates them at the size it needs."""
+        if any(self.lengths):
+            raise ValueError("shrink() with rows still holding tokens")
+        self.keys, self.values = [], []
+        self.capacity = self._initial_capacity
+        self.lengths = []
 
     @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -140,7 +140,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_rows(
         self, tokens: torch.Tensor, counts: Sequence[int], *, begin: int = 0, logits_at: torch.Tensor | None = None,
-        hidden: bool = False, prompt: bool = False,
+        hidden: bool = False, prompt: bool | int = False,
     ) -> RowsOutput:
         """Feed `counts[i]` tokens (row i of `tokens`, right-padded) to cache row `begin + i`.
 
@@ -148,7 +148,8 @@ class ModelRunner:
         logits are wanted, default all `width`. Returns logits [rows, m, vocab] and, with
         `hidden`, the last-layer states of every fed position [rows, width, hidden].
         prompt: the tokens are prompt tokens (a prefill), which a quantised fast forward may run with its
-        wide-feed kernel (see `fast.Int4Linear`); every request's prompt is fed this way, alone or batched."""
+        wide-feed kernel (see `fast.Int4Linear`); every request's prompt is fed this way, alone or batched. An
+        int n: the fed tokens after the first n (counted over rows, in order) are prompt tokens."""
         assert tokens.ndim == 2 and tokens.shape[0] == len(counts), (tokens.shape, len(counts))
         counts = [int(c) for c in counts]
         if min(counts) < 1:
@@ -237,7 +238,7 @@ class ModelRunner:
         return logits, states
 
     def _fast(self, ids: torch.Tensor | None, embeds: torch.Tensor | None, counts: list[int], positions: torch.Tensor,
-              mask: torch.Tensor | None, logits_at: torch.Tensor | None, hidden: bool, prompt: bool = False
+              mask: torch.Tensor | None, logits_at: torch.Tensor | None, hidden: bool, prompt: bool | int = False
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The fast forward (`models.fast`): logits where asked (None for `embeds` feeds) and, with `hidden`,
         the states of every fed position [rows, width, (features +) hidden]."""

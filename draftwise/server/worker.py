@@ -89,7 +89,7 @@ class EngineWorker:
 
     def snapshot(self) -> dict[str, Any]:
         """Engines and their rows (read without a lock: for tests and /health, a moment's view)."""
-        return {str(key): {"live": len(e.live), "waiting": len(e.waiting)} for key, e in list(self._engines.items())}
+        return {str(key): {"live": len(e.admitted), "waiting": len(e.waiting)} for key, e in list(self._engines.items())}
 
     # ---- engine thread ----
 
@@ -120,7 +120,7 @@ class EngineWorker:
             block = False
             if kind in ("stop", "cancel_all"):
                 for key, engine in list(self._engines.items()):
-                    for row in [*engine.waiting, *engine.live]:
+                    for row in [*engine.waiting, *engine.admitted]:
                         engine.cancel(row.id)
                         self._finished(key, engine, row.id, "")
                 if kind == "stop":
@@ -157,7 +157,7 @@ class EngineWorker:
         for key, engine in list(self._engines.items()):
             if not engine.has_work:
                 continue
-            others = sum(len(e.live) for k, e in self._engines.items() if k != key)
+            others = sum(len(e.admitted) for k, e in self._engines.items() if k != key)
             engine.max_batch_size = max(0, self.max_batch_size - others)  # rows are shared by every engine
             try:
                 events = engine.step()
@@ -211,5 +211,5 @@ class EngineWorker:
 
     def _gauges(self) -> None:
         engines = list(self._engines.values())
-        self.metrics.set("num_requests_running", sum(len(e.live) for e in engines))
+        self.metrics.set("num_requests_running", sum(len(e.admitted) for e in engines))
         self.metrics.set("num_requests_waiting", sum(len(e.waiting) for e in engines) + self._commands.qsize())

@@ -47,7 +47,8 @@ def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
 class FeatureCapture(RetiringRows):
     """A rows drafter that drafts nothing and keeps every row's target features (fp16).
 
-    Buffers are numbered in admission order, which is the engine's submission order."""
+    Buffers are keyed by the engine's request id (`request_id(row)`, set once the engine exists; without it,
+    by admission order)."""
 
     wants_features = True
 
@@ -57,10 +58,12 @@ class FeatureCapture(RetiringRows):
         self._none = NoRowsDrafter(vocab_size, device)
         self.calls = 0
         self.admitted = 0
-        self.retired: dict[int, dict[str, Any]] = {}  # admission serial -> buffer of a row that left
+        self.retired: dict[int, dict[str, Any]] = {}  # request id -> buffer of a row that left
+        self.request_id: Callable[[int], int] | None = None  # row -> the engine's request id
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        self.put(row, {"serial": self.admitted, "prompt": tuple(prompt_ids), "chunks": [], "length": 0})
+        serial = self.request_id(row) if self.request_id is not None else self.admitted
+        self.put(row, {"serial": serial, "prompt": tuple(prompt_ids), "chunks": [], "length": 0})
         self.admitted += 1
 
     def propose(self, rows, limits):
@@ -195,6 +198,7 @@ def generate_shards(
     runner = ModelRunner(target.model, vocab_size=target.vocab_size, rows=0)
     capture = FeatureCapture(target.vocab_size, runner.device, layers)
     engine = Engine(runner, capture, ExactRule(), gamma=0, max_batch_size=batch_size, method="ar", stream_text=False)
+    capture.request_id = lambda row: engine.live[row].id
     sampling = SamplingConfig(temperature=temperature) if temperature > 0 else SamplingConfig(temperature=0.0)
     eos = frozenset(target.eos_token_ids)
     meta = {"target": getattr(target, "name", ""), "layers": list(layers), "hidden": target.model.config.hidden_size,
@@ -204,7 +208,6 @@ def generate_shards(
         ids = encode(p.text) if encode is not None else encode_chat(target.tokenizer, p.text)
         by_id[engine.submit(Request(prompt_ids=tuple(ids), sampling=sampling, max_new_tokens=max_new_tokens,
                                     eos_token_ids=eos, seed=seed + _stable(p.uid)))] = p
-    serial_of = {rid: i for i, rid in enumerate(sorted(by_id))}  # admission order = submission order
     next_index = len(shard_paths(out))
     pending: list[Sequence_] = []
     started = time.perf_counter()
@@ -228,7 +231,7 @@ def generate_shards(
                     continue
                 result = engine.result(event.request_id)
                 p = by_id[event.request_id]
-                buffer = capture.take(serial_of[event.request_id])
+                buffer = capture.take(event.request_id)
                 prompt = list(buffer["prompt"])
                 answer = list(result.token_ids)
                 feats = torch.cat(buffer["chunks"]) if buffer["chunks"] else torch.zeros(0, (len(layers) + 1) * meta["hidden"])
