@@ -540,9 +540,9 @@ class Engine:
         """Admit what fits, then one draft -> verify -> accept -> rewind step over the live rows (with a share of
         the waiting prompts fed in the same target forward)."""
         self._admit()
+        if not self.live and self.prefilling:  # nothing decoding: prompts in wide chunks
+            self._feed_prompts(self._prompt_plan(PREFILL_TOKENS, PREFILL_CHUNK))
         if not self.live:
-            if self.prefilling:  # nothing decoding: prompts in wide chunks, then decoding starts next step
-                self._feed_prompts(self._prompt_plan(PREFILL_TOKENS, PREFILL_CHUNK))
             return []
         started = time.perf_counter()
         rows = self.live

@@ -532,9 +532,9 @@ def test_engine_never_starves_a_row_and_the_cost_decides_what_is_verified():
         ids = [engine.submit(Request(tuple(p), PLAIN, max_new_tokens=n, seed=s))
                for s, (p, n) in enumerate([((1,), 9), ((2, 3, 4), 12), ((5, 6), 7), ((7,) * 6, 10), ((0,), 5)])]
         while engine.has_work:
-            live = {row.id for row in engine.live} | {row.id for row in engine.waiting[: 4 - len(engine.live)]}
+            live = {row.id for row in engine.live}  # (a request admitted now decodes once its prompt is fed)
             events = engine.step()
-            assert {e.request_id for e in events} == live and all(len(e.token_ids) >= 1 for e in events)
+            assert live <= {e.request_id for e in events} and all(len(e.token_ids) >= 1 for e in events)
         stats = [engine.result(i).stats for i in ids]
         drafted, proposed = sum(s["drafted"] for s in stats), sum(s["proposed"] for s in stats)
         assert proposed > 0

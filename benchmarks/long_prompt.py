@@ -1,0 +1,95 @@
+"""A short request sent while a long prompt is being prefilled: its latency against its latency alone.
+
+The fault probe of issue 23: a 7,000-token completions prompt (max_tokens 1), then 1 s later a short chat
+request. Before chunked prefill shared the decoding steps, the short request waited for the whole prefill.
+Runs `draftwise serve`'s app in-process (uvicorn on a free loopback port) over the registry target and
+writes JSON:
+
+    python benchmarks/long_prompt.py --json benchmarks/results/long-prompt.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draftwise.bench.report import write_json  # noqa: E402
+from draftwise.models.loading import load_draft, load_model  # noqa: E402
+from draftwise.server import ServerConfig, Service, ThreadedServer, create_app  # noqa: E402
+
+SHORT = {"messages": [{"role": "user", "content": "What is the capital of Germany?"}], "max_tokens": 32,
+         "temperature": 0}
+
+
+def post(url: str, path: str, body: dict) -> tuple[float, dict]:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as response:
+        answer = json.loads(response.read())
+    return time.perf_counter() - started, answer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--method", default="sd")
+    parser.add_argument("--long-tokens", type=int, default=7000)
+    parser.add_argument("--delay", type=float, default=1.0, help="seconds between the long and the short request")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    target = load_model(args.target)
+    from draftwise import api
+
+    draft_spec = api.default_draft(target, args.method)
+    draft = load_draft(draft_spec, target) if draft_spec else None
+    service = Service(ServerConfig(model_name="m", method=args.method), target, draft)
+    vocab = target.tokenizer.get_vocab()
+    words = [i for t, i in sorted(vocab.items()) if t.isalpha() and len(t) > 3][:2000]  # token ids of words
+    long_prompt = [words[(i * 7919) % len(words)] for i in range(args.long_tokens)]  # a prompt of token ids
+    runs = []
+    with ThreadedServer(create_app(service)) as server:
+        url = server.url
+        body = {"model": "m", **SHORT}
+        post(url, "/v1/chat/completions", body)  # warm-up
+        for _ in range(args.repeats):
+            alone, answer = post(url, "/v1/chat/completions", body)
+            results: dict[str, float] = {}
+
+            def send_long() -> None:
+                results["long_s"] = post(url, "/v1/completions", {"model": "m", "prompt": long_prompt,
+                                                                  "max_tokens": 1})[0]
+
+            thread = threading.Thread(target=send_long)
+            thread.start()
+            time.sleep(args.delay)
+            beside, answer_beside = post(url, "/v1/chat/completions", body)
+            thread.join()
+            same = answer["choices"][0]["message"]["content"] == answer_beside["choices"][0]["message"]["content"]
+            runs.append({"alone_s": alone, "beside_long_s": beside, "ratio": beside / alone, "long_s": results["long_s"],
+                         "same_text": same, "completion_tokens": answer["usage"]["completion_tokens"]})
+            print(json.dumps(runs[-1]), flush=True)
+    report = {"target": args.target, "method": args.method, "long_tokens": args.long_tokens, "delay_s": args.delay,
+              "weights": target.weights, "runs": runs,
+              "median_ratio": statistics.median(r["ratio"] for r in runs),
+              "median_alone_s": statistics.median(r["alone_s"] for r in runs),
+              "median_beside_long_s": statistics.median(r["beside_long_s"] for r in runs),
+              "median_long_s": statistics.median(r["long_s"] for r in runs)}
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
