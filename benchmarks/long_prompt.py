@@ -45,8 +45,16 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=7000)
     parser.add_argument("--delay", type=float, default=1.0, help="seconds between the long and the short request")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--short-tokens", type=int, default=32, help="the short request's max_tokens")
+    parser.add_argument("--ignore-eos", action="store_true", help="the short request runs to --short-tokens")
+    parser.add_argument("--chunk", type=int, default=None, help="prompt tokens per row and forward when nothing "
+                        "decodes (default: the engine's PREFILL_CHUNK)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.chunk:
+        from draftwise import engine
+
+        engine.PREFILL_CHUNK = args.chunk
 
     target = load_model(args.target)
     from draftwise import api
@@ -60,7 +68,7 @@ def main() -> int:
     runs = []
     with ThreadedServer(create_app(service)) as server:
         url = server.url
-        body = {"model": "m", **SHORT}
+        body = {"model": "m", **SHORT, "max_tokens": args.short_tokens, "ignore_eos": args.ignore_eos}
         post(url, "/v1/chat/completions", body)  # warm-up
         for _ in range(args.repeats):
             alone, answer = post(url, "/v1/chat/completions", body)
@@ -79,7 +87,10 @@ def main() -> int:
             runs.append({"alone_s": alone, "beside_long_s": beside, "ratio": beside / alone, "long_s": results["long_s"],
                          "same_text": same, "completion_tokens": answer["usage"]["completion_tokens"]})
             print(json.dumps(runs[-1]), flush=True)
+    from draftwise import engine
+
     report = {"target": args.target, "method": args.method, "long_tokens": args.long_tokens, "delay_s": args.delay,
+              "short_max_tokens": args.short_tokens, "short_ignore_eos": args.ignore_eos, "prefill_chunk": engine.PREFILL_CHUNK, "prefill_share": engine.PREFILL_SHARE,
               "weights": target.weights, "runs": runs,
               "median_ratio": statistics.median(r["ratio"] for r in runs),
               "median_alone_s": statistics.median(r["alone_s"] for r in runs),

@@ -412,10 +412,13 @@ def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int
     return out, counts
 
 
-PREFILL_CHUNK = 512  # prompt tokens per row and prefill forward: bounds the activations of a long prompt
+PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time (a request arriving
+# meanwhile waits for it: 7,000-token prompt, 2-core EPYC, short request at 4.2x its time alone with 512-token
+# chunks, 3.7x with 128) and costs ~10% on the long prompt (17.0 s -> 18.7 s; benchmarks/long_prompt.py)
 PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
 PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
-PREFILL_FIRST = 32  # prompt tokens per step beside decoding rows before the costs are measured
+PREFILL_FIRST = 8  # prompt tokens per step beside decoding rows before their cost is measured
+DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
 
 
 def _prefill(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:
@@ -486,6 +489,8 @@ class Engine:
         self.prefill_share = prefill_share
         self._decode_s: float | None = None  # moving averages: a decoding step's time,
         self._prompt_token_s: float | None = None  # and what one prompt token adds to it
+        self._steps = 0
+        self._credit = 0.0  # seconds of prompt feeding earned (see `_prompt_budget`)
         self.finished: dict[int, Result] = {}
         self._ids = itertools.count()
 
@@ -762,14 +767,30 @@ class Engine:
         self._start_decoding()
 
     def _prompt_budget(self) -> int:
-        """Prompt tokens the next step feeds beside the decoding rows: what costs `prefill_share` of a step."""
-        if self._decode_s is None or self._prompt_token_s is None:
+        """Prompt tokens the next step feeds beside the decoding rows: what costs `prefill_share` of a step. Every
+        `DECODE_SAMPLE`-th step (and before the first measure) feeds none, to time a decoding step alone."""
+        self._steps += 1
+        if self._decode_s is None or self._steps % DECODE_SAMPLE == 0:
+            return 0
+        if self._prompt_token_s is None:
             return PREFILL_FIRST
-        return max(1, min(PREFILL_TOKENS, int(self.prefill_share * self._decode_s / max(self._prompt_token_s, 1e-9))))
+        # time credit: each step earns prefill_share of a decoding step; a forward needs a token for every
+        # prefilling row, so below that the credit builds up over steps that feed none
+        cost = max(self._prompt_token_s, 1e-9)
+        self._credit = min(self._credit + self.prefill_share * self._decode_s, PREFILL_TOKENS * cost)
+        budget = min(PREFILL_TOKENS, int(self._credit / cost))
+        if budget < len(self.prefilling):
+            return 0
+        self._credit -= budget * cost
+        return budget
 
     def _prompt_plan(self, budget: int, chunk: int) -> list[int]:
         """Tokens per prefilling row for one forward: at least one each (the forward covers them all), the rest
-        to the rows with the fewest left first, so a short prompt is not held behind a long one."""
+        to the rows with the fewest left first, so a short prompt is not held behind a long one; when some rows
+        can finish in this forward, the others get one token each, so the finishing ones start decoding soon.
+        [] when the budget is 0."""
+        if budget <= 0:
+            return []
         plan = [min(1, row.unfed) for row in self.prefilling]
         left = budget - sum(plan)
         for j in sorted(range(len(plan)), key=lambda j: self.prefilling[j].unfed):
@@ -778,6 +799,9 @@ class Engine:
             extra = min(min(self.prefilling[j].unfed, chunk) - plan[j], left)
             plan[j] += extra
             left -= extra
+        finishing = [n == row.unfed for n, row in zip(plan, self.prefilling)]
+        if any(finishing) and not all(finishing):
+            plan = [n if done else 1 for n, done in zip(plan, finishing)]
         return plan
 
     def _feed_prompts(self, plan: list[int]) -> None:
