@@ -176,17 +176,18 @@ def test_a_burst_is_prefilled_together_and_decodes_as_alone(llama_pair):
     try:
         engine = _engine(target, draft, max_batch_size=8)
         ids = [engine.submit(r) for r in requests]
-        # nothing decoding: one wide prefill forward (128 tokens: 4 + 11 + 39 to the short prompts, a 64-token
-        # chunk to the long one), then the first verification, which also feeds the long prompt's last 25
+        # nothing decoding: one wide prefill forward (4 + 11 + 39 tokens to the short prompts, which finish, and
+        # one to the long one, so the short ones start now), then the first verification
         first = engine.step()
         assert engine.target.calls == 2 and sorted(e.request_id for e in first) == [ids[0], ids[1], ids[2]]
-        assert not engine.prefilling and engine.live[-1].request.prompt_ids == prompts[3]
+        assert [r.fed for r in engine.prefilling] == [1]  # the long prompt goes on beside the decoding rows
         engine.run()
     finally:
         engine_module.PREFILL_CHUNK, engine_module.PREFILL_TOKENS = chunk, tokens
     for rid, request in zip(ids, requests):
         result = engine.result(rid)
-        assert result.stats["prefill_calls"] == (2 if len(request.prompt_ids) > 65 else 1)
+        assert (result.stats["prefill_calls"] > 2) if len(request.prompt_ids) > 65 else \
+            (result.stats["prefill_calls"] == 1)
         assert result.token_ids == _alone(target, draft, request)
 
 
