@@ -277,6 +277,8 @@ def test_generate_json_takes_a_path_like_bench(models, capsys, tmp_path):
             "--max-new-tokens", "3", "--no-chat"]
     assert main(argv + ["--json", str(out), "the cat"]) == 0
     written = json.loads(out.read_text())
-    assert len(written["token_ids"]) == 3
+    # The test models are random: the answer may end at EOS before its 3 tokens.
+    assert 1 <= len(written["token_ids"]) <= 3
+    assert len(written["token_ids"]) == 3 or written["finish_reason"] == "stop"
     assert main(argv + ["the cat", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == written["token_ids"]
