@@ -24,7 +24,8 @@ from .cascades import deferral, sequence_confidence
 from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
 from .drafters import Drafter, ModelDrafter, NoDrafter
 from .errors import DraftwiseError, DraftwiseWarning
-from .engine import Engine, _find_stop, _safe_prefix, kv_bytes_per_token, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result
+from .engine import (MAX_LOGPROBS, Engine, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result,
+                     TokenLogprob, _find_stop, _safe_prefix, kv_bytes_per_token)
 from .methods import MAX_GAMMA, METHODS, Method, get_method
 from .eagle import DraftHead
 from .eagle_rows import EagleRowsDrafter
@@ -40,6 +41,8 @@ class Generation:
     token_ids: list[int]  # new tokens only (an end-of-sequence token that ended generation included)
     text: str  # decoded new tokens, special tokens skipped, cut before a matched stop string
     stats: dict[str, Any]
+    logprobs: list[TokenLogprob] | None = None  # per new token, when asked (`logprobs=k`)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first), when asked
 
     @property
     def mean_accepted_length(self) -> float:
@@ -57,6 +60,9 @@ class Generation:
             "token_ids": self.token_ids,
             "stats": self.stats,
             "rates": {"mean_accepted_length": self.mean_accepted_length, "acceptance_rate": self.acceptance_rate},
+            **({"logprobs": [t.to_dict() for t in self.logprobs]} if self.logprobs is not None else {}),
+            **({"prompt_logprobs": [t and t.to_dict() for t in self.prompt_logprobs]}
+               if self.prompt_logprobs is not None else {}),
         }
 
 
@@ -82,6 +88,8 @@ class _Plan:
     requested_new_tokens: int = 0  # max_new_tokens as asked, before the window cut (other prompts of a batch)
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     companion: LoadedModel | None = None  # SV's companion / staged SD's intermediate model
     sv_profile: Any = None  # sv.SVProfile: P(accept | S, A) and the latency model of the select phase
 
@@ -103,6 +111,8 @@ def generate(
     ignore_eos: bool = False,
     repetition_penalty: float = 1.0,
     min_new_tokens: int = 0,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     max_batch_size: int = 16,
     kv_budget_mb: float | None = None,
     **method_options: Any,
@@ -117,6 +127,9 @@ def generate(
     the batch-mates.
     `kv_budget_mb` bounds the target's KV cache: a request joins only when its prompt plus
     `max_new_tokens` fits beside the live ones (one request always runs, whatever its size).
+    `logprobs=k` gives each new token's log-probability under the target and its k most likely tokens
+    (`Generation.logprobs`), read from the verification forward; `prompt_logprobs=k` the same for the prompt.
+    Both are the target's raw log-softmax (before temperature, top-k / top-p and penalties).
     """
     prompts, batch = _split_prompts(messages if prompt is None and messages is not None else prompt)
     if prompt is not None and messages is not None:
@@ -127,11 +140,11 @@ def generate(
         raise DraftwiseError(f"kv_budget_mb must be a number > 0 (megabytes), got {kv_budget_mb!r}")
     for other in prompts[1:]:
         _check_prompt(other)
-    _check_processors(repetition_penalty, min_new_tokens)
+    _check_processors(repetition_penalty, min_new_tokens, logprobs, prompt_logprobs)
     plan = _plan(target=target, prompt=prompts[0], draft=draft, method=method, max_new_tokens=max_new_tokens,
                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, gamma=gamma, stop=stop,
                  ignore_eos=ignore_eos, method_options=method_options)
-    plan = _with_processors(plan, repetition_penalty, min_new_tokens)
+    plan = _with_processors(plan, repetition_penalty, min_new_tokens, logprobs, prompt_logprobs)
     if not batch:
         run = _Run(plan, streaming=False)
         for _ in run.pieces():
@@ -177,22 +190,24 @@ def stream(
     ignore_eos: bool = False,
     repetition_penalty: float = 1.0,
     min_new_tokens: int = 0,
+    logprobs: int | None = None,
     events: bool = False,
     **method_options: Any,
 ) -> Iterator[str] | Iterator[StreamEvent]:
     """Like `generate`, but yields text pieces as tokens are committed; they join to `generate(...).text`.
 
     With `events=True` it yields `StreamEvent`s instead: each piece of text with the token ids committed
-    since the previous event, and a last event (`finished=True`) carrying `finish_reason` and the stats.
+    since the previous event (and their `logprobs`, when asked), and a last event (`finished=True`) carrying
+    `finish_reason` and the stats.
     Arguments are checked (and models loaded) here, before the first piece is asked for.
     """
     if prompt is not None and messages is not None:
         raise DraftwiseError("give a prompt or messages=..., not both")
-    _check_processors(repetition_penalty, min_new_tokens)
+    _check_processors(repetition_penalty, min_new_tokens, logprobs)
     plan = _plan(target=target, prompt=prompt if messages is None else None, messages=messages, draft=draft,
                  method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, gamma=gamma, stop=stop, ignore_eos=ignore_eos, method_options=method_options)
-    run = _Run(_with_processors(plan, repetition_penalty, min_new_tokens), streaming=True)
+    run = _Run(_with_processors(plan, repetition_penalty, min_new_tokens, logprobs), streaming=True)
     return _stream_events(run) if events else run.pieces()
 
 
@@ -205,17 +220,34 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None  # on the last event: "eos", "length", "stop", "context"
     stats: dict[str, Any] | None = None  # on the last event: the same stats as `generate`
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, with `logprobs=k`
 
 
 def _stream_events(run: "_Run") -> Iterator[StreamEvent]:
     seen = 0
+
+    def logprobs(end: int) -> list[TokenLogprob] | None:
+        return None if run.plan.logprobs is None else run.logprobs[seen:end]
+
     for piece in run.pieces():
-        yield StreamEvent(piece, list(run.token_ids[seen:]))
-        seen = len(run.token_ids)
-    yield StreamEvent("", list(run.token_ids[seen:]), True, run.stats.get("finish_reason"), dict(run.stats))
+        end = len(run.token_ids)
+        yield StreamEvent(piece, list(run.token_ids[seen:end]), logprobs=logprobs(end))
+        seen = end
+    yield StreamEvent("", list(run.token_ids[seen:]), True, run.stats.get("finish_reason"), dict(run.stats),
+                      logprobs(len(run.token_ids)))
 
 
-def _check_processors(repetition_penalty: Any, min_new_tokens: Any) -> None:
+def _check_logprobs(value: Any, name: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or not 0 <= value <= MAX_LOGPROBS):
+        raise DraftwiseError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (how many top alternatives "
+                             f"to return beside each token's own), got {value!r}")
+
+
+def _check_processors(repetition_penalty: Any, min_new_tokens: Any, logprobs: Any = None,
+                      prompt_logprobs: Any = None) -> None:
+    _check_logprobs(logprobs, "logprobs")
+    _check_logprobs(prompt_logprobs, "prompt_logprobs")
     if (not isinstance(repetition_penalty, (int, float)) or isinstance(repetition_penalty, bool)
             or not repetition_penalty > 0 or repetition_penalty == float("inf")):
         raise DraftwiseError(f"repetition_penalty must be a number > 0 (1 turns it off), got {repetition_penalty!r}")
@@ -223,15 +255,22 @@ def _check_processors(repetition_penalty: Any, min_new_tokens: Any) -> None:
         raise DraftwiseError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
 
 
-def _with_processors(plan: _Plan, repetition_penalty: float, min_new_tokens: int) -> _Plan:
-    """The plan with its logits processors, refused (with the reason) where the method cannot apply them."""
-    if repetition_penalty == 1.0 and min_new_tokens == 0:
+def _with_processors(plan: _Plan, repetition_penalty: float, min_new_tokens: int, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None) -> _Plan:
+    """The plan with its logits processors and log-probability requests, refused (with the reason) where the
+    method cannot apply them."""
+    asked = [name for name, on in (("repetition_penalty", repetition_penalty != 1.0),
+                                   ("min_new_tokens", min_new_tokens != 0), ("logprobs", logprobs is not None),
+                                   ("prompt_logprobs", prompt_logprobs is not None)) if on]
+    if not asked:
         return plan
     refused = _method_refuses(plan.method, plan.options)
     if refused:
-        raise DraftwiseError(f"repetition_penalty and min_new_tokens are applied by the batched engine, and "
-                             f"{refused}: drop them for {plan.method.name!r}")
-    return dataclasses.replace(plan, repetition_penalty=float(repetition_penalty), min_new_tokens=min_new_tokens)
+        raise DraftwiseError(f"{' and '.join(asked)} {'is' if len(asked) == 1 else 'are'} applied by the batched "
+                             f"engine, and {refused}: drop {'it' if len(asked) == 1 else 'them'} for "
+                             f"{plan.method.name!r}")
+    return dataclasses.replace(plan, repetition_penalty=float(repetition_penalty), min_new_tokens=min_new_tokens,
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _check_batch_size(value: Any) -> None:
@@ -262,7 +301,8 @@ def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
     return Request(prompt_ids=tuple(prompt_ids), sampling=plan.sampling,
                    max_new_tokens=min(plan.requested_new_tokens, plan.window - len(prompt_ids)),
                    eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed,
-                   repetition_penalty=plan.repetition_penalty, min_new_tokens=plan.min_new_tokens)
+                   repetition_penalty=plan.repetition_penalty, min_new_tokens=plan.min_new_tokens,
+                   logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
 
 
 def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> tuple[Engine, Any]:
@@ -360,7 +400,8 @@ def _generation(result: Result, spec: Method) -> Generation:
         stats["verifier_calls"] = stats["drafted"]  # the verifier scores every drafted token
     else:
         stats.pop("verifier_accepted", None)
-    return Generation(token_ids=result.token_ids, text=result.text, stats=stats)
+    return Generation(token_ids=result.token_ids, text=result.text, stats=stats, logprobs=result.logprobs,
+                      prompt_logprobs=result.prompt_logprobs)
 
 
 # Methods that can draft with an EAGLE feature head (the head drafts one token distribution per step).
@@ -901,8 +942,10 @@ class _Run:
         self.plan = plan
         self.streaming = streaming
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
         self.text = ""
         self.stats: dict[str, Any] = {}
+        self.result_logprobs: tuple[Any, Any] = (None, None)
 
     def _drafter(self, generator_device: torch.device, rule: Any) -> Drafter:
         """The drafter of a method the batched engine does not run (mtad, mtjd, oracle-diff, seq-cascade)."""
@@ -935,6 +978,7 @@ class _Run:
             while engine.has_work:
                 for event in engine.step():
                     self.token_ids.extend(event.token_ids)
+                    self.logprobs.extend(event.logprobs or ())
                     if self.streaming and event.text:
                         yield event.text
         finally:
@@ -943,6 +987,7 @@ class _Run:
             result = engine.result(request_id)
             if result is not None:  # None only when a forward raised: the error propagates
                 self.text = result.text
+                self.result_logprobs = (result.logprobs, result.prompt_logprobs)
                 self.stats = _generation(result, plan.method).stats
                 if plan.context_limited and result.finish_reason == "length":
                     self.stats["finish_reason"] = "context"
@@ -1041,4 +1086,5 @@ class _Run:
             yield self.text[emitted:]
 
     def result(self) -> Generation:
-        return Generation(token_ids=list(self.token_ids), text=self.text, stats=self.stats)
+        return Generation(token_ids=list(self.token_ids), text=self.text, stats=self.stats,
+                          logprobs=self.result_logprobs[0], prompt_logprobs=self.result_logprobs[1])

@@ -58,6 +58,43 @@ class Request:
     seed: int | None = None
     repetition_penalty: float = 1.0  # transformers' rule on the target's logits: / penalty if > 0, * if < 0
     min_new_tokens: int = 0  # end-of-sequence tokens get probability 0 before this many new tokens
+    logprobs: int | None = None  # each new token's target log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (prefilled alone)
+
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default max_logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target and the target's `top` most likely tokens there.
+
+    From the target's raw logits at that position (log-softmax before temperature, top-k / top-p and
+    penalties, as vLLM's default `raw_logprobs`): for a lossy method it is still the target's view of the
+    token committed, which may be far from the target's own choice."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "logprob": self.logprob,
+                "top": [{"token_id": t, "logprob": lp} for t, lp in self.top]}
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """logits: [n, vocab] raw, the distribution before each of `tokens` (n of them)."""
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, vocab]
+    index = torch.tensor(list(tokens), device=logp.device)
+    chosen = logp.gather(1, index[:, None])[:, 0].tolist()
+    if top:
+        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [()] * len(tokens)
+    return [TokenLogprob(int(t), lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives)]
 
 
 @dataclass
@@ -113,6 +150,8 @@ class _Row:
     first_token_at: float | None = None
     finished_at: float | None = None
     fed: int = 0  # prompt tokens in the target's cache (while prefilling)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token (Request.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token, None first
     prefill_states: list = field(default_factory=list)  # the prompt's target features, for a drafter that wants them
 
     @property
@@ -134,6 +173,8 @@ class Event:
     text: str
     finished: bool
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first event, when it asked
 
 
 @dataclass
@@ -143,6 +184,8 @@ class Result:
     text: str
     finish_reason: str
     stats: dict[str, Any]
+    logprobs: list[TokenLogprob] | None = None  # Request.logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # Request.prompt_logprobs
 
 
 # ---------------------------------------------------------------- drafters over rows
@@ -606,6 +649,8 @@ class Engine:
             committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
             committed = cut_at_eos(committed, row.request.eos_token_ids)
             kept = self._commit(row, committed, now)  # may cut further, at a stop string
+            if row.request.logprobs is not None:  # position j's logits came before committed token j
+                row.logprobs += token_logprobs(verified.logits[b], kept, row.request.logprobs)
             # record: nothing past an EOS or a stop string counts as accepted
             row.counters.record(draft.counts[b], min(accepted, len(kept)))
             row.counters.target_tokens += counts[b]
@@ -746,7 +791,10 @@ class Engine:
             ready = _safe_prefix(row.text, row.request.stop)
         piece = row.text[row.emitted:ready] if ready > row.emitted else ""
         row.emitted = max(row.emitted, ready)
-        return Event(row.id, kept, piece, row.finish_reason is not None, row.finish_reason)
+        logprobs = row.logprobs[len(row.logprobs) - len(kept):] if row.request.logprobs is not None else None
+        first = row.request.prompt_logprobs is not None and row.counters.steps == 1
+        return Event(row.id, kept, piece, row.finish_reason is not None, row.finish_reason, logprobs,
+                     row.prompt_logprobs if first else None)
 
     def _admit(self) -> None:
         """Take waiting requests while they fit; they prefill from the next forward on (see `step`)."""
@@ -763,6 +811,8 @@ class Engine:
             row = self.waiting.pop(0)
             self.target.cache.reset_row(len(held))
             row.counters.target_tokens += len(row.request.prompt_ids) - 1
+            if row.request.prompt_logprobs is not None:
+                self._prefill_scored(row, len(held))
             self.prefilling.append(row)
         self._start_decoding()
 
@@ -814,8 +864,21 @@ class Engine:
         self._fed(plan, out.hidden if self.drafter.wants_features else None)
         self._start_decoding()
 
-    def _fed(self, plan: list[int], hidden: torch.Tensor | None) -> None:
-        for j, (row, n) in enumerate(zip(self.prefilling, plan)):
+    def _prefill_scored(self, row: _Row, index: int) -> None:
+        """Prefill a prompt whose log-probabilities were asked for, alone and now (logits at every position:
+        too wide to share a forward with decoding rows), in chunks; the row then waits to start decoding."""
+        prompt = row.request.prompt_ids
+        row.prompt_logprobs = [None]
+        while row.unfed:
+            n = min(row.unfed, PREFILL_CHUNK)
+            out = self.target.forward_rows(torch.tensor([prompt[row.fed: row.fed + n]]), [n], begin=index,
+                                           hidden=self.drafter.wants_features, prompt=True)
+            row.prompt_logprobs += token_logprobs(out.logits[0], prompt[row.fed + 1: row.fed + n + 1],
+                                                  row.request.prompt_logprobs)
+            self._fed([n], out.hidden, rows=[row])
+
+    def _fed(self, plan: list[int], hidden: torch.Tensor | None, rows: list[_Row] | None = None) -> None:
+        for j, (row, n) in enumerate(zip(self.prefilling if rows is None else rows, plan)):
             row.fed += n
             row.counters.prefill_calls += 1
             if hidden is not None:
@@ -899,7 +962,10 @@ class Engine:
         }
         if self.selector is not None:
             stats["proposed"] = c.proposed  # drafted, before the select phase dropped some unverified
-        self.finished[row.id] = Result(row.id, list(row.token_ids), row.text, reason, stats)
+        self.finished[row.id] = Result(
+            row.id, list(row.token_ids), row.text, reason, stats,
+            list(row.logprobs) if row.request.logprobs is not None else None,
+            list(row.prompt_logprobs) if row.request.prompt_logprobs is not None else None)
 
 
 def kv_bytes_per_token(model) -> int:

@@ -95,6 +95,7 @@ class Service:
         self.created = protocol.now()
         self._plans: dict[tuple[str, Any], api._Plan] = {}  # (method, sampling or None) -> plan, options apart
         self.refused: dict[str, str] = {}  # method -> why this server cannot run it
+        self._pieces: dict[int, str] = {}
         self._check_methods()
 
     # ---- methods ----
@@ -276,9 +277,11 @@ class Service:
             eos_token_ids=frozenset() if ignore_eos else self.target.eos_token_ids,
             requested_new_tokens=budget, max_new_tokens=budget)
         try:
-            plan = api._with_processors(plan, parsed.repetition_penalty, parsed.min_tokens)
+            plan = api._with_processors(plan, parsed.repetition_penalty, parsed.min_tokens, parsed.logprobs,
+                                        parsed.logprobs if parsed.echo else None)
         except DraftwiseError as error:
-            raise ApiError(400, str(error), param="repetition_penalty") from None
+            raise ApiError(400, str(error), param="logprobs" if parsed.logprobs is not None else
+                           "repetition_penalty") from None
         try:
             request = api._request(plan, prompt_ids)
         except DraftwiseError as error:
@@ -298,6 +301,23 @@ class Service:
         stats = result.stats
         per_position = stats.get("drafted_per_position") or []
         self.metrics.record_request(stats, num_drafts=per_position[0] if per_position else 0)
+
+    def piece(self, token_id: int) -> str:
+        """A token's own text, as log-probabilities name it (cached: a vocabulary is finite)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            tokenizer = self.target.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+            if len(self._pieces) < 1 << 20:
+                self._pieces[token_id] = text
+        return text
+
+    def prompt_text(self, parsed: protocol.Parsed, prompt_ids: Any) -> str:
+        """What `echo` puts before the answer: the prompt as sent, or token ids decoded."""
+        if isinstance(parsed.prompt, str):
+            return parsed.prompt
+        tokenizer = self.target.tokenizer
+        return tokenizer.decode(list(prompt_ids)) if tokenizer is not None else ""
 
     def usage(self, result: Any, spec: Method) -> dict[str, Any]:
         generation = api._generation(result, spec)
@@ -465,11 +485,26 @@ class _Generation(Response):
                 await _send_json(send, 503, ApiError(503, "the request was cancelled: the server is shutting down")
                                  .body())
                 return
-            body = protocol.completion_body(self.id, self.parsed.model, self.parsed.chat, result.text,
+            echo = self.service.prompt_text(self.parsed, self.ticket.request.prompt_ids) if self.parsed.echo else ""
+            body = protocol.completion_body(self.id, self.parsed.model, self.parsed.chat, echo + result.text,
                                             protocol.FINISH_REASONS.get(result.finish_reason, "stop"),
-                                            self.service.usage(result, self.ticket.method), self.created)
+                                            self.service.usage(result, self.ticket.method), self.created,
+                                            self._logprobs(result.logprobs, result.prompt_logprobs))
             await _send_json(send, 200, body)
             return
+
+    def _logprobs(self, entries: list[Any] | None, prompt: list[Any] | None = None, offset: int = 0
+                  ) -> dict[str, Any] | None:
+        """The choice's `logprobs` for these tokens (and the prompt's, echoed), or None when not asked."""
+        if self.parsed.logprobs is None or entries is None:
+            return None
+        piece = self.service.piece
+        if self.parsed.chat:
+            return protocol.chat_logprobs(entries, piece)
+        ids = [e.token_id for e in entries]
+        if prompt is not None:
+            ids, entries = list(self.ticket.request.prompt_ids) + ids, list(prompt) + list(entries)
+        return protocol.completion_logprobs(ids, entries, piece, offset)
 
     async def _stream(self, send: Any) -> None:
         parsed = self.parsed
@@ -494,6 +529,21 @@ class _Generation(Response):
         if parsed.chat:
             await body(chunk(role=True, text=""))
         sent = []
+        scored = 0  # tokens whose log-probabilities went out
+        offset = 0  # completions' text_offset: characters of the token texts so far
+        echo = self.service.prompt_text(parsed, self.ticket.request.prompt_ids) if parsed.echo else None
+        if echo is not None and parsed.logprobs is None:
+            await body(chunk(text=echo))
+            echo = None
+
+        def scores(entries: list[Any] | None, prompt: list[Any] | None = None) -> dict[str, Any] | None:
+            nonlocal offset, scored
+            lp = self._logprobs(entries, prompt, offset)
+            if lp is not None and not parsed.chat and lp["tokens"]:
+                offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            scored += len(entries or ())
+            return lp
+
         while True:
             message = await self.ticket.events.get()
             if message[0] == "disconnect":
@@ -502,24 +552,34 @@ class _Generation(Response):
                 await body(protocol.sse(ApiError(500, message[1]).body()))
                 await body(protocol.DONE, more=False)
                 return
-            if message[0] == "tokens":
-                generated += message[2]
+            done = message[0] == "done"
+            result = message[2] if done else None
+            if echo is not None:  # the prompt first, with its tokens' scores (they come with the first event)
+                await body(chunk(text=echo, logprobs=scores([], result.prompt_logprobs if done else message[4])))
+                echo = None
+            if done:
+                generated = len(result.token_ids)
             else:
-                generated = len(message[2].token_ids)
-            if message[1]:
+                generated += message[2]
+            lp = None
+            if parsed.logprobs is not None:
+                entries = result.logprobs[scored:] if done and result.logprobs is not None else \
+                    [] if done else message[3]
+                lp = scores(entries) if entries else None
+            if message[1] or lp is not None:
                 sent.append(message[1])
-                await body(chunk(text=message[1]))
-            if message[0] == "tokens":
+                await body(chunk(text=message[1], logprobs=lp))
+            if not done:
                 continue
-            result = message[2]
             if result.finish_reason == "cancelled":
                 await body(protocol.sse(ApiError(503, "the request was cancelled: the server is shutting down")
                                         .body()))
                 await body(protocol.DONE, more=False)
                 return
             text = "".join(sent)
-            if result.text.startswith(text) and len(result.text) > len(text):  # what the last step released
-                await body(chunk(text=result.text[len(text):]))
+            rest = result.text[len(text):] if result.text.startswith(text) else ""  # what the last step released
+            if rest:
+                await body(chunk(text=rest))
             finish = protocol.FINISH_REASONS.get(result.finish_reason, "stop")
             await body(chunk(text="" if not parsed.chat else None, finish_reason=finish))
             if usage_on:

@@ -21,12 +21,12 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "
            "draftwise",
            # vLLM's extensions that benchmark and evaluation clients send (guidellm, lm-eval)
            "top_k", "min_tokens", "repetition_penalty", "ignore_eos")
-COMPLETION_PARAMS = frozenset(_COMMON + ("prompt",))
-CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens"))
+COMPLETION_PARAMS = frozenset(_COMMON + ("prompt", "logprobs", "echo"))
+CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
 
 # OpenAI parameters draftwise does not implement: accepted only at these neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None,), "best_of": (None, 1),
+    "best_of": (None, 1),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
     "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
@@ -40,6 +40,8 @@ OVERRIDE_KEYS = ("method", "gamma", "top_k", "ignore_eos")
 MAX_GAMMA = 32  # draft tokens per step a request may ask for (the per-position counters have this many slots)
 MAX_PENALTY = 100.0  # repetition_penalty's bound (1 = off): past it every seen token is as good as banned
 MAX_NESTING = 32  # JSON nesting a request body may have
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs; OpenAI's limit is 20 in chat, 5 in
+# completions)
 
 
 class ApiError(Exception):
@@ -83,6 +85,8 @@ class Parsed:
     min_tokens: int = 0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
+    echo: bool = False  # completions: the prompt is part of the answer (with logprobs, its tokens' too)
     override: dict[str, Any] = field(default_factory=dict)  # the `draftwise` field
 
 
@@ -171,6 +175,7 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"user must be a string, got {short(user)}", param="user")
     _extensions(body, parsed)
+    _logprobs(body, parsed)
     override = body.get("draftwise")
     if override is not None:
         if not isinstance(override, dict):
@@ -203,6 +208,31 @@ def _extensions(body: dict[str, Any], parsed: Parsed) -> None:
         if not isinstance(ignore_eos, bool):
             raise ApiError(400, f"ignore_eos must be true or false, got {short(ignore_eos)}", param="ignore_eos")
         parsed.ignore_eos = ignore_eos
+
+
+def _logprobs(body: dict[str, Any], parsed: Parsed) -> None:
+    """Chat: logprobs (true / false) and top_logprobs (0..20). Completions: logprobs (0..20) and echo."""
+    def top(value: Any, name: str) -> int:
+        if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+            raise ApiError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {short(value)}", param=name)
+        return int(value)
+
+    value = body.get("logprobs")
+    if parsed.chat:
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"logprobs must be true or false, got {short(value)}", param="logprobs")
+        count = body.get("top_logprobs")
+        if count is not None and not value:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if value:
+            parsed.logprobs = 0 if count is None else top(count, "top_logprobs")
+        return
+    if value is not None:
+        parsed.logprobs = top(value, "logprobs")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ApiError(400, f"echo must be true or false, got {short(echo)}", param="echo")
+    parsed.echo = bool(echo)
 
 
 def short(value: Any, limit: int = 80) -> str:
@@ -328,20 +358,44 @@ def usage(stats: dict[str, Any], mean_accepted_length: float, acceptance_rate: f
     }
 
 
+def chat_logprobs(entries: list[Any], piece: Any) -> dict[str, Any]:
+    """OpenAI's chat `logprobs`: entries are engine.TokenLogprob; piece(token id) -> its text."""
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = piece(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(token_ids: list[int], entries: list[Any], piece: Any, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions `logprobs`: per token its text, log-probability (None for a prompt's first token),
+    its top alternatives as {text: logprob} and its character offset in the answer's text (from `offset`)."""
+    tokens, offsets = [], []
+    for token_id in token_ids:
+        tokens.append(piece(token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {piece(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
 def completion_body(request_id: str, model: str, chat: bool, text: str, finish_reason: str,
-                    usage_body: dict[str, Any], created: int) -> dict[str, Any]:
+                    usage_body: dict[str, Any], created: int, logprobs: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage_body}
 
 
 def chunk(request_id: str, model: str, chat: bool, created: int, *, text: str | None = None,
           role: bool = False, finish_reason: str | None = None, with_usage: bool = False,
-          usage_body: dict[str, Any] | None = None) -> bytes:
+          usage_body: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
     """One server-sent event in OpenAI's chunk format."""
     if chat:
         delta: dict[str, Any] = {}
@@ -349,9 +403,9 @@ def chunk(request_id: str, model: str, chat: bool, created: int, *, text: str | 
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice]}
     if with_usage:

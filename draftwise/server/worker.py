@@ -36,7 +36,7 @@ class Ticket:
     request: Request
     method: Any  # the Method (for the per-request stats)
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue  # ("tokens", text, n) / ("done", text, Result) / ("error", message) / ("disconnect",)
+    events: asyncio.Queue  # ("tokens", text, n, logprobs, prompt_logprobs) / ("done", text, Result) / ("error", message) / ("disconnect",)
     arrived: float = field(default_factory=time.perf_counter)
     engine_id: int | None = None  # the engine's id for it, once submitted
     first_token_at: float | None = None
@@ -185,7 +185,7 @@ class EngineWorker:
                 if event.finished:
                     self._finished(key, engine, event.request_id, event.text)
                 elif event.text or event.token_ids:
-                    ticket.post(("tokens", event.text, len(event.token_ids)))
+                    ticket.post(("tokens", event.text, len(event.token_ids), event.logprobs, event.prompt_logprobs))
 
     def _finished(self, key: Hashable, engine: Engine, request_id: int, text: str) -> None:
         ticket = self._tickets.pop((key, request_id), None)
