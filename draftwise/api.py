@@ -28,6 +28,7 @@ from .engine import (MAX_LOGPROBS, Engine, LookupRowsDrafter, ModelRowsDrafter, 
                      TokenLogprob, _find_stop, _safe_prefix, kv_bytes_per_token)
 from .methods import MAX_GAMMA, METHODS, Method, get_method
 from .eagle import DraftHead
+from .grammar import Grammar, compiler_for, grammar_from
 from .eagle_rows import EagleRowsDrafter
 from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
@@ -90,6 +91,7 @@ class _Plan:
     min_new_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: Grammar | None = None
     companion: LoadedModel | None = None  # SV's companion / staged SD's intermediate model
     sv_profile: Any = None  # sv.SVProfile: P(accept | S, A) and the latency model of the select phase
 
@@ -113,6 +115,8 @@ def generate(
     min_new_tokens: int = 0,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    grammar: Any = None,
+    response_format: Any = None,
     max_batch_size: int = 16,
     kv_budget_mb: float | None = None,
     **method_options: Any,
@@ -130,6 +134,9 @@ def generate(
     `logprobs=k` gives each new token's log-probability under the target and its k most likely tokens
     (`Generation.logprobs`), read from the verification forward; `prompt_logprobs=k` the same for the prompt.
     Both are the target's raw log-softmax (before temperature, top-k / top-p and penalties).
+    `grammar` ({"json_schema": {...}}, {"json_object": True}, {"regex": "..."} or {"lark": "..."}) or OpenAI's
+    `response_format` constrains every new token: the target's and the draft's logits are masked at every
+    position, so a lossless method is exact towards the masked target distribution.
     """
     prompts, batch = _split_prompts(messages if prompt is None and messages is not None else prompt)
     if prompt is not None and messages is not None:
@@ -141,10 +148,11 @@ def generate(
     for other in prompts[1:]:
         _check_prompt(other)
     _check_processors(repetition_penalty, min_new_tokens, logprobs, prompt_logprobs)
+    constraint = grammar_from(grammar, response_format=response_format)
     plan = _plan(target=target, prompt=prompts[0], draft=draft, method=method, max_new_tokens=max_new_tokens,
                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, gamma=gamma, stop=stop,
                  ignore_eos=ignore_eos, method_options=method_options)
-    plan = _with_processors(plan, repetition_penalty, min_new_tokens, logprobs, prompt_logprobs)
+    plan = _with_processors(plan, repetition_penalty, min_new_tokens, logprobs, prompt_logprobs, constraint)
     if not batch:
         run = _Run(plan, streaming=False)
         for _ in run.pieces():
@@ -191,6 +199,8 @@ def stream(
     repetition_penalty: float = 1.0,
     min_new_tokens: int = 0,
     logprobs: int | None = None,
+    grammar: Any = None,
+    response_format: Any = None,
     events: bool = False,
     **method_options: Any,
 ) -> Iterator[str] | Iterator[StreamEvent]:
@@ -204,10 +214,12 @@ def stream(
     if prompt is not None and messages is not None:
         raise DraftwiseError("give a prompt or messages=..., not both")
     _check_processors(repetition_penalty, min_new_tokens, logprobs)
+    constraint = grammar_from(grammar, response_format=response_format)
     plan = _plan(target=target, prompt=prompt if messages is None else None, messages=messages, draft=draft,
                  method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, gamma=gamma, stop=stop, ignore_eos=ignore_eos, method_options=method_options)
-    run = _Run(_with_processors(plan, repetition_penalty, min_new_tokens, logprobs), streaming=True)
+    run = _Run(_with_processors(plan, repetition_penalty, min_new_tokens, logprobs, grammar=constraint),
+               streaming=True)
     return _stream_events(run) if events else run.pieces()
 
 
@@ -256,21 +268,29 @@ def _check_processors(repetition_penalty: Any, min_new_tokens: Any, logprobs: An
 
 
 def _with_processors(plan: _Plan, repetition_penalty: float, min_new_tokens: int, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None) -> _Plan:
-    """The plan with its logits processors and log-probability requests, refused (with the reason) where the
-    method cannot apply them."""
+                     prompt_logprobs: int | None = None, grammar: Grammar | None = None) -> _Plan:
+    """The plan with its logits processors, log-probability requests and grammar, refused (with the reason)
+    where the method cannot apply them."""
     asked = [name for name, on in (("repetition_penalty", repetition_penalty != 1.0),
                                    ("min_new_tokens", min_new_tokens != 0), ("logprobs", logprobs is not None),
-                                   ("prompt_logprobs", prompt_logprobs is not None)) if on]
+                                   ("prompt_logprobs", prompt_logprobs is not None),
+                                   ("a grammar", grammar is not None)) if on]
     if not asked:
         return plan
+    if grammar is not None:
+        if not plan.eos_token_ids:
+            raise DraftwiseError("a grammar ends its answer with an end-of-sequence token: drop ignore_eos (or give "
+                                 "the target an EOS token)")
+        if plan.target.tokenizer is None:
+            raise DraftwiseError("a grammar needs the target's tokenizer, and this target has none")
+        compiler_for(plan.target.tokenizer, plan.vocab_size, plan.eos_token_ids)  # a tokenizer it cannot wrap
     refused = _method_refuses(plan.method, plan.options)
     if refused:
         raise DraftwiseError(f"{' and '.join(asked)} {'is' if len(asked) == 1 else 'are'} applied by the batched "
                              f"engine, and {refused}: drop {'it' if len(asked) == 1 else 'them'} for "
                              f"{plan.method.name!r}")
     return dataclasses.replace(plan, repetition_penalty=float(repetition_penalty), min_new_tokens=min_new_tokens,
-                               logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar)
 
 
 def _check_batch_size(value: Any) -> None:
@@ -302,7 +322,7 @@ def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
                    max_new_tokens=min(plan.requested_new_tokens, plan.window - len(prompt_ids)),
                    eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed,
                    repetition_penalty=plan.repetition_penalty, min_new_tokens=plan.min_new_tokens,
-                   logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs)
+                   logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs, grammar=plan.grammar)
 
 
 def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> tuple[Engine, Any]:

@@ -83,6 +83,7 @@ class EagleRowsDrafter:
     def propose(self, rows, limits) -> "RowsDraft":
         from .batched import warp_rows
         from .batched import sample_rows
+        from .grammar import mask_rows, push_rows
         from .engine import RowsDraft, _empty
         from .sampling import unwarped
 
@@ -125,7 +126,8 @@ class EagleRowsDrafter:
         self.policy.start(n, self.device)
         # a verifier policy (SPRINTER, SpecDec++) reads the head's state behind each drafted token and its
         # unwarped distribution, as it reads a draft model's last hidden state
-        fast = all_greedy and not self.keep_raw and not self.policy.needs_hidden
+        grammar = any(getattr(r, "grammar", None) is not None for r in rows)
+        fast = all_greedy and not self.keep_raw and not self.policy.needs_hidden and not grammar
         for step in range(width):
             logits = self.head.logits(predicted)[:, self.usable]  # [rows, usable draft vocabulary]
             raw = None
@@ -137,6 +139,7 @@ class EagleRowsDrafter:
             else:
                 # zero probability outside the draft vocabulary (and past a padded target vocabulary): exact
                 full = full_vocabulary_logits(logits, self.usable_ids, self.vocab_size)  # [rows, vocab]
+                full, active = mask_rows(rows, full, active)  # a grammar row drafts only what it allows
                 raw = unwarped(full) if self.policy.needs_raw or self.keep_raw else None
                 if self.policy.needs_raw:
                     active &= ~self.policy.stop_before(raw)
@@ -144,6 +147,7 @@ class EagleRowsDrafter:
                     raws.append(raw)
                 step_probs = warp_rows(full, configs)  # [rows, vocab], zero outside the draft vocabulary
                 token = sample_rows(step_probs, generators, active.tolist(), [c.greedy for c in configs])
+                active = push_rows(rows, token, active)
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)

@@ -39,6 +39,7 @@ from .acceptance import StepDistributions, TargetRule
 from .batched import sample_rows, speculative_sample_rows, warp_rows
 from .decoding import Counters, cut_at_eos
 from .errors import DraftwiseError
+from .grammar import Grammar, GrammarState, compiler_for, mask_logits, mask_rows, push_rows
 from .models.runner import ModelRunner, RowsOutput, fast_model
 from .policies import FixedLength, LengthPolicy
 from .sampling import SamplingConfig, make_generator
@@ -60,6 +61,7 @@ class Request:
     min_new_tokens: int = 0  # end-of-sequence tokens get probability 0 before this many new tokens
     logprobs: int | None = None  # each new token's target log-probability and this many top alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (prefilled alone)
+    grammar: Grammar | None = None  # every new token obeys it (structured output; see grammar.py)
 
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default max_logprobs)
@@ -152,6 +154,7 @@ class _Row:
     fed: int = 0  # prompt tokens in the target's cache (while prefilling)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token (Request.logprobs)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token, None first
+    grammar: GrammarState | None = None  # the request's grammar matcher (Request.grammar)
     prefill_states: list = field(default_factory=list)  # the prompt's target features, for a drafter that wants them
 
     @property
@@ -387,13 +390,14 @@ class ModelRowsDrafter:
         policy.start(n, device)
         for step in range(width):
             out = self.runner.forward_rows(feed, counts, logits_at=at, hidden=policy.needs_hidden)
-            logits = out.logits[:, -1]  # [rows, vocab]
+            logits, active = mask_rows(rows, out.logits[:, -1], active)  # [rows, vocab]; a grammar's mask
             raw = unwarped(logits) if self.keep_raw or policy.needs_raw else None  # [rows, vocab]
             active &= ~policy.stop_before(raw)
             if self.keep_raw:
                 raws.append(raw)
             step_probs = warp_rows(logits, configs)  # [rows, vocab]
             token = sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
+            active = push_rows(rows, token, active)
             drafted += active.long()
             tokens.append(token)
             probs.append(step_probs)
@@ -546,6 +550,10 @@ class Engine:
             counters=RowCounters(gamma=self.gamma), detok=Detokenizer(self.tokenizer),
             sequence=list(request.prompt_ids), submitted=time.perf_counter(),
         )
+        if request.grammar is not None:
+            vocab = self.target.vocab_size or self.target.model.get_output_embeddings().weight.shape[0]
+            row.grammar = compiler_for(self.tokenizer, vocab, request.eos_token_ids).state(
+                request.grammar, self.target.device)
         self.waiting.append(row)
         return row.id
 
@@ -603,6 +611,9 @@ class Engine:
         proposed = draft.counts
         if self.selector is not None and draft.width:  # select: the prefix of each draft to verify
             draft = draft.prefix(self.selector.select(rows, draft))
+        grammars = [b for b, row in enumerate(rows) if row.grammar is not None]
+        if grammars:  # the grammar rows' paths follow their drafts, cut at a token the grammar refuses
+            draft = self._grammar_drafts(rows, grammars, draft)
         k = draft.width
         counts = [1 + c for c in draft.counts]  # verify: the pending token and the drafts
         last = torch.tensor([row.sequence[-1] for row in rows], dtype=torch.long, device=draft.tokens.device)
@@ -626,6 +637,8 @@ class Engine:
             for b, row in enumerate(rows):
                 self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, : counts[b]])
         target_logits = self._processed(rows, draft, verified.logits)  # [rows, k + 1, vocab]
+        if grammars:  # the target's distribution at every verified position, masked by the grammar there
+            target_logits = self._grammar_masked(rows, grammars, draft, target_logits)
         target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
 
         pi = self._pi(draft, target_probs, target_logits, rows) if k else target_probs[:, :0]  # accept
@@ -649,6 +662,8 @@ class Engine:
             committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
             committed = cut_at_eos(committed, row.request.eos_token_ids)
             kept = self._commit(row, committed, now)  # may cut further, at a stop string
+            if row.grammar is not None and not row.grammar.commit(kept) and row.finish_reason is None:
+                row.finish_reason = "grammar"  # the grammar engine failed (a parser limit): the answer ends here
             if row.request.logprobs is not None:  # position j's logits came before committed token j
                 row.logprobs += token_logprobs(verified.logits[b], kept, row.request.logprobs)
             # record: nothing past an EOS or a stop string counts as accepted
@@ -695,6 +710,24 @@ class Engine:
                                                     target_logits[index], raw, flag, verdicts,
                                                     num_drafted=counts[index]))
         return pi
+
+    def _grammar_drafts(self, rows: Sequence[_Row], grammars: list[int], draft: RowsDraft) -> RowsDraft:
+        """Each grammar row's path becomes its draft, cut before the first token its grammar refuses (a lookup
+        or suffix draft; a model's was drawn under the mask and is whole)."""
+        host = draft.tokens.tolist() if draft.width else [[] for _ in rows]
+        counts = list(draft.counts)
+        for b in grammars:
+            counts[b] = rows[b].grammar.follow(host[b][: counts[b]])
+        return draft.prefix(counts) if counts != list(draft.counts) else draft
+
+    def _grammar_masked(self, rows: Sequence[_Row], grammars: list[int], draft: RowsDraft,
+                        logits: torch.Tensor) -> torch.Tensor:
+        """logits [rows, k + 1, vocab] with each grammar row's masks at depths 0 .. its draft length."""
+        masks = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        for b in grammars:
+            n = draft.counts[b]
+            masks[b, : n + 1] = rows[b].grammar.masks(n)
+        return mask_logits(logits, masks)[0]
 
     def _processed(self, rows: Sequence[_Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
         """The target's logits after each request's repetition penalty and min_new_tokens: [rows, k + 1, vocab].
@@ -743,6 +776,10 @@ class Engine:
 
         contexts = [row.sequence + draft.tokens[b, : draft.counts[b]].tolist() for b, row in enumerate(rows)]
         q_raw, q_warped = self.drafter.next_distribution(contexts, [row.request.sampling for row in rows])
+        for b, row in enumerate(rows):  # the draft's distribution after its last token, under the grammar
+            if row.grammar is not None:
+                allowed = row.grammar.masks(draft.counts[b])[-1]
+                q_raw[b], q_warped[b] = (_renormalised(q[b] * allowed) for q in (q_raw, q_warped))
         index = torch.arange(len(rows), device=target_probs.device)
         at = torch.tensor(draft.counts, device=target_probs.device)
         p_raw, p_warped = unwarped(target_logits[index, at]), target_probs[index, at]  # [rows, vocab]
@@ -966,6 +1003,11 @@ class Engine:
             row.id, list(row.token_ids), row.text, reason, stats,
             list(row.logprobs) if row.request.logprobs is not None else None,
             list(row.prompt_logprobs) if row.request.prompt_logprobs is not None else None)
+
+
+def _renormalised(probs: torch.Tensor) -> torch.Tensor:
+    total = probs.sum(-1, keepdim=True)
+    return torch.where(total > 0, probs / total.clamp_min(1e-30), probs)
 
 
 def kv_bytes_per_token(model) -> int:

@@ -82,3 +82,20 @@ def save_pair(root, *, window: int = 256, init: float = 0.5) -> tuple[str, str]:
 def llama_pair():
     """(target, draft): two different tiny Llamas with the same 64-token vocabulary."""
     return tiny_llama(0), tiny_llama(1, layers=1)
+
+
+JSON_CORPUS = ['{"a": true, "b": "cat"}', '{"a": false, "b": "dog"}', '{"b": "cat", "a": false}',
+               '{"n": 10, "m": [1, 2, 3]}', '{"name": "tiny model", "ok": null}'] * 4
+
+
+def json_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of exactly `vocab` entries whose alphabet spells JSON (braces, quotes, digits, a few
+    letters), for grammar tests; one end-of-sequence token."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = list('{}[]":,0123456789abcdefglmnorstuy') + ["Ġ"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"], initial_alphabet=alphabet,
+                                  show_progress=False)
+    tok.train_from_iterator(JSON_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")

@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from .. import api
 from ..errors import DraftwiseError, DraftwiseWarning
+from ..grammar import grammar_from
 from ..methods import METHODS, Method
 from ..models.loading import LoadedModel
 from ..sampling import SamplingConfig
@@ -248,6 +249,12 @@ class Service:
         if not isinstance(ignore_eos, bool):
             raise ApiError(400, f"draftwise.ignore_eos must be true or false, got {protocol.short(ignore_eos)}",
                            param="draftwise.ignore_eos")
+        grammar = override.pop("grammar", None)
+        try:
+            grammar = grammar_from(grammar, response_format=parsed.response_format)
+        except DraftwiseError as error:
+            raise ApiError(400, str(error), param="response_format" if parsed.response_format is not None
+                           else "draftwise.grammar") from None
         options = {**self._startup_options(spec), **override}
         try:
             with warnings.catch_warnings():
@@ -278,10 +285,11 @@ class Service:
             requested_new_tokens=budget, max_new_tokens=budget)
         try:
             plan = api._with_processors(plan, parsed.repetition_penalty, parsed.min_tokens, parsed.logprobs,
-                                        parsed.logprobs if parsed.echo else None)
+                                        parsed.logprobs if parsed.echo else None, grammar)
         except DraftwiseError as error:
-            raise ApiError(400, str(error), param="logprobs" if parsed.logprobs is not None else
-                           "repetition_penalty") from None
+            param = "response_format" if grammar is not None else "logprobs" if parsed.logprobs is not None else \
+                "repetition_penalty"
+            raise ApiError(400, str(error), param=param) from None
         try:
             request = api._request(plan, prompt_ids)
         except DraftwiseError as error:

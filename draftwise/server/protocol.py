@@ -20,7 +20,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
            "draftwise",
            # vLLM's extensions that benchmark and evaluation clients send (guidellm, lm-eval)
-           "top_k", "min_tokens", "repetition_penalty", "ignore_eos")
+           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "response_format")
 COMPLETION_PARAMS = frozenset(_COMMON + ("prompt", "logprobs", "echo"))
 CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
 
@@ -29,14 +29,14 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
     "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "functions": (None, []), "function_call": (None, "none"),
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
 
 # Keys of the `draftwise` body field that are not method options.
-OVERRIDE_KEYS = ("method", "gamma", "top_k", "ignore_eos")
+OVERRIDE_KEYS = ("method", "gamma", "top_k", "ignore_eos", "grammar")
 MAX_GAMMA = 32  # draft tokens per step a request may ask for (the per-position counters have this many slots)
 MAX_PENALTY = 100.0  # repetition_penalty's bound (1 = off): past it every seen token is as good as banned
 MAX_NESTING = 32  # JSON nesting a request body may have
@@ -87,6 +87,7 @@ class Parsed:
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     echo: bool = False  # completions: the prompt is part of the answer (with logprobs, its tokens' too)
+    response_format: Any = None  # OpenAI's, checked with the grammar (grammar.grammar_from)
     override: dict[str, Any] = field(default_factory=dict)  # the `draftwise` field
 
 
@@ -176,6 +177,7 @@ def parse(body: Any, *, chat: bool) -> Parsed:
         raise ApiError(400, f"user must be a string, got {short(user)}", param="user")
     _extensions(body, parsed)
     _logprobs(body, parsed)
+    parsed.response_format = body.get("response_format")
     override = body.get("draftwise")
     if override is not None:
         if not isinstance(override, dict):
