@@ -119,6 +119,7 @@ def generate(
     response_format: Any = None,
     max_batch_size: int = 16,
     kv_budget_mb: float | None = None,
+    prefix_cache_mb: float = 0.0,
     **method_options: Any,
 ) -> Generation | list[Generation]:
     """Decode `prompt` with `method`; returns the new tokens, their text and the step counters.
@@ -134,6 +135,9 @@ def generate(
     `logprobs=k` gives each new token's log-probability under the target and its k most likely tokens
     (`Generation.logprobs`), read from the verification forward; `prompt_logprobs=k` the same for the prompt.
     Both are the target's raw log-softmax (before temperature, top-k / top-p and penalties).
+    `prefix_cache_mb` (a list of prompts) keeps that many megabytes of prompt prefixes' keys and values: a
+    request admitted after another with the same prefix (64-token blocks) copies it instead of prefilling
+    (`stats["cached_tokens"]`).
     `grammar` ({"json_schema": {...}}, {"json_object": True}, {"regex": "..."} or {"lark": "..."}) or OpenAI's
     `response_format` constrains every new token: the target's and the draft's logits are masked at every
     position, so a lossless method is exact towards the masked target distribution.
@@ -145,6 +149,9 @@ def generate(
     if kv_budget_mb is not None and (not isinstance(kv_budget_mb, (int, float)) or isinstance(kv_budget_mb, bool)
                                      or not kv_budget_mb > 0):
         raise DraftwiseError(f"kv_budget_mb must be a number > 0 (megabytes), got {kv_budget_mb!r}")
+    if not isinstance(prefix_cache_mb, (int, float)) or isinstance(prefix_cache_mb, bool) \
+            or not 0 <= prefix_cache_mb < float("inf"):
+        raise DraftwiseError(f"prefix_cache_mb must be a number >= 0 (megabytes; 0: off), got {prefix_cache_mb!r}")
     for other in prompts[1:]:
         _check_prompt(other)
     _check_processors(repetition_penalty, min_new_tokens, logprobs, prompt_logprobs)
@@ -164,7 +171,7 @@ def generate(
                              f"({', '.join(batched_methods())})")
     requests = [_request(plan, plan.prompt_ids)] + [
         _request(plan, _prompt_ids(p, plan.target, plan.vocab_size)) for p in prompts[1:]]
-    engine, _ = _engine(plan, max_batch_size)
+    engine, _ = _engine(plan, max_batch_size, prefix_cache_mb=prefix_cache_mb)
     if kv_budget_mb is not None:
         engine.kv_budget_tokens = int(kv_budget_mb * 2**20 // kv_bytes_per_token(plan.target.model))
     ids = [engine.submit(request) for request in requests]
@@ -325,8 +332,10 @@ def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
                    logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs, grammar=plan.grammar)
 
 
-def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> tuple[Engine, Any]:
-    """The batched engine for a plan: the target's runner, the method's drafter and rule."""
+def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False, prefix_cache_mb: float = 0.0
+            ) -> tuple[Engine, Any]:
+    """The batched engine for a plan: the target's runner, the method's drafter and rule, and a prefix store of
+    `prefix_cache_mb` megabytes (0: none)."""
     spec = plan.method
     target = ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0)
     rule = spec.make_rule(plan.options)
@@ -367,9 +376,12 @@ def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False) -> t
         suffix = SuffixRowsDrafter(plan.vocab_size, device, suffix_options(plan.options),
                                    eos_token_ids=plan.eos_token_ids)
         drafter = HybridRowsDrafter(drafter, suffix, plan.options["threshold"])
+    from .prefix import PrefixStore
+
     engine = Engine(target, drafter, rule, gamma=gamma, tokenizer=plan.target.tokenizer,
                     max_batch_size=max_batch_size, method=spec.name, stream_text=stream_text,
-                    selector=_selector(plan, gamma))
+                    selector=_selector(plan, gamma),
+                    prefixes=PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None)
     return engine, drafter
 
 

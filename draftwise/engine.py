@@ -155,6 +155,7 @@ class _Row:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token (Request.logprobs)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token, None first
     grammar: GrammarState | None = None  # the request's grammar matcher (Request.grammar)
+    cached: int = 0  # prompt positions restored from the prefix store
     prefill_states: list = field(default_factory=list)  # the prompt's target features, for a drafter that wants them
 
     @property
@@ -511,7 +512,7 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
         max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
-        selector: VerifySelector | None = None, prefill_share: float = PREFILL_SHARE,
+        selector: VerifySelector | None = None, prefill_share: float = PREFILL_SHARE, prefixes: Any = None,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
@@ -540,6 +541,7 @@ class Engine:
         self._credit = 0.0  # seconds of prompt feeding earned (see `_prompt_budget`)
         self.finished: dict[int, Result] = {}
         self._ids = itertools.count()
+        self.prefixes = prefixes  # a prefix.PrefixStore: prompt prefixes' keys and values across requests
 
     # ---- interface ----
 
@@ -847,7 +849,14 @@ class Engine:
                     break
             row = self.waiting.pop(0)
             self.target.cache.reset_row(len(held))
-            row.counters.target_tokens += len(row.request.prompt_ids) - 1
+            if self.prefixes is not None and row.request.prompt_logprobs is None:  # a stored prefix: no prefill
+                wants = bool(getattr(self.drafter, "wants_features", False))
+                row.cached, features = self.prefixes.restore(row.request.prompt_ids[:-1], self.target.cache,
+                                                             len(held), want_features=wants)
+                row.fed = row.cached
+                if features is not None:
+                    row.prefill_states.append(features)
+            row.counters.target_tokens += len(row.request.prompt_ids) - 1 - row.cached
             if row.request.prompt_logprobs is not None:
                 self._prefill_scored(row, len(held))
             self.prefilling.append(row)
@@ -933,6 +942,10 @@ class Engine:
                 self.target.cache.swap_rows(begin, begin + j)
                 self.prefilling[0], self.prefilling[j] = self.prefilling[j], self.prefilling[0]
             row = self.prefilling.pop(0)
+            if self.prefixes is not None:  # its prompt's blocks, for the requests that share them
+                wants = bool(getattr(self.drafter, "wants_features", False))
+                self.prefixes.insert(row.request.prompt_ids[:-1], self.target.cache, begin,
+                                     torch.cat(row.prefill_states) if wants and row.prefill_states else None)
             self.live.append(row)
             self.drafter.admit(begin, row.request.prompt_ids)
             if row.prefill_states and self.drafter.wants_features:
@@ -990,6 +1003,7 @@ class Engine:
             "accepted_per_position": c.accepted_per_position,
             "drafted_per_position": c.drafted_per_position,
             "prompt_tokens": len(row.request.prompt_ids),
+            "cached_tokens": row.cached,  # prompt positions restored from the prefix store, not prefilled
             "prefill_calls": c.prefill_calls,
             "verifier_accepted": c.verifier_accepted,
             "finish_reason": reason,

@@ -191,6 +191,35 @@ class PositionCache(Cache):
                     buf[[a, b], :, :n] = buf[[b, a], :, :n]
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
 
+    @torch.inference_mode()
+    def read_row(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Positions start .. end - 1 of a row, every layer: [layers, 2, kv_heads, end - start, head_dim]."""
+        if not 0 <= start <= end <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} positions, not {start} .. {end}")
+        return torch.stack([torch.stack([k[row, :, start:end], v[row, :, start:end]])
+                            for k, v in zip(self.keys, self.values)])
+
+    @torch.inference_mode()
+    def restore_row(self, row: int, kv: torch.Tensor) -> None:
+        """Fill an empty row's first positions with stored keys and values [layers, 2, kv_heads, n, head_dim]
+        (allocating the buffers, in the stored dtype, when no forward has yet)."""
+        if self.lengths[row]:
+            raise ValueError(f"restore_row needs an empty row; row {row} holds {self.lengths[row]} positions")
+        n = kv.shape[3]
+        if not self.keys:
+            shape = (max(self.num_rows, 1), kv.shape[2], self.capacity, kv.shape[4])
+            for _ in range(kv.shape[0]):
+                self.keys.append(kv.new_zeros(shape))
+                self.values.append(kv.new_zeros(shape))
+        if len(self.keys) != kv.shape[0] or self.keys[0].shape[1] != kv.shape[2]:
+            raise ValueError("stored keys and values do not match this cache's layers or heads")
+        if n + 1 > self.capacity:
+            self._grow(n + 1)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[row, :, :n] = kv[layer, 0].to(k.dtype)
+            v[row, :, :n] = kv[layer, 1].to(v.dtype)
+        self.lengths[row] = n
+
     def shrink(self) -> None:
         """Free the buffers (no row holds anything): the next forward allocates them at the size it needs."""
         if any(self.lengths):

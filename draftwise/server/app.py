@@ -53,6 +53,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_engines: int = 8  # (method, options) engines kept; idle ones beyond it are dropped
     retry_after_s: int = 1
+    prefix_cache_mb: float = 256.0  # prompt prefixes' keys and values kept for reuse, per engine; 0: off
 
 
 # Options that name a file or a model: only the server's command line sets them, never a request.
@@ -299,8 +300,10 @@ class Service:
                self._key(spec, sampling)[1])
         size = self.config.max_batch_size
 
+        prefix_mb = self.config.prefix_cache_mb
+
         def make_engine() -> Any:
-            return api._engine(plan, size, stream_text=True)[0]
+            return api._engine(plan, size, stream_text=True, prefix_cache_mb=prefix_mb)[0]
 
         return key, make_engine, request, spec
 

@@ -38,6 +38,8 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_target: str, method_
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--max-engines", type=int, default=8,
                    help="engines (one per method and options) kept at once; idle ones beyond it are dropped")
+    p.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                   help="megabytes of prompt prefixes' keys and values kept for reuse (per engine); 0 turns it off")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -87,9 +89,9 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
     for name in ("--max-batch-size", "--max-engines", "--gamma"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
     if args.max_queue < 0 or args.max_body_bytes < 1 or not 0 <= args.port < 65536 or args.threads < 0 \
-            or args.shutdown_timeout < 0:
-        raise DraftwiseError("--max-queue, --shutdown-timeout and --threads must be >= 0, --max-body-bytes >= 1, "
-                             "--port in [0, 65535]")
+            or args.shutdown_timeout < 0 or not 0 <= args.prefix_cache_mb < float("inf"):
+        raise DraftwiseError("--max-queue, --shutdown-timeout, --prefix-cache-mb and --threads must be >= 0, "
+                             "--max-body-bytes >= 1, --port in [0, 65535]")
     options = {name: getattr(args, name) for name in method_options if getattr(args, name) is not None}
     companion_spec = options.pop("companion", None)
     spec = METHODS[args.method]
@@ -119,7 +121,8 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
             api.check_same_tokenizer(target, companion)
         config = ServerConfig(model_name=args.served_model_name or args.target, method=args.method, options=options,
                               gamma=args.gamma, api_key=api_key, max_batch_size=args.max_batch_size,
-                              max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_engines=args.max_engines)
+                              max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_engines=args.max_engines,
+                              prefix_cache_mb=args.prefix_cache_mb)
         service = Service(config, target, draft, companion)
         host, port = sock.getsockname()[:2]
         print(f"draftwise: serving {config.model_name!r} with {args.method} on http://{_url_host(host)}:{port}/v1 "

@@ -22,6 +22,9 @@ SPEC: dict[str, tuple[str, str]] = {
     "spec_decode_num_target_calls_total": ("counter", "Target verification forwards per request, summed "
                                            "(usage.draftwise.target_calls)."),
     "prompt_tokens_total": ("counter", "Prompt tokens of finished requests (usage.prompt_tokens)."),
+    "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix store."),
+    "prefix_cache_hits_total": ("counter", "Prompt tokens restored from the prefix store, not prefilled "
+                                "(usage.prompt_tokens_details.cached_tokens)."),
     "generation_tokens_total": ("counter", "Generated tokens of finished requests (usage.completion_tokens)."),
     "request_success_total": ("counter", "Requests that finished, by finish reason."),
     "request_cancelled_total": ("counter", "Requests cancelled before they finished (client gone, shutdown)."),
@@ -99,6 +102,8 @@ class Metrics:
             self.inc("spec_decode_num_accepted_tokens_per_pos_total", accepted, method=method, position=position)
         self.inc("prompt_tokens_total", stats["prompt_tokens"], method=method)
         self.inc("generation_tokens_total", stats["new_tokens"], method=method)
+        self.inc("prefix_cache_queries_total", max(stats["prompt_tokens"] - 1, 0), method=method)
+        self.inc("prefix_cache_hits_total", stats.get("cached_tokens", 0), method=method)
         if stats["finish_reason"] == "cancelled":
             self.inc("request_cancelled_total", method=method)
         else:

@@ -345,6 +345,7 @@ def usage(stats: dict[str, Any], mean_accepted_length: float, acceptance_rate: f
         "prompt_tokens": stats["prompt_tokens"],
         "completion_tokens": stats["new_tokens"],
         "total_tokens": stats["prompt_tokens"] + stats["new_tokens"],
+        "prompt_tokens_details": {"cached_tokens": stats.get("cached_tokens", 0)},
         "draftwise": {
             "method": stats["method"],
             "drafted": stats["drafted"],  # draft tokens sent to verification

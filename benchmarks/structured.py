@@ -1,0 +1,130 @@
+"""Structured output under speculation: does every answer parse, and what does the grammar cost?
+
+The same chat prompts (each asks for a JSON object) are decoded with a JSON schema and without one, by the
+same method on the batched engine, in alternating rounds after a warm-up; each request has its own seed.
+Reports the share of constrained answers that parse and match the schema, new tokens per second with
+and without the schema (median of the rounds) and their ratio, and the speculative counters of both.
+Writes JSON:
+
+    python benchmarks/structured.py --json benchmarks/results/structured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import draftwise  # noqa: E402
+from draftwise.bench.report import write_json  # noqa: E402
+from draftwise.models.loading import load_draft, load_model  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "country": {"type": "string", "maxLength": 40},
+        "population_millions": {"type": "number"},
+        "famous_for": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+    },
+    "required": ["name", "country", "population_millions", "famous_for"],
+    "additionalProperties": False,
+}
+CITIES = ["Paris", "Berlin", "Tokyo", "Lima", "Cairo", "Oslo", "Madrid", "Rome", "Seoul", "Nairobi", "Toronto",
+          "Sydney", "Mumbai", "Lagos", "Hanoi", "Dublin"]
+
+
+def prompts(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Describe the city of {CITIES[i % len(CITIES)]} as a JSON object with "
+              "the keys name, country, population_millions and famous_for (a list)."}] for i in range(n)]
+
+
+def valid(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and set(value) == set(SCHEMA["required"])
+            and isinstance(value["population_millions"], (int, float)) and isinstance(value["famous_for"], list))
+
+
+def run(target, draft, chats, *, method, seed, schema, max_new_tokens, batch) -> tuple[float, list]:
+    kwargs = {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}} \
+        if schema else {}
+    started = time.perf_counter()
+    out = []
+    for start in range(0, len(chats), batch):  # one seed per request: a batch of one shares nothing
+        group = chats[start: start + batch]
+        if batch == 1:
+            out.append(draftwise.generate(target, messages=group[0], draft=draft, method=method, seed=seed + start,
+                                          max_new_tokens=max_new_tokens, **kwargs))
+        else:
+            out += draftwise.generate(target, group, draft=draft, method=method, seed=seed + start,
+                                      max_new_tokens=max_new_tokens, max_batch_size=batch, **kwargs)
+    return time.perf_counter() - started, out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--draft", default=None, help="default: the registry's draft for the method")
+    parser.add_argument("--method", default="sd")
+    parser.add_argument("--requests", type=int, default=208, help="constrained requests in all (parse rate)")
+    parser.add_argument("--rounds", type=int, default=13, help="alternating rounds with and without the schema")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    target = load_model(args.target)
+    draft = load_draft(args.draft, target) if args.draft else None
+    per_round = max(1, args.requests // args.rounds)
+    run(target, draft, prompts(2), method=args.method, seed=0, schema=True, max_new_tokens=16, batch=2)  # warm-up
+    run(target, draft, prompts(2), method=args.method, seed=0, schema=False, max_new_tokens=16, batch=2)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    stats: dict[bool, list] = {True: [], False: []}
+    for r in range(args.rounds):
+        chats = prompts(per_round)
+        for schema in ((True, False) if r % 2 == 0 else (False, True)):
+            seconds, out = run(target, draft, chats, method=args.method, seed=1000 * r, schema=schema,
+                               max_new_tokens=args.max_new_tokens, batch=args.batch)
+            rates[schema].append(sum(len(g.token_ids) for g in out) / seconds)
+            stats[schema] += out
+        print(f"round {r + 1}/{args.rounds}: {rates[True][-1]:.1f} tok/s with the schema, "
+              f"{rates[False][-1]:.1f} without", file=sys.stderr)
+
+    def summary(out: list) -> dict:
+        tokens = sum(len(g.token_ids) for g in out)
+        calls = sum(g.stats["target_calls"] for g in out)
+        drafted = sum(g.stats["drafted"] for g in out)
+        return {"requests": len(out), "new_tokens": tokens, "target_calls_per_token": calls / max(tokens, 1),
+                "mean_accepted_length": tokens / max(calls, 1),
+                "acceptance_rate": sum(g.stats["accepted"] for g in out) / max(drafted, 1),
+                "finish_reasons": {r: sum(g.stats["finish_reason"] == r for g in out)
+                                   for r in sorted({g.stats["finish_reason"] for g in out})}}
+
+    parsed = sum(valid(g.text) for g in stats[True])
+    with_schema, without = statistics.median(rates[True]), statistics.median(rates[False])
+    report = {
+        "target": args.target, "method": args.method, "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds, "requests_per_round": per_round,
+        "parsed": parsed, "constrained_requests": len(stats[True]), "parse_rate": parsed / len(stats[True]),
+        "unconstrained_parse_rate": sum(valid(g.text) for g in stats[False]) / len(stats[False]),
+        "tokens_per_s_with_schema": with_schema, "tokens_per_s_without": without,
+        "throughput_ratio": with_schema / without,
+        "with_schema": summary(stats[True]), "without_schema": summary(stats[False]),
+        "example": stats[True][0].text,
+    }
+    print(json.dumps({k: v for k, v in report.items() if k not in ("with_schema", "without_schema")}, indent=2))
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
