@@ -86,6 +86,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     for option in _method_options().values():
         p.add_argument(f"--{option.name.replace('_', '-')}", type=option.type, default=None,
                        help=_option_help(option.name))
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the output is JSON matching this schema (JSON text, or a file holding it); '{}' for any "
+                       "JSON object")
+    shape.add_argument("--regex", default=None, help="the output matches this regular expression")
+    shape.add_argument("--lark", default=None, metavar="GRAMMAR", help="the output matches this Lark grammar (text "
+                       "or a file)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each new token's target log-probability and its K most likely alternatives (in --json)")
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -172,6 +181,34 @@ def _batches(spec: Any, options: dict[str, Any], draft: Any) -> bool:
     return refuses is None or refuses(spec, spec.resolve_options(options)) is None
 
 
+def _structure(args: argparse.Namespace) -> dict[str, Any]:
+    """--json-schema / --regex / --lark and --logprobs as generate's arguments, checked now."""
+    from .api import _check_logprobs
+    from .grammar import grammar_from
+
+    def text_or_file(value: str) -> str:
+        path = Path(value).expanduser()
+        if len(value) < 4096 and "\n" not in value and path.is_file():
+            try:
+                return path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise DraftwiseError(f"cannot read {value}: {type(error).__name__}: {error}") from None
+        return value
+
+    out: dict[str, Any] = {}
+    if args.json_schema is not None:
+        schema = text_or_file(args.json_schema)
+        out["grammar"] = grammar_from({"json_object": True} if schema.strip() == "{}" else {"json_schema": schema})
+    elif args.regex is not None:
+        out["grammar"] = grammar_from({"regex": args.regex})
+    elif args.lark is not None:
+        out["grammar"] = grammar_from({"lark": text_or_file(args.lark)})
+    if args.logprobs is not None:
+        _check_logprobs(args.logprobs, "--logprobs")
+        out["logprobs"] = args.logprobs
+    return out
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise DraftwiseError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
@@ -186,6 +223,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     # Cheap checks first (method, options, sampling values, prompts) so bad input fails before loading weights.
     spec = check_options(draft_given=args.draft is not None, target=args.target, draft=args.draft, **kwargs)[0]
+    kwargs.update(_structure(args))
     prompts = _collect_prompts(args)
     if args.threads:
         import torch

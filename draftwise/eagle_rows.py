@@ -24,6 +24,9 @@ from .policies import FixedLength, LengthPolicy
 if TYPE_CHECKING:
     from .engine import RowsDraft
 
+CATCH_UP = 256  # true-feature positions a row's head reads per step: a long prompt's catch-up is spread over
+# steps (the row drafts nothing until it is done), so it never stalls the other rows' step
+
 
 class EagleRowsDrafter:
     wants_features = True
@@ -94,10 +97,12 @@ class EagleRowsDrafter:
         # a row without any target feature yet (a one-token prompt) drafts nothing this step; it feeds
         # one dummy position that is rolled back below
         bare = [b for b in range(n) if self.num_features[b] == 0]
-        limits = [0 if b in bare else limit for b, limit in enumerate(limits)]
         dtype = self.head.fc.weight.dtype
-        # catch up: head positions cached .. num_features - 1 read (feature_i, token_{i+1})
+        # catch up: head positions cached .. num_features - 1 read (feature_i, token_{i+1}), at most CATCH_UP
         counts = [max(self.num_features[b] - self.cached[b], 1) for b in range(n)]
+        behind = [b for b in range(n) if counts[b] > CATCH_UP]
+        counts = [min(c, CATCH_UP) for c in counts]
+        limits = [0 if b in bare or b in behind else limit for b, limit in enumerate(limits)]
         span = max(counts)
         feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
         nexts = torch.zeros(n, span, dtype=torch.long)
@@ -111,8 +116,9 @@ class EagleRowsDrafter:
         at = torch.tensor(counts, device=self.device)[:, None, None] - 1
         predicted = states.gather(1, at.expand(-1, -1, states.shape[-1]))[:, 0]  # [rows, H]
         for b in range(n):
-            self.cached[b] = self.num_features[b]
-            self.features[b] = self.features[b][:0]
+            if b not in bare:
+                self.cached[b] += counts[b]
+                self.features[b] = self.features[b][counts[b]:]
             self.last_state[b] = None if b in bare else predicted[b]
         for b in bare:
             self.runner.trim_row(b, 0)

@@ -40,6 +40,7 @@ from .batched import sample_rows, speculative_sample_rows, warp_rows
 from .decoding import Counters, cut_at_eos
 from .errors import DraftwiseError
 from .grammar import Grammar, GrammarState, compiler_for, mask_logits, mask_rows, push_rows
+from .models.kvcache import release_heap
 from .models.runner import ModelRunner, RowsOutput, fast_model
 from .policies import FixedLength, LengthPolicy
 from .sampling import SamplingConfig, make_generator
@@ -367,7 +368,8 @@ class ModelRowsDrafter:
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
         self.runner.cache.reset_row(row)
-        self.prefill_calls += len(_prefill(self.runner, row, prompt_ids[:-1]))
+        if len(prompt_ids) - 1 <= CATCH_UP:  # a longer prompt is caught up in drafting steps (see `propose`)
+            self.prefill_calls += len(_prefill(self.runner, row, prompt_ids[:-1]))
 
     def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
         from .sampling import unwarped
@@ -379,7 +381,11 @@ class ModelRowsDrafter:
         device = self.runner.device
         policy = self.policy
         lengths = self.runner.lengths
-        feed, counts = pad_rows([r.sequence[lengths[b]:] for b, r in enumerate(rows)])  # 1 or 2 tokens a row
+        # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
+        # nothing until its cache has caught up, so its prompt never stalls the other rows' step
+        behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
+        feed, counts = pad_rows([r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)])
+        limits = [0 if late else limit for late, limit in zip(behind, limits)]
         at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
         configs = [r.request.sampling for r in rows]
         greedy = [c.greedy for c in configs]
@@ -460,6 +466,7 @@ def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int
     return out, counts
 
 
+CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
 PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time (a request arriving
 # meanwhile waits for it: 7,000-token prompt, 2-core EPYC, short request at 4.2x its time alone with 512-token
 # chunks, 3.7x with 128) and costs ~10% on the long prompt (17.0 s -> 18.7 s; benchmarks/long_prompt.py)
@@ -984,6 +991,8 @@ class Engine:
         self.drafter.release(len(self.live))
         if not self.live and not self.prefilling:
             self.target.cache.shrink()  # idle: a long prompt's memory goes back
+            if not self.waiting:
+                release_heap()
 
     def _finish(self, row: _Row, reason: str) -> None:
         row.finish_reason = reason

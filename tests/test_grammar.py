@@ -227,3 +227,22 @@ def test_server_response_format_and_grammar_field(server):
 def test_server_bad_grammars_are_400(server, body, param):
     status, answer = _post(server, {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, **body})
     assert status == 400 and answer["error"]["param"] == param and "\n" not in answer["error"]["message"]
+
+
+def test_cli_takes_a_regex_a_schema_file_and_logprobs(tmp_path, capsys):
+    from draftwise.cli import main
+
+    directory = tmp_path / "target"
+    tiny_llama(0, init=0.3, eos=0).save_pretrained(directory)
+    json_tokenizer(64).save_pretrained(directory)
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = ["generate", "--target", str(directory), "--method", "ar", "--no-chat", "--max-new-tokens", "40",
+            "--json", "-", "--logprobs", "2"]
+    assert main(base + ["--regex", REGEX, '{"']) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert re.fullmatch(REGEX, out["text"]) and len(out["logprobs"]) == len(out["token_ids"])
+    assert main(base + ["--json-schema", str(schema), '{"']) == 0
+    assert json.loads(json.loads(capsys.readouterr().out)["text"])["b"] in ("cat", "dog")
+    assert main(["generate", "--target", str(directory), "--method", "ar", "--regex", "((", "x"]) == 2
+    assert "does not compile" in capsys.readouterr().err

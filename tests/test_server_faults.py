@@ -282,3 +282,73 @@ def test_generate_json_takes_a_path_like_bench(models, capsys, tmp_path):
     assert len(written["token_ids"]) == 3 or written["finish_reason"] == "stop"
     assert main(argv + ["the cat", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == written["token_ids"]
+
+
+# ---- the fault suite: misbehaving clients mixed with good ones
+
+def _socket_request(url, body: bytes, *, read: int | None, wait: float = 0.0) -> bytes:
+    """A raw HTTP/1.1 POST: read everything (read=None), the first `read` bytes then close, or nothing."""
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                       .encode() + body)
+        if wait:
+            time.sleep(wait)
+        got = b""
+        while read is None or len(got) < read:
+            piece = sock.recv(65536 if read is None else max(1, read - len(got)))
+            if not piece:
+                break
+            got += piece
+        return got
+
+
+def test_fault_suite_loses_mixes_and_leaks_nothing(models, served):
+    """48 clients at once: good ones (streamed and not), ones that disconnect at random points, ones that never
+    read, and malformed bodies. Every good answer equals its prompt decoded alone, every malformed one is a
+    4xx, and afterwards no request holds a row or counts as in flight."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import draftwise
+    from test_server import _prompt
+
+    service = served["service"]
+    rng = random.Random(0)
+    kinds = ["good", "good_stream", "disconnect", "never_read", "malformed"] * 10
+    rng.shuffle(kinds)
+    kinds = kinds[:48]
+
+    def client(i):
+        kind = kinds[i]
+        body = {"model": MODEL, "prompt": _prompt(i), "max_tokens": 12, "temperature": 0,
+                "stream": kind != "good"}
+        data = json.dumps(body).encode()
+        if kind == "malformed":
+            data = [data[: len(data) // 2], b"{\"model\": ", b"[1, 2", json.dumps({"model": MODEL}).encode()][i % 4]
+            return kind, _socket_request(served["url"], data, read=None)
+        if kind == "disconnect":
+            return kind, _socket_request(served["url"], data, read=random.Random(i).randint(1, 400))
+        if kind == "never_read":
+            return kind, _socket_request(served["url"], data, read=0, wait=0.3)
+        return kind, _socket_request(served["url"], data, read=None)
+
+    with ThreadPoolExecutor(48) as pool:
+        answers = list(pool.map(client, range(48)))
+    for i, (kind, raw) in enumerate(answers):
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        if kind == "malformed":
+            assert head.split(b" ")[1].startswith(b"4"), raw[:200]
+        elif kind in ("good", "good_stream"):
+            assert head.startswith(b"HTTP/1.1 200"), raw[:200]
+            text = payload.decode()
+            if kind == "good":
+                text = json.loads(text)["choices"][0]["text"]
+            else:
+                chunks = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+                text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            alone = draftwise.generate(models["target"], _prompt(i), draft=models["draft"], method="sd",
+                                       temperature=0, max_new_tokens=12)
+            assert text == alone.text, (i, kind)
+    assert _wait(lambda: service.in_flight == 0 and _rows(service) == 0, timeout=20)

@@ -36,6 +36,19 @@ from ..errors import DraftwiseError
 BLOCK = 256  # capacity grows in multiples of this many positions
 
 
+def release_heap() -> None:
+    """Hand freed heap memory back to the system (glibc's malloc_trim; nothing elsewhere). An idle engine calls
+    it after freeing its buffers, so a long prompt's memory does not stay in the allocator's free lists."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def sliding_window(config) -> int | None:
     """The attention window every layer shares, or None for full attention.
 
