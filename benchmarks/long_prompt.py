@@ -49,12 +49,17 @@ def main() -> int:
     parser.add_argument("--ignore-eos", action="store_true", help="the short request runs to --short-tokens")
     parser.add_argument("--chunk", type=int, default=None, help="prompt tokens per row and forward when nothing "
                         "decodes (default: the engine's PREFILL_CHUNK)")
+    parser.add_argument("--prefill-share", type=float, default=None,
+                        help="what prompt tokens beside decoding rows may cost, as a share of a decoding step "
+                        "(default: the engine's PREFILL_SHARE)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.chunk:
-        from draftwise import engine
+    from draftwise import engine
 
+    if args.chunk:
         engine.PREFILL_CHUNK = args.chunk
+    if args.prefill_share:
+        engine.PREFILL_SHARE = args.prefill_share
 
     target = load_model(args.target)
     from draftwise import api

@@ -473,6 +473,7 @@ PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forwa
 PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
 PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
 PREFILL_FIRST = 8  # prompt tokens per step beside decoding rows before their cost is measured
+PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decoding while another engine decodes
 DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
 
 
@@ -519,10 +520,11 @@ class Engine:
     def __init__(
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
         max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
-        selector: VerifySelector | None = None, prefill_share: float = PREFILL_SHARE, prefixes: Any = None,
+        selector: VerifySelector | None = None, prefill_share: float | None = None, prefixes: Any = None,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+        prefill_share = PREFILL_SHARE if prefill_share is None else prefill_share
         if not prefill_share > 0:
             raise DraftwiseError(f"prefill_share must be > 0, got {prefill_share!r}")
         self.target = target
@@ -549,6 +551,7 @@ class Engine:
         self.finished: dict[int, Result] = {}
         self._ids = itertools.count()
         self.prefixes = prefixes  # a prefix.PrefixStore: prompt prefixes' keys and values across requests
+        self.others_decoding = False  # set by a server's worker: another engine has rows decoding
 
     # ---- interface ----
 
@@ -605,8 +608,10 @@ class Engine:
         """Admit what fits, then one draft -> verify -> accept -> rewind step over the live rows (with a share of
         the waiting prompts fed in the same target forward)."""
         self._admit()
-        if not self.live and self.prefilling:  # nothing decoding: prompts in wide chunks
-            self._feed_prompts(self._prompt_plan(PREFILL_TOKENS, PREFILL_CHUNK))
+        if not self.live and self.prefilling:  # nothing decoding here: prompts in wide chunks (short ones when
+            # another engine of the server decodes: its steps wait for this one's)
+            wide = PREFILL_SHARED if self.others_decoding else PREFILL_TOKENS
+            self._feed_prompts(self._prompt_plan(wide, min(wide, PREFILL_CHUNK)))
         if not self.live:
             return []
         started = time.perf_counter()

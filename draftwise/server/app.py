@@ -296,14 +296,16 @@ class Service:
         except DraftwiseError as error:
             raise ApiError(400, str(error), param=source, code="context_length_exceeded") from None
         window = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
-        key = (method, tuple(sorted((k, _key_value(v)) for k, v in options.items())), window, plan.eos_token_ids,
+        # end-of-sequence tokens are the request's own (ignore_eos): requests that differ in them share an engine,
+        # whose drafters stop a draft at the target's EOS tokens (a shorter draft; verification decides)
+        key = (method, tuple(sorted((k, _key_value(v)) for k, v in options.items())), window,
                self._key(spec, sampling)[1])
         size = self.config.max_batch_size
-
         prefix_mb = self.config.prefix_cache_mb
+        shared = dataclasses.replace(plan, eos_token_ids=self.target.eos_token_ids)
 
         def make_engine() -> Any:
-            return api._engine(plan, size, stream_text=True, prefix_cache_mb=prefix_mb)[0]
+            return api._engine(shared, size, stream_text=True, prefix_cache_mb=prefix_mb)[0]
 
         return key, make_engine, request, spec
 

@@ -159,6 +159,8 @@ class EngineWorker:
                 continue
             others = sum(len(e.admitted) for k, e in self._engines.items() if k != key)
             engine.max_batch_size = max(0, self.max_batch_size - others)  # rows are shared by every engine
+            # another engine's rows are decoding: this one's prompts go in short chunks, not wide ones
+            engine.others_decoding = any(e.live for k, e in self._engines.items() if k != key)
             try:
                 events = engine.step()
             except Exception as error:  # noqa: BLE001 - fail this engine's requests, keep serving the rest
