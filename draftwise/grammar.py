@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .errors import DraftwiseError
@@ -199,18 +200,17 @@ class GrammarState:
         self._masks: list[torch.Tensor] = []  # _masks[i]: the mask after path[:i]
         self.masks_computed = 0  # llguidance mask computations (for tests and profiling)
         self.error: str | None = None  # the matcher failed (a parser limit): the answer ends there
-        self._bits = torch.arange(8, dtype=torch.uint8)
 
     def mask(self) -> torch.Tensor:
         """The allowed next tokens at the end of the path: [vocab] bool."""
         depth = len(self.path)
         if len(self._masks) <= depth:
-            raw = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-            bits = ((raw[:, None] >> self._bits) & 1).reshape(-1)[: self.vocab_size].bool()
-            if bits.numel() < self.vocab_size:
-                bits = torch.cat([bits, torch.zeros(self.vocab_size - bits.numel(), dtype=torch.bool)])
+            raw = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+            bits = np.unpackbits(raw, bitorder="little", count=min(self.vocab_size, raw.size * 8)).view(np.bool_)
+            if bits.size < self.vocab_size:
+                bits = np.concatenate([bits, np.zeros(self.vocab_size - bits.size, dtype=np.bool_)])
             self.masks_computed += 1
-            self._masks.append(bits.to(self.device))
+            self._masks.append(torch.from_numpy(bits).to(self.device))
         return self._masks[depth]
 
     def allows(self, token: int) -> bool:
