@@ -737,11 +737,11 @@ class Engine:
     def _grammar_masked(self, rows: Sequence[_Row], grammars: list[int], draft: RowsDraft,
                         logits: torch.Tensor) -> torch.Tensor:
         """logits [rows, k + 1, vocab] with each grammar row's masks at depths 0 .. its draft length."""
-        masks = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        logits = logits.clone()
         for b in grammars:
             n = draft.counts[b]
-            masks[b, : n + 1] = rows[b].grammar.masks(n)
-        return mask_logits(logits, masks)[0]
+            logits[b, : n + 1] = mask_logits(logits[b, : n + 1], rows[b].grammar.masks(n))[0]
+        return logits
 
     def _processed(self, rows: Sequence[_Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
         """The target's logits after each request's repetition penalty and min_new_tokens: [rows, k + 1, vocab].

@@ -278,23 +278,31 @@ def mask_logits(logits: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor
     """logits [..., vocab] with -inf where masks [..., vocab] is False; a position the mask leaves empty keeps
     its logits. Returns (logits, empty [...] bool)."""
     empty = ~masks.any(-1)
-    keep = masks | empty[..., None]
-    return logits.masked_fill(~keep, float("-inf")), empty
+    out = torch.where(masks, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    if bool(empty.any()):
+        out[empty] = logits[empty]
+    return out, empty
 
 
 def mask_rows(rows: Sequence[Any], logits: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafting step: each grammar row's logits [rows, vocab] masked at the end of its path; a row whose
     grammar allows nothing more stops drafting. Returns (logits, active)."""
-    states = [getattr(row, "grammar", None) for row in rows]
-    if not any(s is not None for s in states):
-        return logits, active
-    masks = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
     drafting = active.tolist()
-    for b, state in enumerate(states):
-        if state is not None and drafting[b]:
-            masks[b] = state.mask()
-    logits, empty = mask_logits(logits, masks)
-    return logits, active & ~empty
+    members = [b for b, row in enumerate(rows) if drafting[b] and getattr(row, "grammar", None) is not None]
+    if not members:
+        return logits, active
+    masks = torch.stack([rows[b].grammar.mask() for b in members])  # [members, vocab]
+    if len(members) == len(rows):
+        logits, empty = mask_logits(logits, masks)
+        return logits, active & ~empty
+    index = torch.tensor(members, device=logits.device)
+    masked, empty = mask_logits(logits[index], masks)
+    logits = logits.clone()
+    logits[index] = masked
+    if bool(empty.any()):
+        active = active.clone()
+        active[index[empty]] = False
+    return logits, active
 
 
 def push_rows(rows: Sequence[Any], token: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
