@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ..atomic import atomic_path, write_text
 
 
 QUALITY_COLUMNS = (("perplexity", "ppl"), ("target_agreement", "agree"), ("rougeL_ref", "ROUGE-L ref"),
@@ -38,20 +39,7 @@ def format_table(results: dict[str, Any]) -> str:
 
 def write_json(results: dict[str, Any], path: str | os.PathLike) -> None:
     """Write atomically: a crash or a full disk never leaves a half-written file behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; results are ordinary files
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text(path, json.dumps(results, indent=2) + "\n")
 
 
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
@@ -112,16 +100,8 @@ def plot_batched(results: dict[str, Any], path: str | os.PathLike) -> None:
                  f"T={cfg['temperature']} gamma={cfg['gamma']}\n{results['machine'].get('cpu', '')}", fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".").lower() or None)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        with atomic_path(path, suffix=path.suffix) as tmp:
+            fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".").lower() or None)
     finally:
         plt.close(fig)

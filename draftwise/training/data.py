@@ -18,13 +18,13 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..atomic import write_text
 from ..bench.datasets import load_prompts
 
 FORTUNE_DIR = Path("/usr/share/games/fortunes")
@@ -240,9 +240,7 @@ def synthesise_prompts(target, count: int, out: Path, *, batch_size: int = 32, s
             if keep_magpie(text) and key not in seen and len(kept) < count:
                 seen.add(key)
                 kept.append({"uid": f"magpie-{len(kept)}", "text": text})
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, out)
+        write_text(out, "".join(json.dumps(r) + "\n" for r in kept))
         rounds += 1
         if progress:
             progress(len(kept))

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,17 +25,10 @@ def cosine_lr(step: int, *, peak: float, warmup: int, total: int) -> float:
 
 def atomic_save(obj, path: Path) -> None:
     """torch.save to a temporary file, then rename: an interruption never leaves half a checkpoint."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a saved model is an ordinary file
-    try:
+    from ..atomic import atomic_path
+
+    with atomic_path(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def train_loop(

@@ -21,7 +21,6 @@ whole; a run resumes by skipping the uids already in a shard.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..atomic import atomic_path
 from ..engine import NoRowsDrafter, RetiringRows
 from ..errors import DraftwiseError
 
@@ -117,9 +117,8 @@ def write_shard(path: Path, records: Sequence[Sequence_], meta: dict[str, Any]) 
     }
     info = dict(meta, uids=[r.uid for r in records], sources=[r.source for r in records],
                 categories=[r.category for r in records], tags=[r.tag for r in records])
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"draftwise": json.dumps(info)})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"draftwise": json.dumps(info)})
 
 
 def shard_meta(path: Path) -> dict[str, Any]:
