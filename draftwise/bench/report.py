@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_path, write_text
+from ..atomic import atomic_path
 
 
 QUALITY_COLUMNS = (("perplexity", "ppl"), ("target_agreement", "agree"), ("rougeL_ref", "ROUGE-L ref"),
@@ -39,7 +39,9 @@ def format_table(results: dict[str, Any]) -> str:
 
 def write_json(results: dict[str, Any], path: str | os.PathLike) -> None:
     """Write atomically: a crash or a full disk never leaves a half-written file behind."""
-    write_text(path, json.dumps(results, indent=2) + "\n")
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
 
 
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
