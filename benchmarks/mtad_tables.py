@@ -1,4 +1,4 @@
-"""MTAD tables from `draftwise bench` JSON (seed 004 Table 4, Table 7, Figure 3).
+"""MTAD tables from `draftwise bench` JSON (the MTAD paper Table 4, Table 7, Figure 3).
 
     python benchmarks/mtad_tables.py benchmarks/results/mtad-t1.json \
         --ablation benchmarks/results/mtad-ablation-t1.json --plot benchmarks/results/mtad-ablation-t1.png \
@@ -72,7 +72,7 @@ def plot(results: dict, path: str) -> None:
         twin.set_ylabel("target perplexity")
         ax.legend(loc="upper left", fontsize=8)
         twin.legend(loc="upper right", fontsize=8)
-    fig.suptitle("MTAD ablations (seed 004 Table 7, Figure 3)", fontsize=10)
+    fig.suptitle("MTAD ablations (the MTAD paper Table 7, Figure 3)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

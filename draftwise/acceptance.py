@@ -1,6 +1,6 @@
-"""Target-distribution rules and the one speculative sampler (seed 003, Algorithm 4).
+"""Target-distribution rules and the one speculative sampler (Narasimhan et al., Algorithm 4).
 
-Words (as in DESIGN.md): a drafted token is *accepted* when the sampler keeps it; at
+Words: a drafted token is *accepted* when the sampler keeps it; at
 the first rejection a *recovered* token is drawn from the residual
 `norm(max(0, pi - draft_probs))`; when every drafted token is accepted a *bonus*
 token is drawn from `pi` at the position after the last one.
@@ -76,7 +76,7 @@ class TargetRule(Protocol):
 
 @dataclass(frozen=True)
 class ExactRule:
-    """pi = target: standard speculative decoding (seed 003 Algorithm 1)."""
+    """pi = target: standard speculative decoding (Narasimhan et al. Algorithm 1)."""
 
     name: str = "exact"
 
@@ -86,7 +86,7 @@ class ExactRule:
 
 @dataclass(frozen=True)
 class LossyRule:
-    """Lossy speculative sampling (Tran-Thien 2023) as a target distribution, seed 003 Lemma 2:
+    """Lossy speculative sampling (Tran-Thien 2023) as a target distribution, Narasimhan et al. Lemma 2:
 
     pi(v) = max{ min{ draft(v), target(v) / (1 - alpha) }, target(v) / beta }.
 
@@ -113,7 +113,7 @@ class LossyRule:
 
 @dataclass(frozen=True)
 class LossyGreedyRule:
-    """SpecDecode [Lossy, Greedy] (Leviathan et al. 2023 A.5; seed 003 §C.4), temperature 0.
+    """SpecDecode [Lossy, Greedy] (Leviathan et al. 2023 A.5; Narasimhan et al. §C.4), temperature 0.
 
     A greedy draft token v is kept when target(v) >= (1 - alpha) * max target, computed
     on the *unwarped* target distribution; otherwise it is replaced by the target's
@@ -166,7 +166,7 @@ def speculative_sample(
     bonus_probs: torch.Tensor | Callable[[], torch.Tensor],  # [vocab] pi after the last drafted token (or a
     generator: torch.Generator,                             # callable computing it, run only if it is needed)
 ) -> Acceptance:
-    """Algorithm 4 of seed 003 (GenSpecSample): the single place where accept / recover / bonus happens.
+    """Algorithm 4 of Narasimhan et al. (GenSpecSample): the single place where accept / recover / bonus happens.
 
     Token j is accepted with probability min(1, pi_j(x_j) / draft_j(x_j)); the first
     rejection j* is replaced by a draw from norm(max(0, pi_j* - draft_j*)); if none is

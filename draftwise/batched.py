@@ -1,4 +1,4 @@
-"""The speculative sampler over a batch of rows: Algorithm 4 of seed 003, vectorised.
+"""The speculative sampler over a batch of rows: Algorithm 4 of Narasimhan et al., vectorised.
 
 Row b drafted `num_drafted[b]` tokens (rows differ; positions past a row's count are
 padding and never read). Per row, exactly as `acceptance.speculative_sample`:

@@ -1,8 +1,8 @@
-"""Speculative cascades (seed 003): deferral rules as target distributions for Algorithm 4.
+"""Speculative cascades (Narasimhan et al.): deferral rules as target distributions for Algorithm 4.
 
 Every rule here is a `TargetRule`: it maps one verification step to `pi` at the drafted
 positions, and the one speculative sampler in `acceptance.py` does the rest. What the
-rules read (seed 003 §C.1):
+rules read (Narasimhan et al. §C.1):
 
 - the deferral decision is computed on the *unwarped* distributions q, p (softmax of
   the raw logits: temperature 1, no top-k / top-p);
@@ -48,7 +48,7 @@ TOKEN_RULES = ("token-v1", "token-v2", "token-v3")
 
 
 def tv_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """sum_v max(0, p(v) - q(v)) over the last dimension (seed 003 Lemma 3's D_TV)."""
+    """sum_v max(0, p(v) - q(v)) over the last dimension (Narasimhan et al. Lemma 3's D_TV)."""
     return torch.clamp(p - q, min=0.0).sum(-1)
 
 
@@ -83,7 +83,7 @@ def deferral(rule: str, alpha: float, q: torch.Tensor, p: torch.Tensor, q_warped
 
 
 def bild_discrepancy(q: torch.Tensor, p: torch.Tensor, *, greedy: bool) -> torch.Tensor:
-    """BiLD's D(q, p) as in seed 003 §F.1: -log p(argmax q) greedy, cross-entropy -sum q log p otherwise."""
+    """BiLD's D(q, p) as in Narasimhan et al. §F.1: -log p(argmax q) greedy, cross-entropy -sum q log p otherwise."""
     if greedy:
         return -torch.log(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1))
     return -(torch.special.xlogy(q, p)).sum(-1)  # q(v) > 0 = p(v) gives +inf: always a deferral
@@ -160,7 +160,7 @@ class AcceptDraftRule:
 
 @dataclass(frozen=True)
 class BildRollbackRule:
-    """Original BiLD's deterministic rollback (Kim et al. 2023; seed 003 §B, §F.5), temperature 0.
+    """Original BiLD's deterministic rollback (Kim et al. 2023; Narasimhan et al. §B, §F.5), temperature 0.
 
     A drafted token x is kept while D = -log p(x) <= alpha (unwarped target); at the first
     token with D > alpha the target's own greedy token replaces it. As pi: one-hot(x) when

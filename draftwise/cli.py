@@ -481,7 +481,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     from .bench.sweep import SweepConfig
 
     d = SweepConfig(target="", methods=(), alpha_grid=())
-    p = sub.add_parser("sweep", help="quality against latency for lossy methods over alpha grids (seed 003 Fig. 4, "
+    p = sub.add_parser("sweep", help="quality against latency for lossy methods over alpha grids (Narasimhan et al. Fig. 4, "
                        "Table 2)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, local directory, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="draft model (default: the registry's independent draft)")
@@ -632,7 +632,7 @@ def _run_train_verifier(args: argparse.Namespace) -> int:
 
 
 def _add_theory(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("theory", help="closed forms of a method's analysis (sprinter: seed 000 §3.1, A.4, A.8)")
+    p = sub.add_parser("theory", help="closed forms of a method's analysis (sprinter: Zhong et al. §3.1, A.4, A.8)")
     p.add_argument("method", choices=["sprinter"])
     p.add_argument("--eta-tp", type=float, default=0.9, help="verifier true-positive rate")
     p.add_argument("--eta-fp", type=float, default=0.3, help="verifier false-positive rate")
@@ -808,7 +808,7 @@ def _run_train_data(args: argparse.Namespace) -> int:
 
 def _add_profile_sv(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile-sv", help="build Speculative Verification's profile: P(accept | S, A), information "
-                       "gain, and this machine's verification latency (seed 001 §4, §7.4, D.10)")
+                       "gain, and this machine's verification latency (Kim et al. §4, §7.4, D.10)")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=None, help="draft model (default: the registry's independent draft)")
     p.add_argument("--companion", default=None, help="companion model (default: the registry's companion)")

@@ -143,7 +143,7 @@ def decode_oracle(
     generator: torch.Generator,
     counters: Counters,
 ) -> Iterator[list[int]]:
-    """OracleCascade (seed 003 Algorithm 3): both models run at every position, one token per step.
+    """OracleCascade (Narasimhan et al. Algorithm 3): both models run at every position, one token per step.
 
     defer(q, p, S(q), S(p)) -> bool on the unwarped and warped distributions; the token is
     drawn from S(p) when it defers, else from S(q) (through Algorithm 4 with no draft, so the
@@ -180,7 +180,7 @@ def decode_sequence_cascade(
     generator: torch.Generator,
     counters: Counters,
 ) -> Iterator[list[int]]:
-    """SeqCascade [Chow] (seed 003 eq. 1): the draft writes the whole response; if its confidence
+    """SeqCascade [Chow] (Narasimhan et al. eq. 1): the draft writes the whole response; if its confidence
     (from the unwarped log-probabilities of the tokens it chose) is below `threshold` = 1 - alpha,
     the response is discarded and the target writes one from the prompt.
 
@@ -221,7 +221,7 @@ def decode_mtjd(
     generator: torch.Generator,
     counters: Counters,
 ) -> Iterator[list[int]]:
-    """Multi-token joint decoding (seed 004 Def. 3.1), target only: each step commits the best of
+    """Multi-token joint decoding (the MTAD paper Def. 3.1), target only: each step commits the best of
     `num_beams` beams over the next `k` tokens of the target itself (beam sampling at temperature
     > 0, beam search at 0), approximating a draw from the joint p(x_{t+1:t+k}). A quality
     reference, not a fast method: k target passes per k tokens, each over `num_beams` rows.

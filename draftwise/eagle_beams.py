@@ -1,4 +1,4 @@
-"""MTAD's beam search on an EAGLE head (seed 004's drafter, with the head in place of a draft model).
+"""MTAD's beam search on an EAGLE head (the MTAD paper's drafter, with the head in place of a draft model).
 
 `HeadBeamRunner` gives `mtad.beam_search` the runner interface it drives (`pending`,
 `forward`, `select_beams`, `forward_beams`) over a head: the prefix step catches the head

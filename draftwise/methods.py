@@ -41,7 +41,7 @@ class Method:
     exact: bool = True
     reference: str = ""
     loop: str = "speculative"  # "speculative" (draft -> verify), "oracle" (Algorithm 3), "sequence" (eq. 1),
-    #                            "mtjd" (target-only beam blocks, seed 004 Def. 3.1)
+    #                            "mtjd" (target-only beam blocks, the MTAD paper Def. 3.1)
     make_stop: Callable[[dict[str, Any]], Callable] | None = None  # the drafter's own deferral (sequential cascades)
     window_option: str | None = None  # the option that sets the draft window in place of gamma
     selector: str = ""  # the select phase: "" (verify every drafted token) | "sv" | "history" | "smartspec"
@@ -275,12 +275,12 @@ METHODS: dict[str, Method] = {
             "lossy", "lossy speculative sampling: accept with min(1, p/((1-alpha) q)), recover from norm(max(0, p/beta - q))",
             drafter="model", make_rule=lambda o: LossyRule(alpha=o["alpha"], beta=o["beta"]),
             options=(_ALPHA, Option("beta", 1.0, float, "residual scale, >= 1 - alpha (1 = Zhou et al.)")),
-            exact=False, reference="Tran-Thien 2023; seed 003 §2, Lemma 2",
+            exact=False, reference="Tran-Thien 2023; Narasimhan et al. §2, Lemma 2",
         ),
         Method(
             "lossy-greedy", "deterministic lossy variant for temperature 0: keep a draft token if p(v) >= (1-alpha) max p",
             drafter="model", make_rule=lambda o: LossyGreedyRule(alpha=o["alpha"]),
-            options=(_ALPHA,), greedy_only=True, exact=False, reference="Leviathan et al. 2023 A.5; seed 003 §C.4",
+            options=(_ALPHA,), greedy_only=True, exact=False, reference="Leviathan et al. 2023 A.5; Narasimhan et al. §C.4",
         ),
         Method(
             "prompt-lookup", "n-gram drafting over the prompt and output so far, no draft model (exact)",
@@ -312,14 +312,14 @@ METHODS: dict[str, Method] = {
                 Option("bonus", "pi", str, "bonus token from 'pi' = T(q, p) (Algorithm 4; one more draft "
                        "forward) or from the 'target' p"),
             ),
-            exact=False, reference="Narasimhan et al. 2025, seed 003 Algorithms 5-6",
+            exact=False, reference="Narasimhan et al. 2025, Narasimhan et al. Algorithms 5-6",
         ),
         Method(
             "token-cascade", "sequential token-level cascade with Chow's rule: the target runs only when the draft defers",
             drafter="model", make_rule=_window("max_run"), make_stop=lambda o: chow_stop(o["alpha"]),
             options=(_CHOW_ALPHA, Option("max_run", 10, int, "small-model tokens before the target is invoked anyway",
                                          high=MAX_WINDOW)),
-            uses_gamma=False, window_option="max_run", exact=False, reference="seed 003 Algorithm 2, §F.1",
+            uses_gamma=False, window_option="max_run", exact=False, reference="Narasimhan et al. Algorithm 2, §F.1",
         ),
         Method(
             "seq-cascade", "sequence-level cascade with Chow's rule: keep the draft's whole response or let the target redo it",
@@ -328,14 +328,14 @@ METHODS: dict[str, Method] = {
                 Option("alpha", 0.5, float, "keep the draft's response when its confidence >= 1 - alpha"),
                 Option("aggregate", "mean", str, "confidence: 'mean' (per-token geometric mean) or 'product' (eq. 1)"),
             ),
-            uses_gamma=False, exact=False, reference="seed 003 eq. 1",
+            uses_gamma=False, exact=False, reference="Narasimhan et al. eq. 1",
         ),
         Method(
             "oracle-diff", "oracle cascade with the Diff rule: both models at every step (head-room reference, not fast)",
             drafter="model", make_rule=lambda o: CascadeRule(rule="diff", alpha=o["alpha"], bonus_from="target"),
             loop="oracle",
             options=(Option("alpha", 0.0, float, "defer when max q < max p - alpha"),),
-            uses_gamma=False, exact=False, reference="seed 003 Algorithm 3, eq. 5",
+            uses_gamma=False, exact=False, reference="Narasimhan et al. Algorithm 3, eq. 5",
         ),
         Method(
             "bild", "original Big Little Decoder: draft until max q < 1 - fallback, deterministic rollback where -log p > alpha",
@@ -346,7 +346,7 @@ METHODS: dict[str, Method] = {
                 Option("max_window", 10, int, "longest draft run", high=MAX_WINDOW),
             ),
             uses_gamma=False, window_option="max_window", greedy_only=True, exact=False,
-            reference="Kim et al. 2023; seed 003 §B, §F.5",
+            reference="Kim et al. 2023; Narasimhan et al. §B, §F.5",
         ),
         Method(
             "sprinter", "a trained verifier accepts draft tokens one by one; the target runs only at its first rejection",
@@ -358,7 +358,7 @@ METHODS: dict[str, Method] = {
                 Option("max_run", 16, int, "longest run of verifier-accepted tokens before the target runs anyway",
                        high=MAX_WINDOW),
             ),
-            uses_gamma=False, window_option="max_run", exact=False, reference="Zhong et al. 2025, seed 000 Algorithm 2",
+            uses_gamma=False, window_option="max_run", exact=False, reference="Zhong et al. 2025, Zhong et al. Algorithm 2",
         ),
         Method(
             "adaedl", "exact speculative decoding whose draft stops when 1 - sqrt(scale * entropy(q)) < threshold",
@@ -396,44 +396,44 @@ METHODS: dict[str, Method] = {
             options=(_COMPANION, _PROFILE,
                      Option("bins", "adaptive", str, "P(accept | S, A) from 'adaptive' (quantile) or 'equal' bins"),
                      _LOOKAHEAD),
-            reference="Kim et al. 2025, seed 001 §4-§5",
+            reference="Kim et al. 2025, Kim et al. §4-§5",
         ),
         Method(
             "adaptive-verify", "the goodput scheduler with each slot scored by its request's acceptance history "
             "(vLLM-style adaptive verification, no companion; exact)",
             drafter="model", make_rule=_lookahead_rule, selector="history", options=(_PROFILE, _LOOKAHEAD),
-            reference="seed 001 §2; vLLM adaptive verification",
+            reference="Kim et al. §2; vLLM adaptive verification",
         ),
         Method(
             "smartspec", "one draft length per batch from each request's moving-average acceptance and the profiled "
             "step cost (exact)",
             drafter="model", make_rule=lambda o: ExactRule(), selector="smartspec", options=(_PROFILE,),
-            reference="Liu et al. 2024 (SmartSpec); seed 001 §2",
+            reference="Liu et al. 2024 (SmartSpec); Kim et al. §2",
         ),
         Method(
             "svip", "exact speculative decoding whose draft stops once sqrt(entropy(q)) > threshold",
             drafter="model", make_rule=_svip_rule, make_stop=_svip_stop,
             options=(Option("threshold", 1.0, float, "stop drafting when sqrt(H(q)) (nats) exceeds this"),),
-            reference="Zhang et al. 2025 (SVIP); seed 001 §2",
+            reference="Zhang et al. 2025 (SVIP); Kim et al. §2",
         ),
         Method(
             "staged", "staged speculative decoding: the companion verifies the draft first, the target verifies what "
             "it keeps with the companion as the proposal (exact)",
             drafter="staged", make_rule=lambda o: ExactRule(), options=(_COMPANION,),
-            reference="Spector & Re 2023; seed 001 §2, §7.3",
+            reference="Spector & Re 2023; Kim et al. §2, §7.3",
         ),
         Method(
             "mtad", "multi-token assisted decoding: beam-search drafts, keep the longest prefix with "
             "min(1, p(x_1:j)/q(x_1:j)) > tau, then one target token (lossy: aims at lower perplexity)",
             drafter="beam", make_rule=_mtad_rule,
             options=(_BEAMS, Option("tau", 0.5, float, "MTAD keeps a prefix when min(1, joint p / joint q) > tau")),
-            exact=False, reference="seed 004 §3.2, Algorithm 1",
+            exact=False, reference="the MTAD paper §3.2, Algorithm 1",
         ),
         Method(
             "mtjd", "multi-token joint decoding by target beam search over k tokens per step (quality reference, slow)",
             drafter="none", make_rule=_mtjd_rule, loop="mtjd",
             options=(Option("k", 4, int, "tokens per joint block", high=16), _BEAMS),
-            uses_gamma=False, window_option="k", exact=False, reference="seed 004 Def. 3.1, Figure 1",
+            uses_gamma=False, window_option="k", exact=False, reference="the MTAD paper Def. 3.1, Figure 1",
         ),
     )
 }

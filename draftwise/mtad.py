@@ -1,4 +1,4 @@
-"""MTAD and MTJD (seed 004): beam-search drafts, joint verification, multi-token joint decoding.
+"""MTAD and MTJD (the MTAD paper): beam-search drafts, joint verification, multi-token joint decoding.
 
 Beam search here (`beam_search`) runs on one `ModelRunner` for `length` tokens:
 

@@ -80,7 +80,7 @@ class ConfidenceStop(FixedLength):
 
 
 class VerifierStop(FixedLength):
-    """SPRINTER (seed 000 Algorithm 2): a verifier scores each drafted token; a token scoring below
+    """SPRINTER (Zhong et al. Algorithm 2): a verifier scores each drafted token; a token scoring below
     `tau` is the run's last, and its verdict sends it to the target."""
 
     needs_hidden = True

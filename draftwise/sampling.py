@@ -140,7 +140,7 @@ def _top_p(probs: torch.Tensor, top_p: float, candidates: tuple[int, ...] = TOP_
 def unwarped(logits: torch.Tensor) -> torch.Tensor:
     """The model's own distribution (temperature 1, no truncation): [..., vocab] float32.
 
-    Deferral rules read these (seed 003 §C.1) while the mixture uses warped ones.
+    Deferral rules read these (Narasimhan et al. §C.1) while the mixture uses warped ones.
     """
     return torch.softmax(logits.float(), dim=-1)
 

@@ -1,4 +1,4 @@
-"""The select phase and the companion: Speculative Verification (seed 001) and its baselines.
+"""The select phase and the companion: Speculative Verification (Kim et al.) and its baselines.
 
 A method here is still a triple (drafter, length policy, acceptance rule) plus a *selector*:
 after the draft, the selector says how many of each row's drafted tokens the target verifies

@@ -1,4 +1,4 @@
-"""SPRINTER (seed 000): a tiny trained verifier accepts draft tokens one by one; the target is
+"""SPRINTER (Zhong et al.): a tiny trained verifier accepts draft tokens one by one; the target is
 called only when the verifier rejects.
 
 Algorithm 2 on the engine: the drafter samples x ~ S(q) one token at a time and scores each

@@ -1,4 +1,4 @@
-"""Speculative Verification (seed 001, Kim et al.): a companion model decides how many drafted
+"""Speculative Verification (Kim et al.): a companion model decides how many drafted
 tokens the target verifies, across a batch.
 
 The pieces, each named after the paper:

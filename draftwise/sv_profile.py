@@ -1,4 +1,4 @@
-"""`draftwise profile-sv`: build the profile Speculative Verification reads (seed 001 §4, §7.4, A.2).
+"""`draftwise profile-sv`: build the profile Speculative Verification reads (Kim et al. §4, §7.4, A.2).
 
 1. Run plain SD (every drafted token verified) on profiling prompts, which are disjoint from
    the evaluation prompts (the Spec-Bench training split), with the companion reading every

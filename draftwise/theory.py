@@ -1,4 +1,4 @@
-"""SPRINTER's theory (seed 000 §3.1, A.1-A.4, A.8), as functions the tests check by simulation.
+"""SPRINTER's theory (Zhong et al. §3.1, A.1-A.4, A.8), as functions the tests check by simulation.
 
 eta_fp: false-positive rate (an unacceptable token, q(x) > p(x), passes the verifier);
 eta_tp: true-positive rate (an acceptable token passes); r: acceptable tokens the draft can

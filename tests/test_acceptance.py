@@ -1,4 +1,4 @@
-"""`speculative_sample` (seed 003 Algorithm 4), `residual`, `output_distribution` and the rules,
+"""`speculative_sample` (Narasimhan et al. Algorithm 4), `residual`, `output_distribution` and the rules,
 on hand-built tensors.
 
 Empirical checks use `ALPHA` = 1e-3 as their significance level (binomial tests and
@@ -230,7 +230,7 @@ def test_rejection_frequency_of_one_draft_token_is_total_variation(seed: int):
 
 @pytest.mark.parametrize("alpha, beta", [(0.0, 1.0), (0.3, 1.0), (0.3, 0.7), (0.3, 1.5), (0.6, 2.0), (0.9, 1.0)])
 def test_lossy_rule_gives_tran_thien_acceptance_and_residual(alpha: float, beta: float):
-    """seed 003 Lemma 2: Algorithm 4 on pi = max{min{q, p/(1-alpha)}, p/beta} accepts with
+    """Narasimhan et al. Lemma 2: Algorithm 4 on pi = max{min{q, p/(1-alpha)}, p/beta} accepts with
     min(1, p / ((1 - alpha) q)) (eq. 17) and recovers from norm(max(0, p/beta - q)) (eq. 18)."""
     rule = LossyRule(alpha=alpha, beta=beta)
     generator = torch.Generator().manual_seed(7)
@@ -283,7 +283,7 @@ def test_exact_rule_is_the_target():
     assert torch.equal(ExactRule()(step), target[:-1])
 
 
-# ----------------------------------------------------------------------------- LossyGreedyRule (seed 003 §C.4)
+# ----------------------------------------------------------------------------- LossyGreedyRule (Narasimhan et al. §C.4)
 
 
 def greedy_step(draft_tokens: list[int], target_probs: list[list[float]], vocab: int) -> StepDistributions:

@@ -1,4 +1,4 @@
-"""Speculative cascades (seed 003): the rules' target distributions, the lemmas, and the baselines.
+"""Speculative cascades (Narasimhan et al.): the rules' target distributions, the lemmas, and the baselines.
 
 Statistical checks follow `test_exactness.py`: Pearson chi-square with small cells pooled,
 significance `ALPHA` = 1e-3 per test, seeded runs of the public `draftwise.generate`, and a

@@ -1,7 +1,7 @@
 """Statistical exactness of the decoding methods, run through the public `draftwise.generate`.
 
 Lossless methods (`sd`, `prompt-lookup`) must reproduce the target's distribution
-exactly (DESIGN.md, "Correctness contracts"). For each configuration we run
+exactly (the correctness contract of lossless methods). For each configuration we run
 `generate(..., seed=i)` for i = 0 .. N-1 and compare the empirical JOINT
 distribution of the first `length` generated tokens with the exact one, computed
 independently of the package's decoding loop: the target model is run directly
@@ -34,7 +34,7 @@ Sample counts (runs of `generate`, seed=i for run i, per configuration):
     bug p ~ 1e-69 (sd) and ~ 3e-17 (prompt lookup); accept-everything p ~ 0.
   - `lossy` (alpha 0.3; beta 1, beta 2, beta 1 warped, and the beta that
     normalises pi): N_LOSSY = 3000 per configuration, first token only, against
-    seed 003 Lemma 2's pi pushed through Algorithm 4's output distribution; the
+    Narasimhan et al. Lemma 2's pi pushed through Algorithm 4's output distribution; the
     same samples must reject the plain target distribution (p ~ 1e-21 or less).
 
 With 10 goodness-of-fit tests at ALPHA = 1e-3 each, a correct package would fail
@@ -325,7 +325,7 @@ LOSSY_PROMPT = SD_PROMPTS[LOSSY_VOCAB]
 
 
 def lossy_pi(draft: np.ndarray, target: np.ndarray, alpha: float, beta: float) -> np.ndarray:
-    """seed 003 Lemma 2: pi(v) = max{ min{ q(v), p(v) / (1 - alpha) }, p(v) / beta }."""
+    """Narasimhan et al. Lemma 2: pi(v) = max{ min{ q(v), p(v) / (1 - alpha) }, p(v) / beta }."""
     return np.maximum(np.minimum(draft, target / (1.0 - alpha)), target / beta)
 
 

@@ -1,7 +1,7 @@
 """Greedy equivalence: at temperature 0 every exact method (and the lossy ones at their
 exact settings) reproduces transformers' own greedy `generate`, token for token.
 
-fp32 throughout (DESIGN.md: prove exactness in fp32). Drafts come in two kinds: a
+fp32 throughout (exactness is proven in fp32). Drafts come in two kinds: a
 *different* tiny model (rejects almost everything) and a *near* copy of the target
 (perturbed weights: accepts some, rejects some), so both the accept and the
 recover/rewind paths run.

@@ -1,4 +1,4 @@
-"""MTAD and MTJD (seed 004): beam drafts, the longest-passing-prefix verification, caches, energy.
+"""MTAD and MTJD (the MTAD paper): beam drafts, the longest-passing-prefix verification, caches, energy.
 
 - The beam drafter (deterministic) returns the exhaustive argmax of the joint draft likelihood
   when the beam is wide enough to be exhaustive, and the same beams as a cache-free beam search

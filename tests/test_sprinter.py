@@ -1,4 +1,4 @@
-"""SPRINTER (seed 000): theory against simulation, the rule on the engine's sampler, verifier data
+"""SPRINTER (Zhong et al.): theory against simulation, the rule on the engine's sampler, verifier data
 and training, and decoding through `draftwise.generate`.
 
 Simulations use the engine's own `speculative_sample` with `SprinterRule` and a synthetic

@@ -1,6 +1,6 @@
-"""Speculative Verification (seed 001 §4-§5, Appendix D): `sv`, its baselines and their parts.
+"""Speculative Verification (Kim et al. §4-§5, Appendix D): `sv`, its baselines and their parts.
 
-Exactness (DESIGN.md's contract for lossless methods) is tested as in test_exactness.py, with its
+Exactness (the contract of lossless methods) is tested as in test_exactness.py, with its
 helpers (`pooled_chisquare`: Pearson chi-square, cells expected < 5 pooled; `exact_joint`: the
 target's warped joint of the first tokens from plain cache-free forwards): the empirical joint of
 the first 2 generated tokens over many seeds (seed i per request) is compared with the exact one,

@@ -24,10 +24,10 @@ Metrics per method and batch size (pure functions below, hand-checked in tests):
 - identical_to_ar_b1 (temperature 0 only): fraction of requests whose tokens equal
   `ar`'s at batch 1, repeat 0 (batch invariance and exactness at once).
 - verify_saved_vs_sd: 1 - verified_per_committed / `sd`'s at the same batch size: the
-  verification compute a method saves against plain SD per committed token (seed 001
+  verification compute a method saves against plain SD per committed token (Kim et al.
   Table 3, in verified tokens rather than TFLOPs: the same target forward either way).
 - drafted_per_committed: drafted tokens (before any select phase) per committed token.
-- fairness (seed 001 §7.6): per request, drafted tokens verified per verification step;
+- fairness (Kim et al. §7.6): per request, drafted tokens verified per verification step;
   the mean over requests and the mean of the five lowest.
 """
 

@@ -1,4 +1,4 @@
-"""Energy counters for the benchmark (seed 004 §4): joules per token where the machine exposes them.
+"""Energy counters for the benchmark (the MTAD paper §4): joules per token where the machine exposes them.
 
 Two sources, read before and after each timed run:
 

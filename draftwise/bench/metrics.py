@@ -1,11 +1,11 @@
 """Benchmark arithmetic: raw per-run records in, the reported metrics out (pure functions).
 
-Conventions (DESIGN.md, as vLLM and Spec-Bench report them):
+Conventions (as vLLM and Spec-Bench report them):
 - tokens/s of a method = its new tokens over all prompts / its wall time over all
   prompts, per repeat; the reported value is the median over repeats.
 - speedup_vs_ar = tokens/s of the method / tokens/s of `ar` from the same run.
 - mean_accepted_length = new tokens / target calls (bonus or recovered token included;
-  `ar` = 1.0); reported a second time as `block_efficiency`, seed 004's name for it.
+  `ar` = 1.0); reported a second time as `block_efficiency`, the MTAD paper's name for it.
 - energy_j_per_token = joules / new tokens per repeat, median over repeats, where the
   machine exposes a counter (bench.energy); None otherwise.
 - acceptance_rate = accepted / drafted (drafted = draft tokens sent to verification).
@@ -80,7 +80,7 @@ def summarize(records: list[RunRecord]) -> dict:
         "tokens_per_s_per_repeat": per_repeat_tps,
         "new_tokens": new_tokens,
         "mean_accepted_length": new_tokens / target_calls if target_calls else 0.0,
-        # seed 004's block efficiency: tokens per target call (the same number; MTJD runs k calls per block)
+        # the MTAD paper's block efficiency: tokens per target call (the same number; MTJD runs k calls per block)
         "block_efficiency": new_tokens / target_calls if target_calls else 0.0,
         "energy_j_per_token": energy,  # median over repeats; None where no counter could be read
         "acceptance_rate": accepted / drafted if drafted else 0.0,

@@ -1,4 +1,4 @@
-"""Quality of an output, measured the same way for every method (seed 003 §6, §F.1).
+"""Quality of an output, measured the same way for every method (Narasimhan et al. §6, §F.1).
 
 - ROUGE-2 F1 (x100) against the reference, for summarization prompts: the tokenisation of
   Google's `rouge-score` without stemming (lower-case, runs of [a-z0-9] are tokens), bigram

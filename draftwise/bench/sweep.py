@@ -1,4 +1,4 @@
-"""`draftwise sweep`: cost-quality trade-off curves of lossy methods (seed 003 Figures 2-4, Table 2).
+"""`draftwise sweep`: cost-quality trade-off curves of lossy methods (Narasimhan et al. Figures 2-4, Table 2).
 
 For each temperature, one benchmark run holds `ar` (the target alone: quality reference
 and latency 1.0), `draft-only` (the draft alone) and every method at every alpha of its

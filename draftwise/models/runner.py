@@ -184,7 +184,7 @@ class ModelRunner:
 
     def _packed(self, ids: torch.Tensor, counts: list[int], positions: torch.Tensor, mask: torch.Tensor | None,
                 logits_at: torch.Tensor | None, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A ragged forward without the padding's compute (seed 001 §6's input compaction).
+        """A ragged forward without the padding's compute (Kim et al. §6's input compaction).
 
         Embeddings, projections, norms and MLPs run on the packed real tokens [1, total, hidden];
         only attention unpacks them to [rows, width] (it reads each row's own cache), through the

@@ -1,4 +1,4 @@
-"""`draftwise train-verifier`: SPRINTER's verifier (seed 000 §3.2).
+"""`draftwise train-verifier`: SPRINTER's verifier (Zhong et al. §3.2).
 
 Data. For each training prompt (Spec-Bench outside the evaluation split, chat-formatted) four
 token sequences give the four kinds of prefix of §3.2, in equal numbers:
