@@ -12,3 +12,9 @@ class ModelNotAvailableError(DraftwiseError):
 class DraftwiseWarning(UserWarning):
     """Something draftwise did differently from what was asked (a draft ignored, a budget cut); the CLI prints
     it as one line."""
+
+
+def short(value: object, limit: int = 80) -> str:
+    """A value for an error message, cut short: an error never echoes a whole input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

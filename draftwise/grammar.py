@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .errors import DraftwiseError
+from .errors import DraftwiseError, short
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_GRAMMAR_CHARS = 64 * 1024  # a grammar or schema larger than this is refused before compiling
@@ -53,26 +53,26 @@ def grammar_from(value: Any = None, *, response_format: Any = None) -> Grammar |
         return _checked(value) if value is not None else None
     if not isinstance(value, dict) or len(value) != 1:
         raise DraftwiseError("grammar must be one of {'json_schema': {...}}, {'json_object': True}, {'regex': '...'}, "
-                             f"{{'lark': '...'}}; got {_short(value)}")
+                             f"{{'lark': '...'}}; got {short(value)}")
     (kind, source), = value.items()
     if kind == "json_object":
         if source is not True:
-            raise DraftwiseError(f"grammar {{'json_object': ...}} takes True, got {_short(source)}")
+            raise DraftwiseError(f"grammar {{'json_object': ...}} takes True, got {short(source)}")
         return Grammar("json_object")
     if kind == "json_schema":
         return _checked(Grammar("json_schema", _schema_text(source)))
     if kind in ("regex", "lark"):
         if not isinstance(source, str) or not source:
-            raise DraftwiseError(f"grammar {{'{kind}': ...}} takes a non-empty string, got {_short(source)}")
+            raise DraftwiseError(f"grammar {{'{kind}': ...}} takes a non-empty string, got {short(source)}")
         return _checked(Grammar(kind, source))
-    raise DraftwiseError(f"unknown grammar kind {_short(kind)}: use one of {', '.join(KINDS)}")
+    raise DraftwiseError(f"unknown grammar kind {short(kind)}: use one of {', '.join(KINDS)}")
 
 
 def _response_format(value: Any) -> Grammar | None:
     """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise DraftwiseError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}, got "
-                             f"{_short(value)}")
+                             f"{short(value)}")
     kind = value["type"]
     extra = set(value) - {"type", "json_schema"}
     if extra:
@@ -82,11 +82,11 @@ def _response_format(value: Any) -> Grammar | None:
     if kind == "json_object":
         return Grammar("json_object")
     if kind != "json_schema":
-        raise DraftwiseError(f"response_format type must be text, json_object or json_schema, got {_short(kind)}")
+        raise DraftwiseError(f"response_format type must be text, json_object or json_schema, got {short(kind)}")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise DraftwiseError("response_format json_schema must be {'name': ..., 'schema': {...}}, got "
-                             f"{_short(spec)}")
+                             f"{short(spec)}")
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
         raise DraftwiseError(f"response_format json_schema has unknown field(s): {', '.join(sorted(unknown))[:200]}")
@@ -100,13 +100,8 @@ def _schema_text(schema: Any) -> str:
         except ValueError as error:
             raise DraftwiseError(f"the JSON schema is not valid JSON: {error}") from None
     if not isinstance(schema, dict):
-        raise DraftwiseError(f"a JSON schema must be an object, got {_short(schema)}")
+        raise DraftwiseError(f"a JSON schema must be an object, got {short(schema)}")
     return json.dumps(schema, sort_keys=True)
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _checked(grammar: Grammar) -> Grammar:
@@ -287,8 +282,10 @@ def mask_logits(logits: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor
 def mask_rows(rows: Sequence[Any], logits: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafting step: each grammar row's logits [rows, vocab] masked at the end of its path; a row whose
     grammar allows nothing more stops drafting. Returns (logits, active)."""
+    if all(getattr(row, "grammar", None) is None for row in rows):  # the usual step: no host copy
+        return logits, active
     drafting = active.tolist()
-    members = [b for b, row in enumerate(rows) if drafting[b] and getattr(row, "grammar", None) is not None]
+    members = [b for b, row in enumerate(rows) if drafting[b] and row.grammar is not None]
     if not members:
         return logits, active
     masks = torch.stack([rows[b].grammar.mask() for b in members])  # [members, vocab]

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from .acceptance import ExactRule, LossyGreedyRule, LossyRule, TargetRule
 from .cascades import (CASCADE_RULES, AcceptDraftRule, BildRollbackRule, CascadeRule, FLyRule, chow_stop,
                        sequence_confidence)
-from .errors import DraftwiseError
+from .errors import DraftwiseError, short
 
 
 @dataclass(frozen=True)
@@ -87,18 +87,13 @@ class Method:
                         option.type is int and (isinstance(value, bool) or typed != value and not isinstance(value, str))):
                     raise DraftwiseError(
                         f"option {option.name!r} of method {self.name!r} must be a finite {option.type.__name__}, "
-                        f"got {_short(value)}"
+                        f"got {short(value, 60)}"
                     )
                 if option.high is not None and typed > option.high:
                     raise DraftwiseError(f"option {option.name!r} of method {self.name!r} must be <= {option.high}, "
                                          f"got {typed}")
                 options[option.name] = typed
         return options
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _positive_int(name: str, value: int) -> int:

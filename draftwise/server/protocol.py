@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import short
+
 # What `finish_reason` the engine reports -> OpenAI's word for it.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
@@ -235,12 +237,6 @@ def _logprobs(body: dict[str, Any], parsed: Parsed) -> None:
     if echo is not None and not isinstance(echo, bool):
         raise ApiError(400, f"echo must be true or false, got {short(echo)}", param="echo")
     parsed.echo = bool(echo)
-
-
-def short(value: Any, limit: int = 80) -> str:
-    """A value for an error message, cut short: an error never echoes a whole request."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def text_error(text: str) -> str | None:
