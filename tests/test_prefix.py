@@ -143,7 +143,7 @@ def test_server_reports_cached_tokens_and_counts_them(tmp_path):
         assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
         with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
             metrics = response.read().decode()
-        assert f'draftwise:prefix_cache_hits_total{{model_name="tiny",method="sd"}} {cached[1]}' in metrics
+        assert f'draftwise:prefix_cache_hits_total{{method="sd",model_name="tiny"}} {cached[1]:.1f}' in metrics
     finally:
         server.stop()
 

@@ -38,6 +38,8 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import numpy as np
+
 from ..errors import DraftwiseError
 
 STAT_KEYS = ("new_tokens", "target_calls", "target_tokens", "prompt_tokens", "wall_time_s",
@@ -67,11 +69,7 @@ def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) by linear interpolation between order statistics (numpy's default)."""
     if not values:
         raise ValueError("no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, q))
 
 
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

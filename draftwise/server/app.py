@@ -24,7 +24,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import api
@@ -34,7 +34,7 @@ from ..methods import METHODS, Method
 from ..models.loading import LoadedModel
 from ..sampling import SamplingConfig
 from . import protocol
-from .metrics import Metrics
+from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ApiError
 from .worker import EngineWorker, Ticket
 
@@ -630,4 +630,4 @@ async def _health(service: Service, request: HttpRequest) -> Response:
 
 
 async def _metrics(service: Service, request: HttpRequest) -> Response:
-    return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE)

@@ -24,6 +24,8 @@ import time
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
+import numpy as np
+
 from ..errors import DraftwiseError
 
 
@@ -134,17 +136,10 @@ def _message(body: bytes) -> str:
 
 def percentiles(values: Sequence[float], points: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
     """Linear-interpolated percentiles (numpy's default) and the mean; None when there is no value."""
-    ordered = sorted(v for v in values if v is not None)
-    out: dict[str, float | None] = {}
-    for p in points:
-        if not ordered:
-            out[f"p{p:g}"] = None
-            continue
-        rank = (len(ordered) - 1) * p / 100
-        low = int(rank)
-        high = min(low + 1, len(ordered) - 1)
-        out[f"p{p:g}"] = ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-    out["mean"] = sum(ordered) / len(ordered) if ordered else None
+    present = [v for v in values if v is not None]
+    cuts = [float(v) for v in np.percentile(present, points)] if present else [None] * len(points)
+    out: dict[str, float | None] = {f"p{p:g}": cut for p, cut in zip(points, cuts)}
+    out["mean"] = sum(present) / len(present) if present else None
     return out
 
 

@@ -1,42 +1,55 @@
-"""Prometheus text format for `GET /metrics`, with names like vLLM's (`draftwise:` in place of `vllm:`).
+"""`GET /metrics` through `prometheus_client`, with names like vLLM's (`draftwise:` in place of `vllm:`).
 
 The speculative counters are sums of exactly the per-request numbers each response carries in
 `usage.draftwise`, so a client can check one against the other. Written by the engine thread and
-the HTTP handlers, read by `/metrics`: one lock.
+the HTTP handlers, read by `/metrics`; `prometheus_client` locks each value. Every server has its
+own registry, never the library's global one, so several can live in one process.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 from typing import Any
 
-PREFIX = "draftwise:"
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 
-# name -> (type, help); counters carry the `_total` suffix in their name, as the text format 0.0.4 has it
-SPEC: dict[str, tuple[str, str]] = {
-    "spec_decode_num_drafts_total": ("counter", "Verification steps that carried at least one draft token."),
-    "spec_decode_num_draft_tokens_total": ("counter", "Draft tokens sent to verification (usage.draftwise.drafted)."),
-    "spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted (usage.draftwise.accepted)."),
-    "spec_decode_num_accepted_tokens_per_pos_total": ("counter", "Accepted draft tokens by draft position."),
+# No `<name>_created` series beside each counter and histogram: the exposed names stay exactly the ones
+# below, as vLLM's do. (A process-wide switch of the library; it touches nothing else.)
+disable_created_metrics()
+
+PREFIX = "draftwise:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# name -> (type, help, labels besides model_name); counters carry the `_total` suffix in their name
+SPEC: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "spec_decode_num_drafts_total": ("counter", "Verification steps that carried at least one draft token.",
+                                     ("method",)),
+    "spec_decode_num_draft_tokens_total": ("counter", "Draft tokens sent to verification (usage.draftwise.drafted).",
+                                           ("method",)),
+    "spec_decode_num_accepted_tokens_total": ("counter", "Draft tokens accepted (usage.draftwise.accepted).",
+                                              ("method",)),
+    "spec_decode_num_accepted_tokens_per_pos_total": ("counter", "Accepted draft tokens by draft position.",
+                                                      ("method", "position")),
     "spec_decode_num_target_calls_total": ("counter", "Target verification forwards per request, summed "
-                                           "(usage.draftwise.target_calls)."),
-    "prompt_tokens_total": ("counter", "Prompt tokens of finished requests (usage.prompt_tokens)."),
-    "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix store."),
+                                           "(usage.draftwise.target_calls).", ("method",)),
+    "prompt_tokens_total": ("counter", "Prompt tokens of finished requests (usage.prompt_tokens).", ("method",)),
+    "prefix_cache_queries_total": ("counter", "Prompt tokens looked up in the prefix store.", ("method",)),
     "prefix_cache_hits_total": ("counter", "Prompt tokens restored from the prefix store, not prefilled "
-                                "(usage.prompt_tokens_details.cached_tokens)."),
-    "generation_tokens_total": ("counter", "Generated tokens of finished requests (usage.completion_tokens)."),
-    "request_success_total": ("counter", "Requests that finished, by finish reason."),
-    "request_cancelled_total": ("counter", "Requests cancelled before they finished (client gone, shutdown)."),
-    "request_failure_total": ("counter", "Requests that failed inside the engine."),
-    "request_rejected_total": ("counter", "Requests refused before decoding, by HTTP status."),
-    "num_requests_running": ("gauge", "Requests decoding in an engine row."),
-    "num_requests_waiting": ("gauge", "Requests waiting for an engine row."),
-    "time_to_first_token_seconds": ("histogram", "Arrival to first generated token."),
+                                "(usage.prompt_tokens_details.cached_tokens).", ("method",)),
+    "generation_tokens_total": ("counter", "Generated tokens of finished requests (usage.completion_tokens).",
+                                ("method",)),
+    "request_success_total": ("counter", "Requests that finished, by finish reason.", ("finished_reason", "method")),
+    "request_cancelled_total": ("counter", "Requests cancelled before they finished (client gone, shutdown).",
+                                ("method",)),
+    "request_failure_total": ("counter", "Requests that failed inside the engine.", ()),
+    "request_rejected_total": ("counter", "Requests refused before decoding, by HTTP status.", ("status",)),
+    "num_requests_running": ("gauge", "Requests decoding in an engine row.", ()),
+    "num_requests_waiting": ("gauge", "Requests waiting for an engine row.", ()),
+    "time_to_first_token_seconds": ("histogram", "Arrival to first generated token.", ()),
     "inter_token_latency_seconds": ("histogram", "Time between consecutive token deliveries of a request (a "
-                                    "speculative step delivers several tokens at once)."),
-    "e2e_request_latency_seconds": ("histogram", "Arrival to the request's last token."),
-    "engine_step_rows": ("histogram", "Rows (requests) decoded together in one engine step."),
+                                    "speculative step delivers several tokens at once).", ()),
+    "e2e_request_latency_seconds": ("histogram", "Arrival to the request's last token.", ()),
+    "engine_step_rows": ("histogram", "Rows (requests) decoded together in one engine step.", ()),
 }
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -45,51 +58,34 @@ _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BUCKETS = {"time_to_first_token_seconds": _LATENCY_BUCKETS, "inter_token_latency_seconds": _LATENCY_BUCKETS,
            "e2e_request_latency_seconds": _LATENCY_BUCKETS, "engine_step_rows": _ROW_BUCKETS}
 
-Labels = tuple[tuple[str, str], ...]
-
-
-class _Histogram:
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last: +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
-        self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self._lock = threading.Lock()
-        self._values: dict[str, dict[Labels, float]] = {name: {} for name, (kind, _) in SPEC.items()
-                                                         if kind != "histogram"}
-        self._histograms: dict[str, dict[Labels, _Histogram]] = {name: {} for name, (kind, _) in SPEC.items()
-                                                                  if kind == "histogram"}
+        self.registry = CollectorRegistry()
+        self._metrics: dict[str, Any] = {}
+        for name, (kind, help_text, labels) in SPEC.items():
+            options: dict[str, Any] = {"labelnames": ("model_name", *labels), "registry": self.registry}
+            if kind == "counter":
+                metric = Counter(PREFIX + name, help_text, **options)
+            elif kind == "gauge":
+                metric = Gauge(PREFIX + name, help_text, **options)
+                metric.labels(model_name=model_name)  # a gauge reads 0 before its first value, not absent
+            else:
+                metric = Histogram(PREFIX + name, help_text, buckets=BUCKETS[name], **options)
+            self._metrics[name] = metric
 
-    def _labels(self, labels: dict[str, Any]) -> Labels:
-        return (("model_name", self.model_name),) + tuple((k, str(v)) for k, v in sorted(labels.items()))
+    def _series(self, name: str, labels: dict[str, Any]) -> Any:
+        return self._metrics[name].labels(model_name=self.model_name, **{k: str(v) for k, v in labels.items()})
 
     def inc(self, name: str, value: float = 1, **labels: Any) -> None:
-        key = self._labels(labels)
-        with self._lock:
-            self._values[name][key] = self._values[name].get(key, 0) + value
+        self._series(name, labels).inc(value)
 
     def set(self, name: str, value: float, **labels: Any) -> None:
-        with self._lock:
-            self._values[name][self._labels(labels)] = value
+        self._series(name, labels).set(value)
 
     def observe(self, name: str, value: float, **labels: Any) -> None:
-        key = self._labels(labels)
-        with self._lock:
-            series = self._histograms[name]
-            if key not in series:
-                series[key] = _Histogram(BUCKETS[name])
-            series[key].observe(value)
+        self._series(name, labels).observe(value)
 
     def record_request(self, stats: dict[str, Any], *, num_drafts: int) -> None:
         """A finished (or cancelled) request's counters: the same numbers as its `usage`."""
@@ -110,37 +106,5 @@ class Metrics:
             self.inc("request_success_total", method=method, finished_reason=stats["finish_reason"])
 
     def render(self) -> str:
-        lines: list[str] = []
-        with self._lock:
-            for name, (kind, help_text) in SPEC.items():
-                full = PREFIX + name
-                lines.append(f"# HELP {full} {help_text}")
-                lines.append(f"# TYPE {full} {kind}")
-                if kind != "histogram":
-                    series = self._values[name] or ({self._labels({}): 0} if kind == "gauge" else {})
-                    for labels, value in sorted(series.items()):
-                        lines.append(f"{full}{_format(labels)} {_number(value)}")
-                    continue
-                for labels, histogram in sorted(self._histograms[name].items()):
-                    cumulative = 0
-                    for bound, count in zip((*histogram.bounds, math.inf), histogram.counts):
-                        cumulative += count
-                        le = "+Inf" if bound == math.inf else _number(bound)
-                        lines.append(f"{full}_bucket{_format(labels + (('le', le),))} {cumulative}")
-                    lines.append(f"{full}_sum{_format(labels)} {_number(histogram.sum)}")
-                    lines.append(f"{full}_count{_format(labels)} {histogram.count}")
-        return "\n".join(lines) + "\n"
-
-
-def _format(labels: Labels) -> str:
-    if not labels:
-        return ""
-    escaped = (f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + "n").replace(chr(34), chr(92) + chr(34))}"'
-               for k, v in labels)
-    return "{" + ",".join(escaped) + "}"
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int) or float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
+        """The Prometheus text exposition of this server's registry (served with `CONTENT_TYPE`)."""
+        return generate_latest(self.registry).decode()
