@@ -218,7 +218,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         runner = runner_module.ModelRunner(target.model)
-        runner.prefill(prompts[0][:255])
+        runner.forward_rows(torch.tensor([prompts[0][:255]]), [255], prompt=True)
         token = torch.tensor([[5]])
         for _ in range(3):
             runner.forward_rows(token, [1])

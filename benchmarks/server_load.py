@@ -200,7 +200,7 @@ def _overhead(args, client, target, methods, prompts) -> dict[str, Any]:
                          messages=[{"role": "user", "content": prompts[0]}] if args.chat else None, draft=draft,
                          method=method, max_new_tokens=args.max_tokens, temperature=0.0, top_k=0, top_p=1.0,
                          seed=None, gamma=args.gamma, stop=None, ignore_eos=False, method_options={})
-        plans[method] = {"plan": plan, "engine": api._engine(plan, 1, stream_text=True)[0], "draft": draft}
+        plans[method] = {"plan": plan, "engine": api.build_engine(plan, 1, stream_text=True), "draft": draft}
     times: dict[str, dict[str, list[list[float]]]] = {
         m: {k: [[] for _ in prompts] for k in ("server", "generate", "engine")} for m in methods}
     same: dict[str, list[bool]] = {m: [] for m in methods}

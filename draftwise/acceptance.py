@@ -1,4 +1,5 @@
-"""Target-distribution rules and the one speculative sampler (Narasimhan et al., Algorithm 4).
+"""Target-distribution rules for the one speculative sampler (Narasimhan et al., Algorithm 4; the sampler itself is
+`batched.speculative_sample_rows`).
 
 Words: a drafted token is *accepted* when the sampler keeps it; at
 the first rejection a *recovered* token is drawn from the residual
@@ -36,12 +37,12 @@ committed token's distribution by at most the rejection probability
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from .errors import DraftwiseError
-from .sampling import sample, unwarped
+from .sampling import unwarped
 
 ZERO_RESIDUAL = 1e-5
 
@@ -60,22 +61,37 @@ class StepDistributions:
     target_probs: torch.Tensor  # [k + 1, vocab] warped target distributions (last = bonus position)
     target_logits: torch.Tensor  # [k + 1, vocab] raw target logits, for rules that read unwarped probs
     draft_raw: torch.Tensor | None = None  # [k, vocab] unwarped draft distributions (cascade rules), if kept
-    greedy: bool = False  # temperature 0
+    greedy: bool | torch.Tensor = False  # temperature 0: one flag, or per row ([rows] bool) in the engine
     verifier_accepts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
     draft_joint: torch.Tensor | None = None  # [k] log q(x_{1:j}), MTAD's beam drafter
     num_drafted: torch.Tensor | None = None  # [rows] drafted tokens per row (batched steps only)
 
 
 class TargetRule(Protocol):
+    """What the engine calls on a rule, and what a rule declares it needs (defaults in `Rule`)."""
+
     name: str
+    bonus_from_pi: bool  # Algorithm 4's bonus: pi = T(q, p) after the last drafted token (the drafter's
+    #                      `next_distribution` gives q there) and `bonus(q, q_warped, p, p_warped, greedy)` mixes them
+    needs_draft_raw: bool  # reads the draft's unwarped distributions (StepDistributions.draft_raw)
+    cuts_draft: bool  # keeps a prefix of each draft after verification: `prefix(step, greedy) -> [rows] counts`
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
         """pi for the k drafted positions: [k, vocab]."""
         ...
 
 
+class Rule:
+    """The defaults every rule inherits: the bonus from the target, no unwarped draft, every drafted token judged."""
+
+    name = "rule"
+    bonus_from_pi = False
+    needs_draft_raw = False
+    cuts_draft = False
+
+
 @dataclass(frozen=True)
-class ExactRule:
+class ExactRule(Rule):
     """pi = target: standard speculative decoding (Narasimhan et al. Algorithm 1)."""
 
     name: str = "exact"
@@ -85,7 +101,7 @@ class ExactRule:
 
 
 @dataclass(frozen=True)
-class LossyRule:
+class LossyRule(Rule):
     """Lossy speculative sampling (Tran-Thien 2023) as a target distribution, Narasimhan et al. Lemma 2:
 
     pi(v) = max{ min{ draft(v), target(v) / (1 - alpha) }, target(v) / beta }.
@@ -112,7 +128,7 @@ class LossyRule:
 
 
 @dataclass(frozen=True)
-class LossyGreedyRule:
+class LossyGreedyRule(Rule):
     """SpecDecode [Lossy, Greedy] (Leviathan et al. 2023 A.5; Narasimhan et al. §C.4), temperature 0.
 
     A greedy draft token v is kept when target(v) >= (1 - alpha) * max target, computed
@@ -136,17 +152,6 @@ class LossyGreedyRule:
         return torch.where(in_top_set[..., None], keep_draft, step.target_probs[..., :-1, :])
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    num_drafted: int  # k, the drafted tokens that were verified
-    num_accepted: int  # drafted tokens kept, a prefix of the draft
-    next_token: int  # recovered token (num_accepted < k) or bonus token (num_accepted == k)
-
-    @property
-    def bonus(self) -> bool:
-        return self.num_accepted == self.num_drafted
-
-
 def residual(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     """norm(max(0, pi - draft_probs)), or norm(pi) when the residual mass is below ZERO_RESIDUAL
     (exact for a truly zero residual, an approximation within that mass otherwise; module docstring).
@@ -157,40 +162,6 @@ def residual(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     if mass.item() < ZERO_RESIDUAL:
         return pi / pi.sum()
     return res / mass
-
-
-def speculative_sample(
-    draft_tokens: torch.Tensor,  # [k] int64
-    draft_probs: torch.Tensor,  # [k, vocab]
-    pi: torch.Tensor,  # [k, vocab] target distribution at the drafted positions
-    bonus_probs: torch.Tensor | Callable[[], torch.Tensor],  # [vocab] pi after the last drafted token (or a
-    generator: torch.Generator,                             # callable computing it, run only if it is needed)
-) -> Acceptance:
-    """Algorithm 4 of Narasimhan et al. (GenSpecSample): the single place where accept / recover / bonus happens.
-
-    Token j is accepted with probability min(1, pi_j(x_j) / draft_j(x_j)); the first
-    rejection j* is replaced by a draw from norm(max(0, pi_j* - draft_j*)); if none is
-    rejected, a bonus token is drawn from `bonus_probs`. k may be 0 (plain decoding).
-    """
-    assert draft_tokens.ndim == 1 and draft_probs.ndim == 2 and pi.ndim == 2
-    k = draft_tokens.shape[0]
-    if k:
-        rows = torch.arange(k, device=draft_tokens.device)
-        draft_at_x = draft_probs[rows, draft_tokens]  # [k]
-        pi_at_x = pi[rows, draft_tokens]  # [k]
-        uniforms = torch.rand(k, generator=generator, device=pi.device)
-        # u < pi/q written without the division; q(x) > 0 because x was drawn from q.
-        accepted = uniforms * draft_at_x < pi_at_x
-        num_accepted = int(accepted.long().cumprod(0).sum().item())
-    else:
-        num_accepted = 0
-    if num_accepted < k:
-        probs = residual(pi[num_accepted], draft_probs[num_accepted])
-    else:
-        probs = bonus_probs() if callable(bonus_probs) else bonus_probs
-        assert probs.ndim == 1
-    next_token = int(sample(probs[None], generator).item())
-    return Acceptance(num_drafted=k, num_accepted=num_accepted, next_token=next_token)
 
 
 def output_distribution(draft_probs: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ import hashlib
 import json
 import numbers
 import os
-import time
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -20,13 +19,11 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .cascades import deferral, sequence_confidence
-from .decoding import Counters, Limits, decode, decode_mtjd, decode_oracle, decode_sequence_cascade
-from .drafters import Drafter, ModelDrafter, NoDrafter
+from .cascades import sequence_confidence
 from .errors import DraftwiseError, DraftwiseWarning
 from .engine import (MAX_LOGPROBS, Engine, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, Result,
-                     TokenLogprob, _find_stop, _safe_prefix, kv_bytes_per_token)
-from .methods import MAX_GAMMA, METHODS, Method, get_method
+                     TokenLogprob, kv_bytes_per_token)
+from .methods import DRAFTERS, MAX_GAMMA, METHODS, Method, get_method
 from .eagle import DraftHead
 from .grammar import Grammar, compiler_for, grammar_from
 from .eagle_rows import EagleRowsDrafter
@@ -34,7 +31,7 @@ from .models import registry
 from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from .models.runner import ModelRunner, draft_runner
 from .policies import ConfidenceStop, FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
-from .sampling import SamplingConfig, make_generator
+from .sampling import SamplingConfig
 
 
 @dataclass
@@ -165,13 +162,9 @@ def generate(
         for _ in run.pieces():
             pass
         return run.result()
-    refused = _engine_refuses(plan)
-    if refused:
-        raise DraftwiseError(f"{refused}: decode these prompts one at a time, or pick a batched method "
-                             f"({', '.join(batched_methods())})")
     requests = [_request(plan, plan.prompt_ids)] + [
         _request(plan, _prompt_ids(p, plan.target, plan.vocab_size)) for p in prompts[1:]]
-    engine, _ = _engine(plan, max_batch_size, prefix_cache_mb=prefix_cache_mb)
+    engine = build_engine(plan, max_batch_size, prefix_cache_mb=prefix_cache_mb)
     if kv_budget_mb is not None:
         engine.kv_budget_tokens = int(kv_budget_mb * 2**20 // kv_bytes_per_token(plan.target.model))
     ids = [engine.submit(request) for request in requests]
@@ -291,11 +284,10 @@ def _with_processors(plan: _Plan, repetition_penalty: float, min_new_tokens: int
         if plan.target.tokenizer is None:
             raise DraftwiseError("a grammar needs the target's tokenizer, and this target has none")
         compiler_for(plan.target.tokenizer, plan.vocab_size, plan.eos_token_ids)  # a tokenizer it cannot wrap
-    refused = _method_refuses(plan.method, plan.options)
-    if refused:
-        raise DraftwiseError(f"{' and '.join(asked)} {'is' if len(asked) == 1 else 'are'} applied by the batched "
-                             f"engine, and {refused}: drop {'it' if len(asked) == 1 else 'them'} for "
-                             f"{plan.method.name!r}")
+    for feature in asked:
+        refused = plan.method.refusal(feature)
+        if refused:
+            raise DraftwiseError(f"{plan.method.name} cannot apply {feature}: {refused}")
     return dataclasses.replace(plan, repetition_penalty=float(repetition_penalty), min_new_tokens=min_new_tokens,
                                logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar)
 
@@ -306,20 +298,8 @@ def _check_batch_size(value: Any) -> None:
 
 
 def batched_methods() -> list[str]:
-    """Methods the batched engine runs (the others decode one request at a time)."""
-    return [name for name, spec in METHODS.items() if _method_refuses(spec, spec.resolve_options({})) is None]
-
-
-def _method_refuses(spec: Method, options: dict[str, Any]) -> str | None:
-    """Why the batched engine cannot run this method (None when it can)."""
-    if spec.loop != "speculative" or spec.drafter not in ("none", "model", "ngram", "sprinter", "stophead",
-                                                          "companion", "staged", "suffix", "hybrid"):
-        return f"method {spec.name!r} decodes one request at a time"
-    return None
-
-
-def _engine_refuses(plan: _Plan) -> str | None:
-    return _method_refuses(plan.method, plan.options)
+    """Methods the batched engine runs: every method."""
+    return list(METHODS)
 
 
 def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
@@ -332,57 +312,93 @@ def _request(plan: _Plan, prompt_ids: list[int]) -> Request:
                    logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs, grammar=plan.grammar)
 
 
-def _engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False, prefix_cache_mb: float = 0.0
-            ) -> tuple[Engine, Any]:
+def build_engine(plan: _Plan, max_batch_size: int, *, stream_text: bool = False, prefix_cache_mb: float = 0.0) -> Any:
     """The batched engine for a plan: the target's runner, the method's drafter and rule, and a prefix store of
-    `prefix_cache_mb` megabytes (0: none)."""
-    spec = plan.method
-    target = ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0)
-    rule = spec.make_rule(plan.options)
-    gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
-    device = plan.target.device
-    if spec.drafter == "suffix":
-        from .methods import suffix_options
-        from .suffix import SuffixRowsDrafter
-
-        drafter: Any = SuffixRowsDrafter(plan.vocab_size, device, suffix_options(plan.options),
-                                         eos_token_ids=plan.eos_token_ids)
-    elif isinstance(plan.draft, DraftHead):
-        drafter = EagleRowsDrafter(plan.draft, plan.vocab_size, device, eos_token_ids=plan.eos_token_ids,
-                                   policy=_policy(plan), keep_raw=getattr(rule, "needs_draft_raw", False))
-    elif spec.needs_companion:
-        from .selection import CompanionRowsDrafter, StagedRowsDrafter
-
-        inner = ModelRowsDrafter(draft_runner(plan.draft, vocab_size=plan.vocab_size), plan.vocab_size,
-                                 eos_token_ids=plan.eos_token_ids, keep_raw=spec.drafter == "companion",
-                                 policy=_policy(plan))
-        companion = draft_runner(plan.companion, vocab_size=plan.vocab_size)
-        kind = StagedRowsDrafter if spec.drafter == "staged" else CompanionRowsDrafter
-        drafter = kind(inner, companion, plan.vocab_size)
-    elif spec.needs_draft:
-        drafter = ModelRowsDrafter(
-            draft_runner(plan.draft, vocab_size=plan.vocab_size), plan.vocab_size,
-            eos_token_ids=plan.eos_token_ids, keep_raw=getattr(rule, "needs_draft_raw", False),
-            policy=_policy(plan))
-    elif spec.drafter == "ngram":
-        drafter = LookupRowsDrafter(plan.vocab_size, device, max_ngram=plan.options["max_ngram"],
-                                    min_ngram=plan.options["min_ngram"], eos_token_ids=plan.eos_token_ids)
-    else:
-        drafter = NoRowsDrafter(plan.vocab_size, device)
-    if spec.drafter == "hybrid":
-        from .methods import suffix_options
-        from .suffix import HybridRowsDrafter, SuffixRowsDrafter
-
-        suffix = SuffixRowsDrafter(plan.vocab_size, device, suffix_options(plan.options),
-                                   eos_token_ids=plan.eos_token_ids)
-        drafter = HybridRowsDrafter(drafter, suffix, plan.options["threshold"])
+    `prefix_cache_mb` megabytes (0: none). The sequence-level cascade is two engines behind one interface."""
     from .prefix import PrefixStore
 
-    engine = Engine(target, drafter, rule, gamma=gamma, tokenizer=plan.target.tokenizer,
-                    max_batch_size=max_batch_size, method=spec.name, stream_text=stream_text,
-                    selector=_selector(plan, gamma),
-                    prefixes=PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None)
-    return engine, drafter
+    spec = plan.method
+    if spec.loop == "sequence":
+        from .seq_cascade import SequenceCascadeEngine
+
+        draft_plan = dataclasses.replace(plan, target=plan.draft, method=METHODS["ar"], options={})
+        aggregate, alpha = plan.options["aggregate"], plan.options["alpha"]
+        return SequenceCascadeEngine(
+            build_engine(draft_plan, max_batch_size, stream_text=stream_text),
+            build_engine(dataclasses.replace(plan, method=METHODS["ar"], options={}), max_batch_size,
+                    stream_text=stream_text, prefix_cache_mb=prefix_cache_mb),
+            lambda log_probs: sequence_confidence(log_probs, aggregate), 1.0 - alpha, method=spec.name)
+    rule = spec.make_rule(plan.options)
+    gamma = spec.draft_run(plan.options, plan.gamma)
+    return Engine(ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0), _drafter(plan, rule), rule,
+                  gamma=gamma, tokenizer=plan.target.tokenizer, max_batch_size=max_batch_size, method=spec.name,
+                  stream_text=stream_text, selector=_selector(plan, gamma),
+                  prefixes=PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None)
+
+
+def _drafter(plan: _Plan, rule: Any) -> Any:
+    """The method's drafter over rows: its kind's builder."""
+    return DRAFTER_BUILDERS[plan.method.drafter](plan, rule)
+
+
+def _none(plan: _Plan, rule: Any) -> Any:
+    return NoRowsDrafter(plan.vocab_size, plan.target.device)
+
+
+def _model(plan: _Plan, rule: Any, *, keep_raw: bool | None = None) -> Any:
+    """The draft model's rows drafter, or the EAGLE head's when the draft is a head."""
+    keep_raw = rule.needs_draft_raw if keep_raw is None else keep_raw
+    if isinstance(plan.draft, DraftHead):
+        return EagleRowsDrafter(plan.draft, plan.vocab_size, plan.target.device, eos_token_ids=plan.eos_token_ids,
+                                policy=_policy(plan), keep_raw=keep_raw)
+    return ModelRowsDrafter(draft_runner(plan.draft, vocab_size=plan.vocab_size), plan.vocab_size,
+                            eos_token_ids=plan.eos_token_ids, keep_raw=keep_raw, policy=_policy(plan))
+
+
+def _ngram(plan: _Plan, rule: Any) -> Any:
+    return LookupRowsDrafter(plan.vocab_size, plan.target.device, max_ngram=plan.options["max_ngram"],
+                             min_ngram=plan.options["min_ngram"], eos_token_ids=plan.eos_token_ids)
+
+
+def _suffix(plan: _Plan, rule: Any) -> Any:
+    from .methods import suffix_options
+    from .suffix import SuffixRowsDrafter
+
+    return SuffixRowsDrafter(plan.vocab_size, plan.target.device, suffix_options(plan.options),
+                             eos_token_ids=plan.eos_token_ids)
+
+
+def _hybrid(plan: _Plan, rule: Any) -> Any:
+    from .suffix import HybridRowsDrafter
+
+    return HybridRowsDrafter(_model(plan, rule), _suffix(plan, rule), plan.options["threshold"])
+
+
+def _companion(plan: _Plan, rule: Any) -> Any:
+    from .selection import CompanionRowsDrafter, StagedRowsDrafter
+
+    kind = StagedRowsDrafter if plan.method.drafter == "staged" else CompanionRowsDrafter
+    inner = _model(plan, rule, keep_raw=kind is CompanionRowsDrafter)  # SV's companion reads the draft's raw q
+    return kind(inner, draft_runner(plan.companion, vocab_size=plan.vocab_size), plan.vocab_size)
+
+
+def _beams(plan: _Plan, rule: Any) -> Any:
+    from .mtad import BeamRowsDrafter, ModelBeams
+
+    if plan.method.drafter == "target-beam":  # MTJD: the target's weights in a cache of their own
+        base: Any = ModelBeams(ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0), plan.vocab_size)
+    elif isinstance(plan.draft, DraftHead):
+        base = EagleRowsDrafter(plan.draft, plan.vocab_size, plan.target.device)
+    else:
+        base = ModelBeams(draft_runner(plan.draft, vocab_size=plan.vocab_size), plan.vocab_size)
+    return BeamRowsDrafter(base, plan.vocab_size, plan.options["num_beams"])
+
+
+# One builder per drafter kind (methods.DRAFTERS): (plan, rule) -> the rows drafter.
+DRAFTER_BUILDERS = {"none": _none, "model": _model, "sprinter": _model, "stophead": _model, "ngram": _ngram,
+                    "suffix": _suffix, "hybrid": _hybrid, "companion": _companion, "staged": _companion,
+                    "beam": _beams, "target-beam": _beams}
+assert set(DRAFTER_BUILDERS) == set(DRAFTERS), "every drafter kind has a builder"
 
 
 def _selector(plan: _Plan, gamma: int) -> Any:
@@ -403,11 +419,11 @@ def _selector(plan: _Plan, gamma: int) -> Any:
 def _policy(plan: _Plan) -> LengthPolicy:
     """The method's length policy: SPRINTER's verifier, SpecDec++'s head, a stop rule, or fixed gamma."""
     spec = plan.method
-    if spec.drafter in ("sprinter", "stophead"):
+    if spec.kind.objective:
         drafter_model = plan.target.model if isinstance(plan.draft, DraftHead) else plan.draft.model  # a head
         embedding = drafter_model.get_input_embeddings()  # reads the target's token embeddings
         verifier = plan.verifier.to(plan.target.device)
-        if spec.drafter == "sprinter":
+        if spec.kind.objective == "sprinter":
             return VerifierStop(verifier, plan.options["tau"], embedding)
         return StopHead(verifier, plan.options["threshold"], embedding)
     if spec.make_stop:
@@ -428,7 +444,7 @@ def draft_confidence(option: float, draft: Any) -> float:
 
 def _generation(result: Result, spec: Method) -> Generation:
     stats = dict(result.stats)
-    if spec.drafter in ("sprinter", "stophead"):
+    if spec.kind.objective:
         stats["verifier_calls"] = stats["drafted"]  # the verifier scores every drafted token
     else:
         stats.pop("verifier_accepted", None)
@@ -505,12 +521,12 @@ def _registry_trained_file(spec: Method, options: dict[str, Any], target: Any, d
     """SPRINTER's verifier or SpecDec++'s head from the registry when none is given and the pair (the draft
     given by name, or the default one) has one for this sampling setting. Otherwise the options unchanged, or,
     when the pair has none, an error saying what the registry ships."""
-    if spec.drafter not in ("sprinter", "stophead"):
+    if not spec.kind.objective:
         return options
     option = next(o for o in spec.options if o.required)
     if options.get(option.name):
         return options
-    objective = "acceptance" if spec.drafter == "stophead" else "sprinter"
+    objective = spec.kind.objective
     target_name = _registry_name(target)
     if draft is None:
         draft_name = registry.default_draft_for(target_name, eagle_ok=False) if target_name else None
@@ -625,7 +641,7 @@ def _plan(
         if spec.needs_profile else None
 
     verifier = None
-    if spec.drafter in ("sprinter", "stophead"):  # loaded now, so a bad file fails at the call, not mid-stream
+    if spec.kind.objective:  # loaded now, so a bad file fails at the call, not mid-stream
         from .sprinter import Verifier
 
         path = next(options[o.name] for o in spec.options if o.required)  # the trained file's option
@@ -706,7 +722,7 @@ def _check_objective(verifier: Any, spec: Method, path: Any) -> None:
     """A SPRINTER verifier and a SpecDec++ head share a file format; the recorded training objective tells them
     apart (files without one were trained with the SPRINTER objective, the only one there was)."""
     objective = (verifier.spec.extra or {}).get("objective", "sprinter")
-    wanted = "acceptance" if spec.drafter == "stophead" else "sprinter"
+    wanted = spec.kind.objective
     if objective != wanted:
         made_for = "SpecDec++ (a stop head)" if objective == "acceptance" else "SPRINTER (a verifier)"
         raise DraftwiseError(
@@ -968,7 +984,7 @@ def _prompt_ids(prompt: Any, target: LoadedModel, vocab_size: int) -> list[int]:
 
 
 class _Run:
-    """One request in flight: runs `decode`, applies stop strings, keeps text and stats."""
+    """One request in flight on an engine of its own: its text, tokens, log-probabilities and stats."""
 
     def __init__(self, plan: _Plan, *, streaming: bool) -> None:
         self.plan = plan
@@ -979,32 +995,10 @@ class _Run:
         self.stats: dict[str, Any] = {}
         self.result_logprobs: tuple[Any, Any] = (None, None)
 
-    def _drafter(self, generator_device: torch.device, rule: Any) -> Drafter:
-        """The drafter of a method the batched engine does not run (mtad, mtjd, oracle-diff, seq-cascade)."""
-        plan = self.plan
-        if plan.method.drafter == "beam" and isinstance(plan.draft, DraftHead):  # MTAD's beams on the head
-            from .eagle_beams import HeadBeamDrafter
-
-            return HeadBeamDrafter(plan.draft, plan.sampling, plan.vocab_size, plan.options["num_beams"],
-                                   plan.target.device)
-        runner = draft_runner(plan.draft, vocab_size=plan.vocab_size, rows=1) if plan.method.needs_draft else None
-        if plan.method.drafter == "beam":
-            from .mtad import BeamDrafter
-
-            return BeamDrafter(runner, plan.sampling, plan.vocab_size, plan.options["num_beams"])
-        if plan.method.drafter == "model":  # the oracle and sequence loops drive its runner directly
-            return ModelDrafter(runner, plan.sampling, plan.vocab_size, eos_token_ids=plan.eos_token_ids)
-        return NoDrafter(plan.vocab_size, generator_device)
-
     def pieces(self) -> Iterator[str]:
-        if _engine_refuses(self.plan) is None:  # one engine: a single request is a batch of one
-            yield from self._engine_pieces()
-            return
-        yield from self._sequential_pieces()
-
-    def _engine_pieces(self) -> Iterator[str]:
+        """The request on the engine (a batch of one), its text piece by piece when streaming."""
         plan = self.plan
-        engine, _ = _engine(plan, 1, stream_text=self.streaming)
+        engine = build_engine(plan, 1, stream_text=self.streaming)
         request_id = engine.submit(_request(plan, plan.prompt_ids))
         try:
             while engine.has_work:
@@ -1023,99 +1017,6 @@ class _Run:
                 self.stats = _generation(result, plan.method).stats
                 if plan.context_limited and result.finish_reason == "length":
                     self.stats["finish_reason"] = "context"
-
-    def _sequential_pieces(self) -> Iterator[str]:
-        plan = self.plan
-        device = plan.target.device
-        generator = make_generator(plan.seed, device)
-        target = ModelRunner(plan.target.model, vocab_size=plan.vocab_size)
-        spec = plan.method
-        rule = spec.make_rule(plan.options)  # one rule per request: the drafter and the loop share it
-        drafter = self._drafter(device, rule)
-        gamma = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
-        counters = Counters(gamma=gamma)
-        tokenizer = plan.target.tokenizer
-        emitted = 0  # characters of self.text already yielded
-        finish = "length"
-        start = time.perf_counter()
-        limits = Limits(plan.max_new_tokens, plan.eos_token_ids)
-        if spec.loop == "oracle":
-            greedy = plan.sampling.greedy
-
-            def defer(q, p, q_warped, p_warped) -> bool:
-                return bool(deferral(rule.rule, rule.alpha, q, p, q_warped, p_warped, greedy=greedy))
-
-            steps = decode_oracle(plan.prompt_ids, target=target, draft=drafter.runner, defer=defer,
-                                  sampling=plan.sampling, limits=limits, generator=generator, counters=counters)
-        elif spec.loop == "sequence":
-            aggregate = plan.options["aggregate"]
-            steps = decode_sequence_cascade(
-                plan.prompt_ids, target=target, draft=drafter.runner,
-                confidence=lambda log_probs: sequence_confidence(log_probs, aggregate),
-                threshold=1.0 - plan.options["alpha"], sampling=plan.sampling, limits=limits, generator=generator,
-                counters=counters,
-            )
-        elif spec.loop == "mtjd":
-            steps = decode_mtjd(plan.prompt_ids, target=target, k=plan.options["k"],
-                                num_beams=plan.options["num_beams"], sampling=plan.sampling, limits=limits,
-                                generator=generator, counters=counters)
-        else:
-            steps = decode(
-                plan.prompt_ids, target=target, drafter=drafter, rule=rule,
-                sampling=plan.sampling, gamma=gamma, limits=limits, generator=generator, counters=counters,
-            )
-        try:
-            for committed in steps:
-                if plan.stop and tokenizer is not None:
-                    # Stop strings are checked token by token, so the cut is exact.
-                    for token in committed:
-                        self.token_ids.append(token)
-                        self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-                        cut = _find_stop(self.text, plan.stop)
-                        if cut is not None:
-                            self.text = self.text[:cut]
-                            finish = "stop"
-                            break
-                    if finish == "stop":
-                        break
-                else:
-                    self.token_ids.extend(committed)
-                if self.token_ids[-1] in plan.eos_token_ids:
-                    finish = "eos"
-                if not self.streaming or tokenizer is None:
-                    continue  # `generate` decodes once at the end: no text work in the loop
-                if not plan.stop:
-                    self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-                ready = _safe_prefix(self.text, plan.stop)
-                if ready > emitted:
-                    yield self.text[emitted:ready]
-                    emitted = ready
-        finally:
-            steps.close()
-            wall = time.perf_counter() - start
-            self.stats = {
-                "method": plan.method.name,
-                "new_tokens": len(self.token_ids),
-                "target_calls": target.calls,
-                "draft_calls": drafter.calls,
-                "target_tokens": target.tokens_processed,
-                "steps": counters.steps,
-                "drafted": counters.drafted,
-                "accepted": counters.accepted,
-                "accepted_per_position": counters.accepted_per_position,
-                "drafted_per_position": counters.drafted_per_position,
-                "prompt_tokens": len(plan.prompt_ids),
-                "finish_reason": finish,
-                "seed": generator.initial_seed(),
-                "wall_time_s": wall,
-            }
-            if hasattr(drafter, "verifier_calls"):
-                self.stats["verifier_calls"] = drafter.verifier_calls
-                self.stats["verifier_accepted"] = drafter.verifier_accepted
-        if tokenizer is not None and finish != "stop":
-            self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if self.streaming and len(self.text) > emitted:
-            yield self.text[emitted:]
 
     def result(self) -> Generation:
         return Generation(token_ids=list(self.token_ids), text=self.text, stats=self.stats,

@@ -1,8 +1,7 @@
 """The speculative sampler over a batch of rows: Algorithm 4 of Narasimhan et al., vectorised.
 
 Row b drafted `num_drafted[b]` tokens (rows differ; positions past a row's count are
-padding and never read). Per row, exactly as `acceptance.speculative_sample`:
-token j is *accepted* with probability min(1, pi_j(x_j) / draft_j(x_j)); at the first
+padding and never read). Per row: token j is *accepted* with probability min(1, pi_j(x_j) / draft_j(x_j)); at the first
 rejection a *recovered* token is drawn from norm(max(0, pi - draft)); when every
 drafted token is accepted a *bonus* token is drawn from `bonus_probs[b, k_b]`.
 

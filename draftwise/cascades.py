@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from .acceptance import StepDistributions
+from .acceptance import Rule, StepDistributions
 from .errors import DraftwiseError
 from .sampling import unwarped
 
@@ -64,7 +64,7 @@ def _finite_alpha(rule: str, alpha: float) -> float:
 
 
 def deferral(rule: str, alpha: float, q: torch.Tensor, p: torch.Tensor, q_warped: torch.Tensor,
-             p_warped: torch.Tensor, *, greedy: bool) -> torch.Tensor:
+             p_warped: torch.Tensor, *, greedy: bool | torch.Tensor) -> torch.Tensor:
     """delta(q, p) for a cascaded rule, per row: [..., vocab] x 4 -> [...] bool.
 
     q, p unwarped (decisions); q_warped, p_warped for the TV distance of opt / opt-log.
@@ -82,11 +82,20 @@ def deferral(rule: str, alpha: float, q: torch.Tensor, p: torch.Tensor, q_warped
     raise DraftwiseError(f"unknown cascade rule {rule!r}; choose one of: {', '.join(CASCADE_RULES)}")
 
 
-def bild_discrepancy(q: torch.Tensor, p: torch.Tensor, *, greedy: bool) -> torch.Tensor:
-    """BiLD's D(q, p) as in Narasimhan et al. §F.1: -log p(argmax q) greedy, cross-entropy -sum q log p otherwise."""
-    if greedy:
+def bild_discrepancy(q: torch.Tensor, p: torch.Tensor, *, greedy: bool | torch.Tensor) -> torch.Tensor:
+    """BiLD's D(q, p) as in Narasimhan et al. §F.1: -log p(argmax q) greedy, cross-entropy -sum q log p otherwise.
+
+    greedy: one flag, or per row ([rows] bool for [rows, ..., vocab] inputs)."""
+    def at_argmax() -> torch.Tensor:
         return -torch.log(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1))
-    return -(torch.special.xlogy(q, p)).sum(-1)  # q(v) > 0 = p(v) gives +inf: always a deferral
+
+    def cross_entropy() -> torch.Tensor:
+        return -(torch.special.xlogy(q, p)).sum(-1)  # q(v) > 0 = p(v) gives +inf: always a deferral
+
+    if isinstance(greedy, bool):
+        return at_argmax() if greedy else cross_entropy()
+    argmax_d, cross = at_argmax(), cross_entropy()
+    return torch.where(greedy.reshape(greedy.shape + (1,) * (cross.ndim - greedy.ndim)), argmax_d, cross)
 
 
 def token_deferral(rule: str, alpha: float, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -102,7 +111,7 @@ def token_deferral(rule: str, alpha: float, q: torch.Tensor, p: torch.Tensor) ->
 
 
 def cascade_pi(rule: str, alpha: float, q: torch.Tensor, p: torch.Tensor, q_warped: torch.Tensor,
-               p_warped: torch.Tensor, *, greedy: bool) -> torch.Tensor:
+               p_warped: torch.Tensor, *, greedy: bool | torch.Tensor) -> torch.Tensor:
     """The target distribution pi of any cascade rule, per row. All inputs [..., vocab]."""
     if rule in TOKEN_RULES:
         r = token_deferral(rule, alpha, q, p).to(q_warped.dtype)
@@ -113,7 +122,7 @@ def cascade_pi(rule: str, alpha: float, q: torch.Tensor, p: torch.Tensor, q_warp
 
 
 @dataclass(frozen=True)
-class CascadeRule:
+class CascadeRule(Rule):
     """`method="cascade"`: Algorithm 5 (cascaded rules) or Algorithm 6 (token-specific rules)."""
 
     rule: str = "token-v3"
@@ -141,13 +150,14 @@ class CascadeRule:
         return cascade_pi(self.rule, self.alpha, q, p, step.draft_probs, step.target_probs[..., :-1, :], greedy=step.greedy)
 
     def bonus(self, q: torch.Tensor, q_warped: torch.Tensor, p: torch.Tensor, p_warped: torch.Tensor,
-              greedy: bool) -> torch.Tensor:
-        """pi at the bonus position, T(q, p) there (Algorithm 4's pi_{t+gamma}). All [vocab]."""
+              greedy: bool | torch.Tensor) -> torch.Tensor:
+        """pi at the bonus position, T(q, p) there (Algorithm 4's pi_{t+gamma}): [..., vocab] each; greedy one flag
+        or per row."""
         return cascade_pi(self.rule, self.alpha, q, p, q_warped, p_warped, greedy=greedy)
 
 
 @dataclass(frozen=True)
-class AcceptDraftRule:
+class AcceptDraftRule(Rule):
     """pi = the draft's own distribution: every drafted token is kept (the token-level cascade's
     small-model run, whose length the drafter's deferral decides; the target then samples the
     next token from S(p) as the bonus)."""
@@ -159,7 +169,7 @@ class AcceptDraftRule:
 
 
 @dataclass(frozen=True)
-class BildRollbackRule:
+class BildRollbackRule(Rule):
     """Original BiLD's deterministic rollback (Kim et al. 2023; Narasimhan et al. §B, §F.5), temperature 0.
 
     A drafted token x is kept while D = -log p(x) <= alpha (unwarped target); at the first
@@ -183,7 +193,7 @@ class BildRollbackRule:
 
 
 @dataclass(frozen=True)
-class FLyRule:
+class FLyRule(Rule):
     """vLLM's lossy FLy verification (Li et al. 2025, "Training-free loosely speculative decoding").
 
     A drafted token the target disagrees with is still kept when (i) the target is uncertain
@@ -237,9 +247,10 @@ def aligned_ahead(aligned: torch.Tensor, window: int) -> torch.Tensor:
     return ahead
 
 
-def chow_stop(alpha: float) -> Callable[[torch.Tensor], bool]:
-    """The small model's own deferral (eq. 2) on its unwarped distribution: stop drafting when max q < 1 - alpha."""
-    return lambda q: bool(q.max() < 1.0 - alpha)
+def chow_stop(alpha: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The small model's own deferral (eq. 2) on its unwarped distributions [..., vocab]: stop drafting where
+    max q < 1 - alpha ([...] bool)."""
+    return lambda q: q.max(-1).values < 1.0 - alpha
 
 
 def sequence_confidence(log_probs: list[float], aggregate: str) -> float:

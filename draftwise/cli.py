@@ -170,17 +170,6 @@ def _as_chat(prompts: list[Any], target: Any, args: argparse.Namespace) -> list[
     return chats
 
 
-def _batches(spec: Any, options: dict[str, Any], draft: Any) -> bool:
-    """Whether the batched `generate` runs this method with this draft; otherwise the CLI decodes the prompts
-    one at a time (same tokens per prompt, as a seeded request does not depend on its batch)."""
-    from . import api
-
-    if "max_batch_size" not in inspect.signature(generate).parameters:
-        return False
-    refuses = getattr(api, "_method_refuses", None)
-    return refuses is None or refuses(spec, spec.resolve_options(options)) is None
-
-
 def _structure(args: argparse.Namespace) -> dict[str, Any]:
     """--json-schema / --regex / --lark and --logprobs as generate's arguments, checked now."""
     from .api import _check_logprobs
@@ -242,11 +231,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if len(prompts) == 1:
         _json_out(generate(target, prompts[0], draft=draft, **kwargs).to_dict(), args.json)
         return 0
-    if _batches(spec, options, draft):  # the batched API: a list in, a list out
-        batch = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
-        results = generate(target, prompts, draft=draft, **batch, **kwargs)
-    else:
-        results = [generate(target, prompt, draft=draft, **kwargs) for prompt in prompts]
+    batch = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
+    results = generate(target, prompts, draft=draft, **batch, **kwargs)  # the batched API: a list in, a list out
     if args.json:
         _json_out([r.to_dict() for r in results], args.json)
     else:
@@ -280,11 +266,7 @@ def _run_methods(args: argparse.Namespace) -> int:
     print(f"common options (all methods): {common}\n")
     for m in METHODS.values():
         kind = "exact" if m.exact else "lossy"
-        needs = {"model": "needs --draft", "ngram": "no draft model", "none": "target only",
-                 "sprinter": "needs --draft and --verifier", "stophead": "needs --draft and --head",
-                 "beam": "needs --draft", "companion": "needs --draft and --companion (registry defaults)",
-                 "staged": "needs --draft and --companion (registry defaults)", "suffix": "no draft model",
-                 "hybrid": "needs --draft (an EAGLE head or a draft model)"}[m.drafter]
+        needs = m.kind.needs
         if m.needs_profile:
             needs += " and an SV profile (--profile; shipped for the default trio)"
         print(f"{m.name:<14} {kind}, {needs}{', temperature 0 only' if m.greedy_only else ''}")

@@ -17,17 +17,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
-from .drafters import Draft, empty_draft
-from .models.runner import full_vocabulary_logits  # noqa: F401 - re-exported for the head drafters
 from .errors import DraftwiseError
-from .sampling import SamplingConfig, sample, warp
 
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "eagle.safetensors"
@@ -170,79 +166,3 @@ def load_head(path: str | Path) -> DraftHead:
     if is_eagle3_checkpoint(path):  # vLLM's / SGLang's layout (`draftwise export-eagle`, or trained elsewhere)
         return import_eagle3(path)
     return EagleHead.load(path)
-
-
-class EagleDrafter:
-    """Drafts with an EAGLE head from the target's features (the decoding loop passes them in `observe`)."""
-
-    needs_target_hidden = True
-
-    def __init__(self, head: DraftHead, sampling: SamplingConfig, vocab_size: int, device: torch.device) -> None:
-        self.head = head
-        self.sampling = sampling
-        self.vocab_size = vocab_size
-        self.device = device
-        self.cache = DynamicCache()
-        self.cached = 0  # head positions in its cache (all computed from true target features)
-        # True target features not yet read by the head: sequence positions cached .. num_features-1.
-        # Positions before `cached` live in the head's KV cache and are never read again.
-        self.pending = torch.empty(0, head.feature_size, device=device)
-        self.num_features = 0
-        self.calls = 0
-        usable = head.vocab_ids < vocab_size  # padded vocabularies: draft ids past the shared size are dropped
-        if not bool(usable.any()):
-            raise DraftwiseError(f"no id of this EAGLE head's draft vocabulary is below the vocabulary size {vocab_size}")
-        self.scatter_ids = head.vocab_ids[usable]  # [usable] full-vocabulary ids
-        self.usable = usable
-        # masked to -inf before warping, so they are never drafted and the rest renormalise
-        self.unusable = None if bool(usable.all()) else ~usable
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The target layers whose inputs the head reads (the decoding loop sets its runner to return them)."""
-        return self.head.feature_layers
-
-    def observe(self, hidden: torch.Tensor) -> None:
-        """Features of the tokens the target just processed: [n_fed, F], in sequence order."""
-        hidden = self.head.take_features(hidden)
-        self.pending = torch.cat([self.pending, hidden.to(self.pending.dtype)])
-        self.num_features += hidden.shape[0]
-
-    @torch.inference_mode()
-    def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
-        if max_tokens <= 0 or self.num_features == 0:
-            return empty_draft(self.vocab_size, self.device)
-        # Catch up: head positions cached .. num_features-1 read (feature_i, token_{i+1}).
-        start, end = self.cached, self.num_features
-        tokens = torch.as_tensor(sequence[start + 1 : end + 1], device=self.device)
-        feats = self.pending.to(self.head.fc.weight.dtype)  # [end - start, feature_size]
-        predicted = self.head(feats[None], tokens[None], cache=self.cache)[0, -1:]  # [1, H]
-        self.calls += 1
-        self.cached = end
-        self.pending = self.pending[:0]
-        draft_tokens, draft_probs = [], []
-        for step in range(max_tokens):
-            logits = self.head.logits(predicted)  # [1, draft_vocab]
-            if self.unusable is not None:
-                logits = logits.masked_fill(self.unusable, float("-inf"))
-            probs_small = warp(logits, self.sampling)  # [1, draft_vocab]
-            index = probs_small.argmax(-1) if self.sampling.greedy else sample(probs_small, generator)  # [1]
-            token = self.head.vocab_ids[index]  # [1]
-            probs = torch.zeros(1, self.vocab_size, device=self.device)
-            probs[0, self.scatter_ids] = probs_small[0, self.usable]
-            draft_tokens.append(token)
-            draft_probs.append(probs)
-            if step + 1 < max_tokens:
-                predicted = self.head(predicted[None], token[None], cache=self.cache)[0]  # [1, H]
-                self.calls += 1
-        return Draft(torch.cat(draft_tokens), torch.cat(draft_probs))
-
-    def rewind(self, keep: int) -> None:
-        """The sequence keeps `keep` positions with true features; drop predicted ones from the head cache."""
-        self.num_features = min(self.num_features, keep)
-        self.pending = self.pending[: max(0, self.num_features - self.cached)]
-        # Head positions 0..cached-1 used true features; positions past it were drafting steps.
-        drop = self.cache.get_seq_length() - min(self.cached, self.num_features)
-        if drop > 0:
-            self.cache.crop(-drop)
-        self.cached = min(self.cached, self.num_features)

@@ -1,6 +1,6 @@
 """The EAGLE head drafting for rows of the batched engine.
 
-Same alignment as `eagle.EagleDrafter`: head position i reads (target feature_i,
+Alignment (EAGLE): head position i reads (target feature_i,
 token_{i+1}) and predicts feature_{i+1}, whose LM-head logits score token_{i+2}. The
 head's one decoder layer keeps its own position-indexed KV cache, one row per request.
 
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .eagle import DraftHead, full_vocabulary_logits
+from .eagle import DraftHead
 from .errors import DraftwiseError
-from .models.runner import ModelRunner
+from .models.runner import ModelRunner, full_vocabulary_logits
 from .policies import FixedLength, LengthPolicy
 
 if TYPE_CHECKING:
@@ -82,18 +82,10 @@ class EagleRowsDrafter:
         inputs."""
         return self.head.step_input(features, tokens)
 
-    @torch.inference_mode()
-    def propose(self, rows, limits) -> "RowsDraft":
-        from .batched import warp_rows
-        from .batched import sample_rows
-        from .grammar import mask_rows, push_rows
-        from .engine import RowsDraft, _empty
-        from .sampling import unwarped
-
+    def catch_up(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        """The head reads each row's unread true features (at most CATCH_UP): returns its predicted state after
+        the last one [rows, H] and the rows' drafting limits (0 for a row still catching up or without features)."""
         n = len(rows)
-        width = max(limits, default=0)
-        if width == 0:
-            return _empty(n, self.vocab_size, self.device)
         # a row without any target feature yet (a one-token prompt) drafts nothing this step; it feeds
         # one dummy position that is rolled back below
         bare = [b for b in range(n) if self.num_features[b] == 0]
@@ -122,6 +114,34 @@ class EagleRowsDrafter:
             self.last_state[b] = None if b in bare else predicted[b]
         for b in bare:
             self.runner.trim_row(b, 0)
+        return predicted, limits
+
+    @torch.inference_mode()
+    def beam_step(self, tokens: torch.Tensor, states: torch.Tensor, begin: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One beam step on rows begin .. begin + m - 1 of the head's cache: each reads its state and its token
+        [m]; returns the full-vocabulary logits of the next token [m, vocab] and the new states [m, H]."""
+        fused = self._embed_fuse(states[:, None].to(self.head.fc.weight.dtype), tokens[:, None])
+        states = self.runner.forward_states(fused, [1] * tokens.shape[0], begin=begin)[:, 0]
+        return self.full_logits(states), states
+
+    def full_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[m, H] head states -> [m, vocab] logits, -inf outside the draft vocabulary."""
+        return full_vocabulary_logits(self.head.logits(states)[:, self.usable], self.usable_ids, self.vocab_size)
+
+    @torch.inference_mode()
+    def propose(self, rows, limits) -> "RowsDraft":
+        from .batched import warp_rows
+        from .batched import sample_rows
+        from .grammar import mask_rows, push_rows
+        from .engine import RowsDraft, empty_draft
+        from .sampling import unwarped
+
+        n = len(rows)
+        width = max(limits, default=0)
+        if width == 0:
+            return empty_draft(n, self.vocab_size, self.device)
+        predicted, limits = self.catch_up(rows, limits)
+        dtype = self.head.fc.weight.dtype
         configs = [r.request.sampling for r in rows]
         all_greedy = all(c.greedy for c in configs)
         generators = [r.generator for r in rows]
@@ -169,7 +189,7 @@ class EagleRowsDrafter:
         counts_out = drafted.tolist()
         k = max(counts_out)
         if k == 0:
-            return _empty(n, self.vocab_size, self.device)
+            return empty_draft(n, self.vocab_size, self.device)
         return RowsDraft(torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
                          torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
                          torch.stack(verdicts, 1)[:, :k] if verdicts else None)

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from .acceptance import StepDistributions, TargetRule
 from .batched import sample_rows, speculative_sample_rows, warp_rows
-from .decoding import Counters, cut_at_eos
 from .errors import DraftwiseError
 from .grammar import Grammar, GrammarState, compiler_for, mask_logits, mask_rows, push_rows
 from .models.kvcache import release_heap
@@ -100,16 +99,43 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
     return [TokenLogprob(int(t), lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives)]
 
 
-@dataclass
-class RowCounters(Counters):
-    """One request's raw counts (the single-request loops' counters, plus what a batch shares out);
-    rates are computed when reported. `steps` = verification calls this request took part in."""
+def cut_at_eos(committed: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+    """The committed tokens up to and including the first end-of-sequence token."""
+    for i, token in enumerate(committed):
+        if token in eos_token_ids:
+            return committed[: i + 1]
+    return committed
 
+
+@dataclass
+class RowCounters:
+    """One request's raw counts; rates are computed when reported. `steps` = verification calls this request took
+    part in."""
+
+    gamma: int
+    steps: int = 0
+    drafted: int = 0  # drafted tokens sent to verification
+    accepted: int = 0  # drafted tokens kept
+    accepted_per_position: list[int] = field(default_factory=list)  # [gamma]: kept at draft position i
+    drafted_per_position: list[int] = field(default_factory=list)  # [gamma]: verified at draft position i
     target_tokens: int = 0  # tokens this request fed the target (prefill included)
     draft_calls: int = 0  # drafting forwards (draft model or head) this request took part in
     prefill_calls: int = 0
     verifier_accepted: int = 0  # drafted tokens kept on a verifier's word (SPRINTER)
     proposed: int = 0  # drafted tokens before the select phase (SV discards some unverified)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.gamma
+        self.drafted_per_position = [0] * self.gamma
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.steps += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
 
 
 class Detokenizer:
@@ -204,6 +230,7 @@ class RowsDraft:
     verdicts: torch.Tensor | None = None  # [rows, k] bool: a verifier's word per drafted token (SPRINTER)
     companion_probs: torch.Tensor | None = None  # [rows, k + 1, vocab] a companion's warped distributions (SV)
     companion_raw: torch.Tensor | None = None  # [rows, k + 1, vocab] the same, unwarped
+    joint: torch.Tensor | None = None  # [rows, k] log q(x_1..x_j) of a beam drafter (MTAD)
 
     @property
     def width(self) -> int:
@@ -218,14 +245,15 @@ class RowsDraft:
             return None if t is None else t[:, :width]
 
         return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.raw_probs), cut(self.verdicts),
-                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1))
+                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint))
 
 
 class RowsDrafter(Protocol):
     """Proposes per-row drafts and follows the rows the engine keeps (admit / move / rewind)."""
 
     calls: int
-    wants_features: bool  # the verify forward hands it the target's last-layer states (`observe`)
+    wants_features: bool  # the verify forward hands it the target's states (`observe`)
+    feature_layers: tuple[int, ...]  # which target layers those states come from (EAGLE-3: several; () the last)
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None: ...
 
@@ -244,6 +272,8 @@ class VerifySelector(Protocol):
     """The select phase: how many of each row's drafted tokens the target verifies (a prefix; the
     rest are discarded). Reads draft-side information only, so exact rules stay exact."""
 
+    discards: bool  # may discard drafted tokens unverified (a request's stats then report what was proposed)
+
     def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
         """Each row's drafting limit this step (at most the engine's)."""
 
@@ -254,7 +284,22 @@ class VerifySelector(Protocol):
         """After acceptance: what the target said (history-based selectors and profiling learn here)."""
 
 
-def _empty(rows: int, vocab: int, device: torch.device) -> RowsDraft:
+class VerifyAll:
+    """The default select phase: every drafted token is verified."""
+
+    discards = False
+
+    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
+        return limits
+
+    def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]:
+        return draft.counts
+
+    def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
+        pass
+
+
+def empty_draft(rows: int, vocab: int, device: torch.device) -> RowsDraft:
     return RowsDraft(torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab, device=device),
                      [0] * rows)
 
@@ -264,6 +309,7 @@ class NoRowsDrafter:
 
     calls = 0
     wants_features = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
@@ -274,7 +320,7 @@ class NoRowsDrafter:
     def propose(self, rows, limits) -> RowsDraft:
         n = len(rows)
         if n not in self._empty:
-            self._empty[n] = _empty(n, self.vocab_size, self.device)
+            self._empty[n] = empty_draft(n, self.vocab_size, self.device)
         return self._empty[n]
 
     def rewind(self, row, keep) -> None: pass
@@ -292,14 +338,14 @@ class LookupRowsDrafter(NoRowsDrafter):
     def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int, min_ngram: int,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         super().__init__(vocab_size, device)
-        from .drafters import PromptLookupDrafter
-
-        self._lookup = PromptLookupDrafter(vocab_size, device, max_ngram=max_ngram, min_ngram=min_ngram)
+        self.ngrams = {"max_ngram": max_ngram, "min_ngram": min_ngram}
         self.eos = eos_token_ids
 
     def propose(self, rows, limits) -> RowsDraft:
+        from .lookup import prompt_lookup
+
         # a continuation stops after an end-of-sequence token: nothing past it is drafted
-        found = [cut_at_eos(self._lookup.lookup(r.sequence, limit), self.eos) for r, limit in zip(rows, limits)]
+        found = [cut_at_eos(prompt_lookup(r.sequence, limit, **self.ngrams), self.eos) for r, limit in zip(rows, limits)]
         return one_hot_draft(found, self.vocab_size, self.device)
 
 
@@ -307,7 +353,7 @@ def one_hot_draft(found: Sequence[Sequence[int]], vocab_size: int, device: torch
     """Deterministic drafts (lookup, suffix tries): each row's tokens with one-hot distributions."""
     tokens, counts = pad_rows(found)
     if tokens.shape[1] == 0:
-        return _empty(len(found), vocab_size, device)
+        return empty_draft(len(found), vocab_size, device)
     tokens = tokens.to(device)
     probs = torch.zeros(*tokens.shape, vocab_size, device=device).scatter_(-1, tokens[..., None], 1.0)
     return RowsDraft(tokens, probs, counts)
@@ -351,6 +397,7 @@ class ModelRowsDrafter:
     own generator. A row stops drafting at EOS, at its limit, or when its length policy says so."""
 
     wants_features = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, runner: ModelRunner, vocab_size: int, *, eos_token_ids: frozenset[int] = frozenset(),
                  keep_raw: bool = False, policy: LengthPolicy | None = None) -> None:
@@ -377,7 +424,7 @@ class ModelRowsDrafter:
         width = max(limits, default=0)
         n = len(rows)
         if width == 0:
-            return _empty(n, self.vocab_size, self.runner.device)
+            return empty_draft(n, self.vocab_size, self.runner.device)
         device = self.runner.device
         policy = self.policy
         lengths = self.runner.lengths
@@ -423,7 +470,7 @@ class ModelRowsDrafter:
         counts_out = drafted.tolist()
         k = max(counts_out)
         if k == 0:
-            return _empty(n, self.vocab_size, device)
+            return empty_draft(n, self.vocab_size, device)
         return RowsDraft(
             torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
             torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
@@ -535,11 +582,10 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
         self.method = method
-        self.selector = selector  # None: every drafted token is verified
-        if getattr(drafter, "wants_features", False):
-            target.feature_layers = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 reads several layers
+        self.selector = selector or VerifyAll()
+        if drafter.wants_features:
+            target.feature_layers = tuple(drafter.feature_layers)  # EAGLE-3 reads several layers
         self.stream_text = stream_text  # False: text only at the end (and for stop strings), no per-step decoding
-        self.bonus_from_pi = bool(getattr(rule, "bonus_from_pi", False))  # read once: cascades' Algorithm 4 bonus
         self.waiting: list[_Row] = []
         self.live: list[_Row] = []  # row i of every cache is live[i]
         self.prefilling: list[_Row] = []  # row len(live) + j of the target's cache is prefilling[j]
@@ -617,14 +663,15 @@ class Engine:
         started = time.perf_counter()
         rows = self.live
         limits = [max(0, min(self.gamma, row.budget - 1)) for row in rows]
-        if self.selector is not None:
-            limits = self.selector.limits(rows, limits)
+        limits = self.selector.limits(rows, limits)
         drafter_calls = self.drafter.calls
 
         draft = self.drafter.propose(rows, limits)  # draft
         proposed = draft.counts
-        if self.selector is not None and draft.width:  # select: the prefix of each draft to verify
-            draft = draft.prefix(self.selector.select(rows, draft))
+        if draft.width:  # select: the prefix of each draft to verify
+            chosen = self.selector.select(rows, draft)
+            if list(chosen) != list(draft.counts):
+                draft = draft.prefix(chosen)
         grammars = [b for b, row in enumerate(rows) if row.grammar is not None]
         if grammars:  # the grammar rows' paths follow their drafts, cut at a token the grammar refuses
             draft = self._grammar_drafts(rows, grammars, draft)
@@ -655,16 +702,21 @@ class Engine:
             target_logits = self._grammar_masked(rows, grammars, draft, target_logits)
         target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
 
+        drafted = draft.counts
+        if self.rule.cuts_draft and k:  # MTAD: the rule keeps a prefix of each draft; the target's token follows it
+            greedy = self._greedy(rows).to(target_probs.device)
+            draft = draft.prefix(self.rule.prefix(self._step_distributions(draft, target_probs, target_logits,
+                                                                           greedy), greedy))
+            k = draft.width
         pi = self._pi(draft, target_probs, target_logits, rows) if k else target_probs[:, :0]  # accept
         bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
-        if self.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
+        if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
             bonus = self._bonus_maker(rows, draft, target_probs, target_logits)
 
         outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
                                           [row.generator for row in rows],
                                           [row.request.sampling.greedy for row in rows])
-        if self.selector is not None:
-            self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
+        self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
@@ -681,7 +733,7 @@ class Engine:
             if row.request.logprobs is not None:  # position j's logits came before committed token j
                 row.logprobs += token_logprobs(verified.logits[b], kept, row.request.logprobs)
             # record: nothing past an EOS or a stop string counts as accepted
-            row.counters.record(draft.counts[b], min(accepted, len(kept)))
+            row.counters.record(drafted[b], min(accepted, len(kept)))
             row.counters.target_tokens += counts[b]
             row.counters.proposed += proposed[b]
             row.counters.draft_calls += drafter_calls
@@ -708,22 +760,21 @@ class Engine:
 
     def _pi(self, draft: RowsDraft, target_probs: torch.Tensor, target_logits: torch.Tensor,
             rows: Sequence[_Row]) -> torch.Tensor:
-        """pi = rule(draft, target) at the drafted positions: [rows, k, vocab], one rule call per
-        greedy / sampling group (rules read `greedy` as one flag)."""
-        greedy = [row.request.sampling.greedy for row in rows]
-        counts = torch.tensor(draft.counts, device=draft.tokens.device)
-        if len(set(greedy)) == 1:
-            return self.rule(StepDistributions(draft.tokens, draft.probs, target_probs, target_logits,
-                                               draft.raw_probs, greedy[0], draft.verdicts, num_drafted=counts))
-        pi = torch.empty_like(draft.probs)
-        for flag in (False, True):
-            index = torch.tensor([b for b, g in enumerate(greedy) if g == flag], device=draft.tokens.device)
-            raw = draft.raw_probs[index] if draft.raw_probs is not None else None
-            verdicts = draft.verdicts[index] if draft.verdicts is not None else None
-            pi[index] = self.rule(StepDistributions(draft.tokens[index], draft.probs[index], target_probs[index],
-                                                    target_logits[index], raw, flag, verdicts,
-                                                    num_drafted=counts[index]))
-        return pi
+        """pi = rule(draft, target) at the drafted positions: [rows, k, vocab], one rule call with per-row greedy
+        flags."""
+        return self.rule(self._step_distributions(draft, target_probs, target_logits, self._greedy(rows)))
+
+    @staticmethod
+    def _greedy(rows: Sequence[_Row]) -> torch.Tensor:
+        return torch.tensor([row.request.sampling.greedy for row in rows])
+
+    @staticmethod
+    def _step_distributions(draft: RowsDraft, target_probs: torch.Tensor, target_logits: torch.Tensor,
+                            greedy: torch.Tensor) -> StepDistributions:
+        return StepDistributions(draft.tokens, draft.probs, target_probs, target_logits, draft.raw_probs,
+                                 greedy.to(draft.tokens.device),
+                                 draft.verdicts, draft.joint,
+                                 torch.tensor(draft.counts, device=draft.tokens.device))
 
     def _grammar_drafts(self, rows: Sequence[_Row], grammars: list[int], draft: RowsDraft) -> RowsDraft:
         """Each grammar row's path becomes its draft, cut before the first token its grammar refuses (a lookup
@@ -798,11 +849,7 @@ class Engine:
         at = torch.tensor(draft.counts, device=target_probs.device)
         p_raw, p_warped = unwarped(target_logits[index, at]), target_probs[index, at]  # [rows, vocab]
         out = target_probs.clone()
-        for flag in (False, True):
-            members = [b for b, row in enumerate(rows) if row.request.sampling.greedy == flag]
-            if members:
-                m = torch.tensor(members, device=target_probs.device)
-                out[m, at[m]] = self.rule.bonus(q_raw[m], q_warped[m], p_raw[m], p_warped[m], flag)
+        out[index, at] = self.rule.bonus(q_raw, q_warped, p_raw, p_warped, self._greedy(rows).to(out.device))
         return out
 
     def _commit(self, row: _Row, committed: list[int], now: float) -> list[int]:
@@ -862,7 +909,7 @@ class Engine:
             row = self.waiting.pop(0)
             self.target.cache.reset_row(len(held))
             if self.prefixes is not None and row.request.prompt_logprobs is None:  # a stored prefix: no prefill
-                wants = bool(getattr(self.drafter, "wants_features", False))
+                wants = self.drafter.wants_features
                 row.cached, features = self.prefixes.restore(row.request.prompt_ids[:-1], self.target.cache,
                                                              len(held), want_features=wants)
                 row.fed = row.cached
@@ -955,7 +1002,7 @@ class Engine:
                 self.prefilling[0], self.prefilling[j] = self.prefilling[j], self.prefilling[0]
             row = self.prefilling.pop(0)
             if self.prefixes is not None:  # its prompt's blocks, for the requests that share them
-                wants = bool(getattr(self.drafter, "wants_features", False))
+                wants = self.drafter.wants_features
                 self.prefixes.insert(row.request.prompt_ids[:-1], self.target.cache, begin,
                                      torch.cat(row.prefill_states) if wants and row.prefill_states else None)
             self.live.append(row)
@@ -1025,7 +1072,7 @@ class Engine:
             "wall_time_s": row.finished_at - row.submitted,
             "time_to_first_token_s": (row.first_token_at - row.submitted) if row.first_token_at else None,
         }
-        if self.selector is not None:
+        if self.selector.discards:
             stats["proposed"] = c.proposed  # drafted, before the select phase dropped some unverified
         self.finished[row.id] = Result(
             row.id, list(row.token_ids), row.text, reason, stats,

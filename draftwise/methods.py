@@ -30,33 +30,78 @@ MAX_WINDOW = 64  # the bound of every option that sets a draft run, a match leng
 
 
 @dataclass(frozen=True)
+class DrafterKind:
+    """What a kind of drafter needs. Its builder is `api.DRAFTER_BUILDERS[name]`; adding a kind is this entry and
+    that builder."""
+
+    name: str
+    needs: str  # what `draftwise methods` says it needs
+    draft_model: bool = False  # a draft model or an EAGLE head
+    companion: bool = False  # a companion model (SV)
+    objective: str = ""  # the trained file's objective: "sprinter" (a verifier) or "acceptance" (a stop head)
+
+
+DRAFTERS: dict[str, DrafterKind] = {k.name: k for k in (
+    DrafterKind("none", "target only"),
+    DrafterKind("model", "needs --draft", draft_model=True),
+    DrafterKind("ngram", "no draft model"),
+    DrafterKind("suffix", "no draft model"),
+    DrafterKind("hybrid", "needs --draft (an EAGLE head or a draft model)", draft_model=True),
+    DrafterKind("sprinter", "needs --draft and --verifier", draft_model=True, objective="sprinter"),
+    DrafterKind("stophead", "needs --draft and --head", draft_model=True, objective="acceptance"),
+    DrafterKind("beam", "needs --draft", draft_model=True),
+    DrafterKind("target-beam", "target only (its beams run on the target's weights)"),
+    DrafterKind("companion", "needs --draft and --companion (registry defaults)", draft_model=True, companion=True),
+    DrafterKind("staged", "needs --draft and --companion (registry defaults)", draft_model=True, companion=True),
+)}
+
+
+@dataclass(frozen=True)
 class Method:
     name: str
     summary: str
-    drafter: str  # "none" | "model" | "ngram" | "sprinter" | "stophead" | "beam" | "companion" | "staged"
+    drafter: str  # a key of DRAFTERS
     make_rule: Callable[[dict[str, Any]], TargetRule]
     options: tuple[Option, ...] = ()
     uses_gamma: bool = True
     greedy_only: bool = False
     exact: bool = True
     reference: str = ""
-    loop: str = "speculative"  # "speculative" (draft -> verify), "oracle" (Algorithm 3), "sequence" (eq. 1),
-    #                            "mtjd" (target-only beam blocks, the MTAD paper Def. 3.1)
+    loop: str = "speculative"  # "speculative" (draft -> verify on one engine), "sequence" (eq. 1: the draft's
+    #                            engine writes each response, the target's engine redoes the deferred ones)
     make_stop: Callable[[dict[str, Any]], Callable] | None = None  # the drafter's own deferral (sequential cascades)
     window_option: str | None = None  # the option that sets the draft window in place of gamma
     selector: str = ""  # the select phase: "" (verify every drafted token) | "sv" | "history" | "smartspec"
+    draft_length: int = 0  # a fixed draft run for a method without gamma (oracle-diff: 1)
+    refuses: tuple[tuple[str, str], ...] = ()  # (request feature, why this method cannot apply it)
     _defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"method {self.name!r}: unknown drafter kind {self.drafter!r}")
         object.__setattr__(self, "_defaults", {o.name: o.default for o in self.options})
 
     @property
+    def kind(self) -> DrafterKind:
+        return DRAFTERS[self.drafter]
+
+    @property
     def needs_draft(self) -> bool:
-        return self.drafter in ("model", "sprinter", "stophead", "beam", "companion", "staged", "hybrid")
+        return self.kind.draft_model
+
+    def refusal(self, feature: str) -> str | None:
+        """Why this method cannot apply a request feature ("logprobs", "prompt_logprobs", "a grammar"), or None."""
+        return dict(self.refuses).get(feature)
+
+    def draft_run(self, options: dict[str, Any], gamma: int) -> int:
+        """Tokens drafted per step at most: the window option, else gamma, else the fixed draft length."""
+        if self.window_option:
+            return int(options[self.window_option])
+        return gamma if self.uses_gamma else self.draft_length
 
     @property
     def needs_companion(self) -> bool:
-        return self.drafter in ("companion", "staged")
+        return self.kind.companion
 
     @property
     def needs_profile(self) -> bool:
@@ -206,9 +251,10 @@ def _mtjd_rule(options: dict[str, Any]) -> TargetRule:
 
     _positive_int("k", options["k"])
     check_beams(options["num_beams"])
-    return ExactRule()
+    return AcceptDraftRule()
 
 
+_BEAM_REFUSALS = (("a grammar", "its beams are searched without the grammar's masks"),)
 _BEAMS = Option("num_beams", 4, int, "beams W of the beam search (MTAD's draft, MTJD's target)", high=16)
 
 def model_spec(value: Any) -> Any:
@@ -241,9 +287,9 @@ def _sv_rule(options: dict[str, Any]) -> TargetRule:
 def _svip_stop(options: dict[str, Any]):
     threshold = options["threshold"]
 
-    def stop(q_raw) -> bool:  # SVIP: stop drafting once sqrt(H(q)) exceeds the threshold
-        entropy = -(q_raw * q_raw.clamp(min=1e-30).log()).sum()
-        return bool(entropy.sqrt() > threshold)
+    def stop(q_raw):  # SVIP: stop drafting once sqrt(H(q)) exceeds the threshold; [..., vocab] -> [...] bool
+        entropy = -(q_raw * q_raw.clamp(min=1e-30).log()).sum(-1)
+        return entropy.sqrt() > threshold
     return stop
 
 
@@ -324,13 +370,15 @@ METHODS: dict[str, Method] = {
                 Option("aggregate", "mean", str, "confidence: 'mean' (per-token geometric mean) or 'product' (eq. 1)"),
             ),
             uses_gamma=False, exact=False, reference="Narasimhan et al. eq. 1",
+            refuses=(("logprobs", "a kept response is never scored by the target"),
+                     ("prompt_logprobs", "its draft pass, not the target, reads the prompt first")),
         ),
         Method(
-            "oracle-diff", "oracle cascade with the Diff rule: both models at every step (head-room reference, not fast)",
-            drafter="model", make_rule=lambda o: CascadeRule(rule="diff", alpha=o["alpha"], bonus_from="target"),
-            loop="oracle",
+            "oracle-diff", "oracle cascade with the Diff rule: both models at every position, each token from the "
+            "deferral's choice (one-token drafts; head-room reference, not fast)",
+            drafter="model", make_rule=lambda o: CascadeRule(rule="diff", alpha=o["alpha"], bonus_from="pi"),
             options=(Option("alpha", 0.0, float, "defer when max q < max p - alpha"),),
-            uses_gamma=False, exact=False, reference="Narasimhan et al. Algorithm 3, eq. 5",
+            uses_gamma=False, draft_length=1, exact=False, reference="Narasimhan et al. Algorithm 3, eq. 5",
         ),
         Method(
             "bild", "original Big Little Decoder: draft until max q < 1 - fallback, deterministic rollback where -log p > alpha",
@@ -422,13 +470,15 @@ METHODS: dict[str, Method] = {
             "min(1, p(x_1:j)/q(x_1:j)) > tau, then one target token (lossy: aims at lower perplexity)",
             drafter="beam", make_rule=_mtad_rule,
             options=(_BEAMS, Option("tau", 0.5, float, "MTAD keeps a prefix when min(1, joint p / joint q) > tau")),
-            exact=False, reference="the MTAD paper §3.2, Algorithm 1",
+            exact=False, reference="the MTAD paper §3.2, Algorithm 1", refuses=_BEAM_REFUSALS,
         ),
         Method(
-            "mtjd", "multi-token joint decoding by target beam search over k tokens per step (quality reference, slow)",
-            drafter="none", make_rule=_mtjd_rule, loop="mtjd",
+            "mtjd", "multi-token joint decoding: the target's own beam search over k tokens, then the target's next "
+            "token, per step (quality reference, slow)",
+            drafter="target-beam", make_rule=_mtjd_rule,
             options=(Option("k", 4, int, "tokens per joint block", high=16), _BEAMS),
             uses_gamma=False, window_option="k", exact=False, reference="the MTAD paper Def. 3.1, Figure 1",
+            refuses=_BEAM_REFUSALS,
         ),
     )
 }

@@ -1,137 +1,206 @@
-"""MTAD and MTJD (the MTAD paper): beam-search drafts, joint verification, multi-token joint decoding.
+"""MTAD and MTJD (the MTAD paper) on the batched engine: beam-search drafts over rows, joint verification.
 
-Beam search here (`beam_search`) runs on one `ModelRunner` for `length` tokens:
+`BeamRowsDrafter` proposes, for every row, the best of `W` beams over the row's drafting
+limit, with the beam's cumulative joint log-probability `log q(x_{1:j})` for each prefix.
+It runs over a *base* drafter that owns one cache row per request and follows the
+engine's rows (admit, move, rewind, release): an independent draft model
+(`ModelBeams`), the target's own weights in a cache of their own (MTJD), or an EAGLE
+head (`eagle_rows.EagleRowsDrafter`, whose state each beam carries).
 
-- The prefix is fed once, with batch 1. The first beam step selects from that one row;
-  its cache is then broadcast to the `W` beams by `select_beams` (a batch index of zeros),
-  so the prompt is never recomputed per beam, and every later step feeds `W` tokens
-  (batch `W`, one position each) and reorders the cache rows by the beams' parents, as
-  transformers' beam search does.
-- Sampled beams (temperature > 0): the `W x V` joint scores `log q(beam) + log T(q)(x)`,
-  T the request's warping, are sampled *without replacement* with the Gumbel-top-k trick
-  (equivalent to drawing one candidate at a time proportionally to `p_beam`, eq. 2).
-- Deterministic beams (temperature 0): the top `W` joint scores of the model's own
-  log-probabilities (a one-hot warp would leave a single candidate).
-- The result is the beam with the highest joint score and its cumulative joint
-  log-probability for every prefix, `log q(x_{1:j})`; afterwards the cache holds the
-  prefix and that beam's first `length - 1` tokens, batch 1 again (its last token is fed
-  by the next forward, as with every drafter).
+One `propose`:
+- **begin**: one forward feeds each row its pending tokens in its base cache row and
+  scores the first beam token there;
+- the first selection picks `W` candidates per row; the base rows are copied into
+  `W` scratch rows each (rows `n .. n + n W - 1` of the same cache, so the prompt is
+  never recomputed per beam);
+- each later step feeds one token per scratch row (batch `n W`) and copies the
+  scratch rows after their beams' parents (`PositionCache.copy_rows`), as
+  transformers' beam search reorders its cache;
+- the scratch rows are dropped at the end. Base rows never hold beam tokens: the
+  next `begin` feeds the tokens the engine committed.
 
-When fewer than `W` candidates have non-zero probability (top-k below `W`, or a peaked
-warp), fewer beams are kept that step.
+Selection per row, over the `W x V` joint scores `log q(beam) + log T(q)(x)`, `T` the
+request's warping: sampled beams (temperature > 0) are drawn *without replacement*
+with the Gumbel-top-k trick (equivalent to drawing one candidate at a time
+proportionally to `p_beam`, eq. 2) with the row's own generator; at temperature 0 the
+top `W` joint scores of the model's own log-probabilities (a one-hot warp would
+leave a single candidate). Candidates of probability 0 (top-k below `W`, a peaked
+warp) are dead beams: score -inf, never chosen over a live one.
 
-MTAD verification (Algorithm 1): the target scores the best beam in one pass; the
-longest prefix `j` with `min(1, p(x_{1:j}) / q(x_{1:j})) > tau` is kept, where earlier
-prefixes may fail, and one token is sampled from the target at position `j + 1`. Both
-joints use the same warping (at temperature 0 the models' own distributions: the warp
-there is one-hot). MTAD is lossy by design: its output does not follow the target's
-distribution, it aims at a higher joint likelihood (lower perplexity).
+MTAD verification (Algorithm 1, `MTADRule.prefix`): the target scores the best beam in
+the engine's one verification forward; the longest prefix `j` with
+`min(1, p(x_{1:j}) / q(x_{1:j})) > tau` is kept, where earlier prefixes may fail, and
+one token is sampled from the target at position `j + 1` (the engine's bonus). Both
+joints use the same warping (at temperature 0 the models' own distributions). MTAD is
+lossy by design: it aims at a higher joint likelihood (lower perplexity), not at the
+target's distribution.
+
+MTJD (Def. 3.1) is the same drafter over the target's weights with every beam token
+kept (`AcceptDraftRule`): each step commits the best of `W` beams over `k` target
+tokens and then the verification forward's own next token.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from .acceptance import StepDistributions
-from .drafters import Draft, empty_draft
+from .acceptance import Rule, StepDistributions
+from .batched import warp_rows
+from .engine import CATCH_UP, ModelRowsDrafter, RowsDraft, empty_draft, pad_rows
 from .errors import DraftwiseError
-from .models.runner import ModelRunner
-from .sampling import SamplingConfig, unwarped, warp
+from .sampling import SamplingConfig, unwarped
 
 
-@dataclass(frozen=True)
-class Beam:
-    tokens: torch.Tensor  # [n] int64, the best beam
-    joint_log_probs: torch.Tensor  # [n] float32: log q(x_{1:j}) for j = 1..n
-    beams: int  # beams alive at the last step (<= num_beams)
-
-
-def step_log_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """[rows, vocab] logits -> the log-probabilities beams are scored with (-inf where warped away).
-
-    Temperature 0 scores with the model's own distribution; otherwise with the warped one.
-    """
-    probs = unwarped(logits) if sampling.greedy else warp(logits, sampling)
+def beam_log_probs(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:
+    """[rows, vocab] logits -> the log-probabilities beams are scored with (-inf where warped away): the model's own
+    distribution for a temperature-0 row, the warped one otherwise."""
+    greedy = torch.tensor([c.greedy for c in configs], device=logits.device)
+    probs = torch.where(greedy[:, None], unwarped(logits), warp_rows(logits, configs))
     return torch.log(probs)
 
 
-def _select(scores: torch.Tensor, n: int, sampling: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """Indices of n candidates of flat joint log-scores: top-n (greedy) or sampled without replacement."""
-    finite = int(torch.isfinite(scores).sum())
-    n = max(1, min(n, finite))
-    if sampling.greedy:
-        return torch.topk(scores, n).indices
-    u = torch.rand(scores.shape, generator=generator, device=scores.device, dtype=torch.float64)
-    u = u.clamp_(min=1e-300)  # keeps the Gumbel noise finite
-    gumbel = scores.double() - torch.log(-torch.log(u))  # -inf stays -inf: never chosen
-    return torch.topk(gumbel, n).indices
+def select_candidates(scores: torch.Tensor, n: int, configs: Sequence[SamplingConfig],
+                      generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """[rows, C] joint log-scores -> [rows, n] indices: the top n (temperature 0) or n drawn without replacement
+    (Gumbel-top-k, with each row's generator). -inf scores are chosen only when fewer than n are finite."""
+    keys = scores.double()
+    for b, (config, generator) in enumerate(zip(configs, generators)):
+        if not config.greedy:
+            u = torch.rand(scores.shape[1], generator=generator, device=scores.device, dtype=torch.float64)
+            keys[b] -= torch.log(-torch.log(u.clamp_(min=1e-300)))  # -inf stays -inf
+    return torch.topk(keys, min(n, scores.shape[1]), dim=-1).indices
 
 
-def beam_search(
-    runner: ModelRunner,
-    sequence: Sequence[int],
-    length: int,
-    num_beams: int,
-    sampling: SamplingConfig,
-    generator: torch.Generator,
-) -> Beam:
-    """`length` tokens after `sequence` by beam search (see the module docstring). length >= 1."""
-    if length < 1:
-        raise ValueError("beam_search needs length >= 1")
-    logits = runner.forward(runner.pending(sequence), num_logits=1).logits  # [1, vocab]
-    vocab = logits.shape[-1]
-    scores = torch.zeros(1, device=logits.device)  # [beams] joint log-probability of each beam
-    history = torch.empty(1, 0, dtype=torch.long, device=logits.device)  # [beams, t]
-    joints = torch.empty(1, 0, device=logits.device)  # [beams, t] cumulative joint per prefix
-    parents = torch.zeros(1, dtype=torch.long, device=logits.device)
-    for t in range(length):
-        if t:
-            runner.select_beams(parents)  # cache rows follow their beams (t = 1: broadcast the prefix)
-            logits = runner.forward_beams(history[:, -1])  # [beams, vocab]
-        joint = scores[:, None] + step_log_probs(logits, sampling)  # [beams, vocab]
-        chosen = _select(joint.flatten(), num_beams, sampling, generator)  # [beams']
-        parents = torch.div(chosen, vocab, rounding_mode="floor")
-        tokens = chosen % vocab
-        scores = joint.flatten()[chosen].float()
-        history = torch.cat([history[parents], tokens[:, None]], dim=1)
-        joints = torch.cat([joints[parents], scores[:, None]], dim=1)
-    best = int(torch.argmax(scores))
-    if length > 1:
-        runner.select_beams(parents[best : best + 1])  # batch 1: the chosen beam's row
-    return Beam(tokens=history[best], joint_log_probs=joints[best], beams=int(scores.shape[0]))
+class ModelBeams(ModelRowsDrafter):
+    """A model's rows for beam search (a draft model's, or the target's weights in a cache of their own)."""
+
+    def begin(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, None, list[int]]:
+        """Feed each row its pending tokens (at most CATCH_UP: a row still catching up drafts nothing); returns
+        the next-token logits [rows, vocab], no state, and the rows' drafting limits."""
+        lengths = self.runner.lengths
+        for b, row in enumerate(rows):  # a row holding its whole sequence feeds its last token again
+            if lengths[b] >= len(row.sequence):
+                self.runner.trim_row(b, len(row.sequence) - 1)
+        pending = [r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)]
+        behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
+        feed, counts = pad_rows(pending)
+        at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
+        logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]
+        return logits, None, [0 if late else limit for late, limit in zip(behind, limits)]
+
+    def beam_step(self, tokens: torch.Tensor, states: Any, begin: int) -> tuple[torch.Tensor, None]:
+        ids = tokens.to(self.runner.device)[:, None]
+        return self.runner.forward_rows(ids, [1] * ids.shape[0], begin=begin).logits[:, -1], None
 
 
-class BeamDrafter:
-    """MTAD's drafter: the best of `num_beams` beams over `gamma` tokens of an independent draft model.
+class BeamRowsDrafter:
+    """MTAD's drafter (MTJD's over the target's weights): per row, the best of `num_beams` beams and its joint
+    log-probabilities. See the module docstring."""
 
-    Draft.probs are one-hot at the beam's tokens (the proposal is deterministic once the
-    beams are drawn); Draft.joint_log_probs carries log q(x_{1:j}) for the verification.
-    """
-
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, num_beams: int) -> None:
-        self.runner = runner
-        self.sampling = sampling
+    def __init__(self, base: Any, vocab_size: int, num_beams: int) -> None:
+        check_beams(num_beams)
+        self.base = base  # ModelBeams or an EagleRowsDrafter: admit / rewind / move_row / release / observe
         self.vocab_size = vocab_size
         self.num_beams = num_beams
+        self.wants_features = base.wants_features
+        self.device = base.runner.device
 
     @property
     def calls(self) -> int:
-        return self.runner.calls
+        return self.base.calls
 
-    def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
-        if max_tokens < 1:
-            return empty_draft(self.vocab_size, self.runner.device)
-        beam = beam_search(self.runner, sequence, max_tokens, self.num_beams, self.sampling, generator)
-        probs = torch.zeros(len(beam.tokens), self.vocab_size, device=self.runner.device)
-        probs.scatter_(1, beam.tokens[:, None], 1.0)
-        return Draft(beam.tokens, probs, joint_log_probs=beam.joint_log_probs)
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.base.feature_layers
 
-    def rewind(self, keep: int) -> None:
-        self.runner.trim(min(keep, self.runner.length))
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        self.base.admit(row, prompt_ids)
+
+    def observe(self, row: int, start: int, states: torch.Tensor) -> None:
+        self.base.observe(row, start, states)
+
+    def rewind(self, row: int, keep: int) -> None:
+        self.base.rewind(row, keep)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.base.move_row(src, dst)
+
+    def release(self, live: int) -> None:
+        self.base.release(live)
+
+    @torch.inference_mode()
+    def propose(self, rows, limits: Sequence[int]) -> RowsDraft:
+        n, beams, vocab = len(rows), self.num_beams, self.vocab_size
+        if max(limits, default=0) == 0:
+            return empty_draft(n, vocab, self.device)
+        if isinstance(self.base, ModelBeams):
+            logits, state, limits = self.base.begin(rows, limits)
+        else:  # an EAGLE head: catch up on the target's features, then its state scores the first token
+            state, limits = self.base.catch_up(rows, limits)
+            logits = self.base.full_logits(state)
+        width = max(limits, default=0)
+        if width == 0:
+            return empty_draft(n, vocab, self.device)
+        configs = [r.request.sampling for r in rows]
+        generators = [r.generator for r in rows]
+        cache = self.base.runner.cache
+        scores = beam_log_probs(logits[:, :vocab], configs)  # [rows, vocab] the first token's joint
+        chosen = select_candidates(scores, beams, configs, generators)  # [rows, W'] W' = min(W, vocab)
+        width_w = chosen.shape[1]
+        parents = torch.zeros_like(chosen)
+        tokens = chosen
+        scores = scores.gather(1, chosen).float()  # [rows, W']
+        history, joints = tokens[:, :, None], scores[:, :, None]  # [rows, W', t]
+        done_tokens: list[torch.Tensor | None] = [None] * n
+        done_joint: list[torch.Tensor | None] = [None] * n
+        self._finish(limits, 1, history, joints, scores, done_tokens, done_joint)
+        if width > 1:  # every row's base row broadcast to its W' scratch rows
+            cache.copy_rows([b for b in range(n) for _ in range(width_w)], n)
+            if state is not None:
+                state = state.repeat_interleave(width_w, 0)
+        for t in range(1, width):
+            logits, state = self.base.beam_step(tokens.flatten(), state, n)  # [rows W', vocab]
+            step = beam_log_probs(logits[:, :vocab], [c for c in configs for _ in range(width_w)])
+            joint = (scores[:, :, None] + step.view(n, width_w, vocab)).flatten(1)  # [rows, W' vocab]
+            chosen = select_candidates(joint, width_w, configs, generators)
+            parents = torch.div(chosen, vocab, rounding_mode="floor")
+            tokens = chosen % vocab
+            scores = joint.gather(1, chosen).float()
+            history = torch.cat([history.gather(1, parents[:, :, None].expand(-1, -1, t)), tokens[:, :, None]], 2)
+            joints = torch.cat([joints.gather(1, parents[:, :, None].expand(-1, -1, t)), scores[:, :, None]], 2)
+            self._finish(limits, t + 1, history, joints, scores, done_tokens, done_joint)
+            if t + 1 < width:  # the scratch rows follow their beams' parents
+                sources = (n + torch.arange(n)[:, None] * width_w + parents.cpu()).flatten().tolist()
+                cache.copy_rows(sources, n)
+                if state is not None:
+                    state = state.view(n, width_w, -1).gather(
+                        1, parents[:, :, None].expand(-1, -1, state.shape[-1])).flatten(0, 1)
+        cache.drop_rows(n)
+        counts = [int(limit) for limit in limits]
+        found = [t if t is not None else torch.zeros(0, dtype=torch.long, device=self.device) for t in done_tokens]
+        draft_tokens, _ = pad_rows([t.tolist() for t in found])
+        draft_tokens = draft_tokens.to(self.device)
+        k = draft_tokens.shape[1]
+        joint = torch.zeros(n, k, device=self.device)
+        for b, values in enumerate(done_joint):
+            if values is not None:
+                joint[b, : values.shape[0]] = values
+        probs = torch.zeros(n, k, vocab, device=self.device).scatter_(-1, draft_tokens[..., None], 1.0)
+        return RowsDraft(draft_tokens, probs, counts, joint=joint)
+
+    @staticmethod
+    def _finish(limits: Sequence[int], length: int, history: torch.Tensor, joints: torch.Tensor,
+                scores: torch.Tensor, done_tokens: list, done_joint: list) -> None:
+        """Rows whose limit is `length` keep their best beam now."""
+        for b, limit in enumerate(limits):
+            if limit == length:
+                best = int(torch.argmax(scores[b]))
+                done_tokens[b] = history[b, best]
+                done_joint[b] = joints[b, best]
 
 
 def check_tau(tau: float) -> None:
@@ -145,7 +214,7 @@ def check_beams(num_beams: int) -> None:
 
 
 def passing_prefixes(target_joint: torch.Tensor, draft_joint: torch.Tensor, tau: float) -> torch.Tensor:
-    """[k] bool: min(1, p(x_{1:j}) / q(x_{1:j})) > tau for each prefix j, from joint log-probabilities."""
+    """[..., k] bool: min(1, p(x_{1:j}) / q(x_{1:j})) > tau for each prefix j, from joint log-probabilities."""
     if tau >= 1.0:
         return torch.zeros_like(target_joint, dtype=torch.bool)
     ratio_ok = target_joint - draft_joint > (math.log(tau) if tau > 0 else -math.inf)
@@ -153,26 +222,29 @@ def passing_prefixes(target_joint: torch.Tensor, draft_joint: torch.Tensor, tau:
 
 
 @dataclass(frozen=True)
-class MTADRule:
+class MTADRule(Rule):
     """Algorithm 1's verification: keep the longest passing prefix; the target samples the next token.
 
-    `prefix(step)` is the number of drafted tokens kept; the decoding loop then runs the
-    one sampler on that prefix with pi = the (one-hot) draft, so it keeps all of them, and
-    draws the next token from the target's warped distribution at position j + 1.
-    """
+    `prefix(step, greedy)` is the number of drafted tokens each row keeps; the engine cuts the draft there and runs
+    the one sampler with pi = the (one-hot) draft, so it keeps all of them, and draws the next token from the
+    target's warped distribution at position j + 1."""
 
     tau: float = 0.5
     name: str = "mtad"
+    cuts_draft = True
 
-    def prefix(self, step: StepDistributions) -> int:
-        tokens = step.draft_tokens
+    def prefix(self, step: StepDistributions, greedy: torch.Tensor) -> list[int]:
+        """greedy: [rows] bool, temperature-0 rows (scored with the target's own distribution)."""
+        tokens = step.draft_tokens  # [rows, k]
         if step.draft_joint is None:
             raise DraftwiseError("mtad needs a beam drafter's joint probabilities")
-        p = unwarped(step.target_logits[:-1]) if step.greedy else step.target_probs[:-1]  # [k, vocab]
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        target_joint = torch.log(p[rows, tokens]).cumsum(0)  # [k] log p(x_{1:j})
-        passing = passing_prefixes(target_joint, step.draft_joint, self.tau).nonzero().flatten()
-        return int(passing[-1]) + 1 if passing.numel() else 0
+        p = torch.where(greedy[:, None, None], unwarped(step.target_logits[:, :-1]), step.target_probs[:, :-1])
+        target_joint = torch.log(p.gather(-1, tokens[..., None])[..., 0]).cumsum(-1)  # [rows, k] log p(x_{1:j})
+        k = tokens.shape[1]
+        drafted = torch.arange(k, device=tokens.device)[None] < step.num_drafted[:, None]
+        passing = passing_prefixes(target_joint, step.draft_joint, self.tau) & drafted
+        last = torch.where(passing, torch.arange(1, k + 1, device=tokens.device), 0).max(-1).values
+        return last.tolist()
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
         return step.draft_probs

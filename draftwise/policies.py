@@ -55,15 +55,16 @@ class FixedLength:
 
 
 class StopBefore(FixedLength):
-    """Stop a row when `stop(q_raw_row)` says so (AdaEDL, Chow, BiLD's fallback): one call per row."""
+    """Stop the rows where `stop(q_raw)` says so (AdaEDL, Chow, BiLD's fallback, SVIP): [rows, vocab] -> [rows]
+    bool, one call for every row."""
 
     needs_raw = True
 
-    def __init__(self, stop: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(self, stop: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.stop = stop
 
     def stop_before(self, q_raw):
-        return torch.tensor([bool(self.stop(q)) for q in q_raw], dtype=torch.bool, device=q_raw.device)
+        return self.stop(q_raw)  # vectorised over rows: no host sync
 
 
 class ConfidenceStop(FixedLength):

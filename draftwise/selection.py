@@ -43,6 +43,7 @@ class CompanionRowsDrafter:
         self.companion = companion
         self.vocab_size = vocab_size
         self.wants_features = inner.wants_features
+        self.feature_layers = inner.feature_layers
         self.companion_prefill_calls = 0
 
     @property
@@ -114,6 +115,8 @@ def _masked(values: torch.Tensor, counts: Sequence[int]) -> list[list[float]]:
 
 class GoodputSelector:
     """SV: estimate each drafted token's acceptance from (S, A), then schedule the batch (§5)."""
+
+    discards = True  # the select phase may drop drafted tokens unverified
 
     uses_companion = True
 
@@ -237,6 +240,8 @@ class SmartSpecSelector:
     """SmartSpec: each request's acceptance rate as a moving average (EMA of accepted / verified per step);
     one draft length k for the batch maximises sum_r (1 - a_r^(k+1)) / (1 - a_r) over the step's
     estimated time (k drafting forwards + verifying k + 1 tokens a row). Everything drafted is verified."""
+
+    discards = True  # the select phase may drop drafted tokens unverified
 
     def __init__(self, latency: LatencyModel, gamma: int, *, decay: float = 0.7, prior: float = 0.5) -> None:
         self.latency, self.gamma, self.decay, self.prior = latency, gamma, decay, prior

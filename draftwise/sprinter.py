@@ -32,11 +32,9 @@ from typing import Sequence
 
 import torch
 
-from .acceptance import StepDistributions
-from .drafters import Draft, ModelDrafter, empty_draft
+from .acceptance import Rule, StepDistributions
 from .errors import DraftwiseError
-from .models.runner import ModelRunner
-from .sampling import SamplingConfig, sample, unwarped, warp
+from .sampling import SamplingConfig
 
 FEATURES = ("hidden", "embedding", "stats")
 FORMAT = "draftwise-sprinter-verifier-1"
@@ -185,89 +183,19 @@ class Verifier(torch.nn.Module):
             )
 
 
-class SprinterDrafter(ModelDrafter):
-    """Draft tokens one at a time, scoring each with a verifier head; `_stop(score)` ends the run
-    after that token. SPRINTER: the run ends with the first token scored below `tau`, and the
-    verdicts go to `SprinterRule`."""
-
-    keeps_verdicts = True
-
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, verifier: Verifier,
-                 tau: float) -> None:
-        super().__init__(runner, sampling, vocab_size)
-        self.verifier = verifier.to(runner.device)
-        self.tau = tau
-        self.embedding = runner.model.get_input_embeddings()
-        self.verifier_calls = 0
-        self.verifier_accepted = 0  # drafted tokens kept on the verifier's word
-
-    def _start(self) -> None:
-        pass
-
-    def _passes(self, score: float) -> bool:
-        return score >= self.tau
-
-    @torch.inference_mode()
-    def propose(self, sequence: Sequence[int], max_tokens: int, generator: torch.Generator) -> Draft:
-        feed: Sequence[int] | torch.Tensor = self.runner.pending(sequence)
-        tokens, probs, verdicts = [], [], []
-        self._start()
-        for _ in range(max_tokens):
-            out = self.runner.forward(feed, num_logits=1, hidden=True)
-            step_probs = warp(out.logits, self.sampling)  # [1, vocab]
-            token = step_probs.argmax(-1) if self.sampling.greedy else sample(step_probs, generator)  # [1]
-            s = verifier_features(self.verifier.spec.features, out.hidden, token, unwarped(out.logits), self.embedding)
-            passes = self._passes(float(self.verifier(s.to(self.verifier.mean.dtype))[0]))
-            self.verifier_calls += 1
-            tokens.append(token)
-            probs.append(step_probs)
-            verdicts.append(passes)
-            feed = token
-            if not passes:
-                break
-        if not tokens:
-            return empty_draft(self.vocab_size, self.runner.device)
-        if not self.keeps_verdicts:
-            return Draft(torch.cat(tokens), torch.cat(probs))
-        self.verifier_accepted += sum(verdicts)
-        return Draft(torch.cat(tokens), torch.cat(probs),
-                     verifier_accepts=torch.tensor(verdicts, dtype=torch.bool, device=self.runner.device))
-
-
-class StopHeadDrafter(SprinterDrafter):
-    """SpecDec++ (Huang et al. 2024): a trained head predicts each drafted token's acceptance
-    probability a_i; drafting stops after the token at which P(at least one rejection) =
-    1 - prod a_i exceeds `threshold`. Verification is exact speculative sampling (lossless): the
-    head only chooses the draft length, so no token is kept on its word."""
-
-    keeps_verdicts = False
-
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, vocab_size: int, head: Verifier,
-                 threshold: float) -> None:
-        super().__init__(runner, sampling, vocab_size, head, threshold)
-        self._survive = 1.0
-
-    def _start(self) -> None:
-        self._survive = 1.0
-
-    def _passes(self, score: float) -> bool:
-        self._survive *= score
-        return 1.0 - self._survive <= self.tau
-
-
 def adaedl_stop(scale: float, threshold: float):
     """AdaEDL (Agrawal et al. 2024): stop drafting when the entropy-based lower bound on the next
     token's acceptance probability, 1 - sqrt(scale * H(q)), falls below `threshold` (H of the
     draft's unwarped distribution, in nats). The threshold is fixed here; AdaEDL's online
     adjustment of it from the observed acceptance rate is not implemented."""
-    def stop(q: torch.Tensor) -> bool:
-        entropy = float(-torch.special.xlogy(q, q).sum())
-        return 1.0 - math.sqrt(max(scale * entropy, 0.0)) < threshold
+    def stop(q: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...] bool
+        entropy = -torch.special.xlogy(q, q).sum(-1)
+        return 1.0 - torch.sqrt((scale * entropy).clamp(min=0.0)) < threshold
     return stop
 
 
 @dataclass(frozen=True)
-class SprinterRule:
+class SprinterRule(Rule):
     """pi = one-hot(x) where the verifier accepted x, S(p) where it rejected (only the run's last token)."""
 
     name: str = "sprinter"
@@ -275,7 +203,7 @@ class SprinterRule:
     def __call__(self, step: StepDistributions) -> torch.Tensor:
         verdicts = step.verifier_accepts
         if verdicts is None:
-            raise DraftwiseError("the sprinter rule needs the verifier's verdicts (a SprinterDrafter)")
+            raise DraftwiseError("the sprinter rule needs the verifier's verdicts (a VerifierStop policy)")
         one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[..., None], 1.0)
         return torch.where(verdicts[..., None], one_hot, step.target_probs[..., :-1, :])
 

@@ -165,6 +165,7 @@ class SuffixRowsDrafter(RetiringRows):
 
     calls = 0
     wants_features = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, vocab_size: int, device: torch.device, options: SuffixOptions = SuffixOptions(), *,
                  eos_token_ids: frozenset[int] = frozenset(), store: GlobalSuffix | None = None) -> None:
@@ -234,7 +235,7 @@ class HybridRowsDrafter:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return tuple(getattr(self.head, "feature_layers", ()))
+        return tuple(self.head.feature_layers)
 
     def admit(self, row, prompt_ids) -> None:
         self.head.admit(row, prompt_ids)
@@ -255,7 +256,7 @@ class HybridRowsDrafter:
         self.suffix.release(live)
 
     def propose(self, rows, limits):
-        from .engine import RowsDraft, _empty
+        from .engine import RowsDraft, empty_draft
 
         found, scores = self.suffix.speculate(rows, limits)
         use_suffix = [bool(f) and s >= self.threshold for f, s in zip(found, scores)]
@@ -267,7 +268,7 @@ class HybridRowsDrafter:
         counts = [len(found[b]) if use_suffix[b] else head.counts[b] for b in range(n)]
         k = max(counts, default=0)
         if k == 0:
-            return _empty(n, self.suffix.vocab_size, self.suffix.device)
+            return empty_draft(n, self.suffix.vocab_size, self.suffix.device)
         tokens = torch.zeros(n, k, dtype=torch.long, device=self.suffix.device)
         probs = torch.zeros(n, k, self.suffix.vocab_size, device=self.suffix.device)
         for b in range(n):

@@ -39,6 +39,8 @@ FIELDS = ("s", "a", "x", "accepted", "s_target", "position")
 class RecordingSelector:
     """Verifies every drafted token (plain SD) and records one sample per drafted token."""
 
+    discards = False
+
     def __init__(self) -> None:
         self.samples: dict[str, list[float]] = {f: [] for f in FIELDS}
         self._sa: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -81,15 +81,12 @@ class PromptLookupProposer(_Proposer):
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
-        import torch
-
-        from .drafters import PromptLookupDrafter
-
-        self.lookup = PromptLookupDrafter(1, torch.device("cpu"), max_ngram=self.options["max_ngram"],
-                                          min_ngram=self.options["min_ngram"])
+        self.ngrams = {"max_ngram": self.options["max_ngram"], "min_ngram": self.options["min_ngram"]}
 
     def draft(self, row: int, tokens: np.ndarray, limit: int) -> list[int]:
-        return self.lookup.lookup(tokens.tolist(), limit)
+        from .lookup import prompt_lookup
+
+        return prompt_lookup(tokens.tolist(), limit, **self.ngrams)
 
 
 class SuffixProposer(_Proposer):

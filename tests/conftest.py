@@ -99,3 +99,33 @@ def json_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
                                   show_progress=False)
     tok.train_from_iterator(JSON_CORPUS, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def speculative_sample(draft_tokens, draft_probs, pi, bonus_probs, generator):
+    """One row through the engine's sampler (`batched.speculative_sample_rows`, Algorithm 4): draft_tokens [k],
+    draft_probs and pi [k, vocab], bonus_probs [vocab] or a callable giving it (called only when every drafted token
+    was accepted). Returns num_drafted, num_accepted, next_token and bonus (whether next_token is the bonus)."""
+    from types import SimpleNamespace
+
+    from draftwise.batched import speculative_sample_rows
+
+    k = int(draft_tokens.shape[0])
+
+    def rows(probs):  # [vocab] -> [1, k + 1, vocab], the bonus at position k
+        out = torch.zeros(1, k + 1, probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        out[0, k] = probs
+        return out
+
+    if callable(bonus_probs):
+        width = pi.shape[-1]
+
+        def bonus(needed):
+            if not bool(needed.any()):
+                return torch.zeros(1, k + 1, width, dtype=pi.dtype, device=pi.device)
+            return rows(bonus_probs())
+    else:
+        bonus = rows(bonus_probs)
+    outcome = speculative_sample_rows(draft_tokens[None], draft_probs[None], pi[None], bonus, [k], [generator])
+    accepted = int(outcome.num_accepted[0])
+    return SimpleNamespace(num_drafted=k, num_accepted=accepted, next_token=int(outcome.next_tokens[0]),
+                           bonus=accepted == k)

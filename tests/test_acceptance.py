@@ -19,10 +19,11 @@ from draftwise.acceptance import (
     StepDistributions,
     output_distribution,
     residual,
-    speculative_sample,
 )
 from draftwise.errors import DraftwiseError
 from draftwise.sampling import SamplingConfig, make_generator, warp
+
+from conftest import speculative_sample
 
 ALPHA = 1e-3
 DRAWS = 20_000

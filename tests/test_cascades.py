@@ -29,12 +29,12 @@ from scipy.stats import binomtest
 
 import draftwise
 import draftwise.cascades as cascades
-from draftwise.acceptance import LossyRule, StepDistributions, residual, speculative_sample
+from draftwise.acceptance import LossyRule, StepDistributions, residual
 from draftwise.cascades import CASCADE_RULES, CascadeRule, cascade_pi, tv_distance
 from draftwise.errors import DraftwiseError
 from draftwise.sampling import SamplingConfig, make_generator, sample, warp
 
-from conftest import tiny_llama
+from conftest import tiny_llama, speculative_sample
 from test_exactness import ALPHA, PAIRS, SD_PROMPTS, WARPED, next_token_probs, pooled_chisquare, tv
 
 N_CASCADE = 2000

@@ -1,4 +1,4 @@
-"""The EAGLE drafter on a padded target vocabulary: draft-vocabulary ids at or past the shared
+"""The EAGLE row drafter on a padded target vocabulary: draft-vocabulary ids at or past the shared
 vocabulary size are masked before warping, so they are never drafted and carry no mass."""
 
 from __future__ import annotations
@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftwise.eagle import EagleConfig, EagleDrafter, EagleHead
+from types import SimpleNamespace
+
+from draftwise.eagle import EagleConfig, EagleHead
+from draftwise.eagle_rows import EagleRowsDrafter
 from draftwise.errors import DraftwiseError
 from draftwise.sampling import SamplingConfig, make_generator, warp
 
@@ -28,12 +31,24 @@ def padded_head(favour_padding: float) -> EagleHead:
     return head
 
 
-def drafts(head: EagleHead, sampling: SamplingConfig, seed: int, k: int = 4):
-    drafter = EagleDrafter(head, sampling, SHARED, torch.device("cpu"))
+def _drafter(head: EagleHead, sampling: SamplingConfig, seed: int):
+    """A row drafter with one row: 6 tokens, the target's features of the first 5 observed."""
+    drafter = EagleRowsDrafter(head, SHARED, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
-    drafter.observe(torch.randn(5, 64, generator=gen))  # features of the 5 tokens fed so far
+    features = torch.randn(5, 64, generator=gen)
     sequence = torch.randint(0, SHARED, (6,), generator=gen).tolist()
-    return drafter.propose(sequence, k, make_generator(seed))
+    drafter.admit(0, sequence)
+    drafter.observe(0, 0, features)
+    row = SimpleNamespace(sequence=sequence, request=SimpleNamespace(sampling=sampling), grammar=None,
+                          generator=make_generator(seed))
+    return drafter, row
+
+
+def drafts(head: EagleHead, sampling: SamplingConfig, seed: int, k: int = 4):
+    """Row 0's draft: (tokens [k], probs [k, SHARED])."""
+    drafter, row = _drafter(head, sampling, seed)
+    out = drafter.propose([row], [k])
+    return SimpleNamespace(tokens=out.tokens[0, : out.counts[0]], probs=out.probs[0, : out.counts[0]])
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.7, top_k=3, top_p=0.9),
@@ -43,7 +58,7 @@ def test_ids_past_the_shared_vocabulary_are_never_drafted(sampling: SamplingConf
     usable = VOCAB_IDS[VOCAB_IDS < SHARED]
     for seed in range(20):
         draft = drafts(head, sampling, seed)
-        assert len(draft) == 4
+        assert len(draft.tokens) == 4
         assert bool((draft.tokens < SHARED).all()), draft.tokens
         assert draft.probs.shape == (4, SHARED)
         assert torch.allclose(draft.probs.sum(-1), torch.ones(4))  # the usable ids carry all the mass
@@ -62,11 +77,9 @@ def test_masking_happens_before_warping():
     sampling = SamplingConfig(temperature=1.0, top_k=3)
     draft = drafts(head, sampling, seed=0, k=1)
     assert int((draft.probs[0] > 0).sum()) == 3
-    drafter = EagleDrafter(head, sampling, SHARED, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    drafter.observe(torch.randn(5, 64, generator=gen))
-    sequence = torch.randint(0, SHARED, (6,), generator=gen).tolist()
-    feats = drafter.pending[None]
+    drafter, row = _drafter(head, sampling, 0)
+    sequence = row.sequence
+    feats = drafter.features[0][None]
     with torch.no_grad():
         predicted = head(feats, torch.tensor([sequence[1:6]]))[0, -1:]
     logits = head.logits(predicted).masked_fill(VOCAB_IDS >= SHARED, float("-inf"))
@@ -78,4 +91,4 @@ def test_masking_happens_before_warping():
 def test_a_head_with_no_usable_id_is_refused():
     head = padded_head(favour_padding=0.0)
     with pytest.raises(DraftwiseError, match="draft vocabulary"):
-        EagleDrafter(head, SamplingConfig(), 0, torch.device("cpu"))
+        EagleRowsDrafter(head, 0, torch.device("cpu"))

@@ -4,6 +4,7 @@ rollouts, exactness at T=0, and resumable data and training."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 import tempfile
 from pathlib import Path
 
@@ -139,25 +140,6 @@ def test_row_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_ac
             keep = rng.randint(0, len(drafted))
             row.sequence += drafted[:keep] + [rng.randrange(64)]
             drafter.rewind(b, len(row.sequence) - 1)
-
-
-def test_batch1_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_acceptance():
-    from draftwise.eagle import EagleDrafter
-
-    target = _target()
-    head = _head(target, torch.arange(0, 64, 3))
-    drafter = EagleDrafter(head, GREEDY, 64, torch.device("cpu"))
-    rng = random.Random(4)
-    seq = [rng.randrange(64) for _ in range(6)]
-    drafter.observe(_features(target, seq)[: len(seq) - 1])
-    for _ in range(6):
-        limit = rng.randint(1, 4)
-        drafted = drafter.propose(seq, limit, make_generator(0)).tokens.tolist()
-        assert drafted == _rollout(head, target, seq, limit)
-        drafter.observe(_features(target, seq + drafted)[len(seq) - 1 :])
-        keep = rng.randint(0, len(drafted))
-        seq = seq + drafted[:keep] + [rng.randrange(64)]
-        drafter.rewind(len(seq) - 1)
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -374,8 +356,8 @@ def test_a_shared_lm_head_is_not_stored_and_comes_back_from_the_target(tmp_path)
 def test_mtad_beams_on_a_head_equal_a_brute_force_beam_search_under_forced_acceptance():
     """MTAD's drafter on the head: each proposal (best beam and its joint log-probabilities) equals a beam search
     whose every distribution is a cache-free head rollout; then a forced outcome and rewind, and again."""
-    from draftwise.eagle_beams import HeadBeamDrafter
-    from draftwise.mtad import step_log_probs
+    from draftwise.eagle_rows import EagleRowsDrafter
+    from draftwise.mtad import BeamRowsDrafter, beam_log_probs
 
     target = _target()
     head = _head(target, torch.arange(0, 64, 2), scale=1.0)
@@ -394,7 +376,7 @@ def test_mtad_beams_on_a_head_equal_a_brute_force_beam_search_under_forced_accep
                     tokens.append(beam[step])
             full = torch.full((64,), float("-inf"))
             full[head.vocab_ids] = head.logits(pre)
-            return step_log_probs(full[None], GREEDY)[0]
+            return beam_log_probs(full[None], [GREEDY])[0]
 
     def brute(seq, length):
         beams = [([], 0.0, [])]
@@ -409,20 +391,27 @@ def test_mtad_beams_on_a_head_equal_a_brute_force_beam_search_under_forced_accep
             beams = candidates[:beams_wanted]
         return max(beams, key=lambda b: b[1])
 
-    drafter = HeadBeamDrafter(head, GREEDY, 64, beams_wanted, torch.device("cpu"))
+    drafter = BeamRowsDrafter(EagleRowsDrafter(head, 64, torch.device("cpu")), 64, beams_wanted)
     rng = random.Random(7)
-    seq = [rng.randrange(64) for _ in range(6)]
-    drafter.observe(_features(target, seq)[: len(seq) - 1])
+    rows = []
+    for b in range(2):  # two rows drafting together, each with its own forced outcomes
+        seq = [rng.randrange(64) for _ in range(6 + 3 * b)]
+        drafter.admit(b, seq)
+        drafter.observe(b, 0, _features(target, seq)[: len(seq) - 1])
+        rows.append(SimpleNamespace(sequence=seq, request=SimpleNamespace(sampling=GREEDY), grammar=None,
+                                    generator=make_generator(b)))
     for _ in range(4):
-        limit = rng.randint(1, 3)
-        draft = drafter.propose(seq, limit, make_generator(0))
-        tokens, _, joints = brute(seq, limit)
-        assert draft.tokens.tolist() == tokens
-        torch.testing.assert_close(draft.joint_log_probs, torch.tensor(joints), atol=1e-4, rtol=1e-4)
-        drafted = draft.tokens.tolist()
-        drafter.observe(_features(target, seq + drafted)[len(seq) - 1 :])
-        seq = seq + drafted[: rng.randint(0, len(drafted))] + [rng.randrange(64)]
-        drafter.rewind(len(seq) - 1)
+        limits = [rng.randint(1, 3) for _ in rows]
+        draft = drafter.propose(rows, limits)
+        for b, row in enumerate(rows):
+            seq = row.sequence
+            tokens, _, joints = brute(seq, limits[b])
+            drafted = draft.tokens[b, : draft.counts[b]].tolist()
+            assert drafted == tokens
+            torch.testing.assert_close(draft.joint[b, : draft.counts[b]], torch.tensor(joints), atol=1e-4, rtol=1e-4)
+            drafter.observe(b, len(seq) - 1, _features(target, seq + drafted)[len(seq) - 1 :])
+            row.sequence = seq + drafted[: rng.randint(0, len(drafted))] + [rng.randrange(64)]
+            drafter.rewind(b, len(row.sequence) - 1)
 
 
 def test_mtad_runs_on_a_head():

@@ -86,11 +86,11 @@ def test_random_per_row_rollbacks_then_replay_match_a_cache_free_forward(name):
 def test_rollback_is_a_length_write_and_growth_keeps_contents():
     model = tiny_llama(0)
     runner = ModelRunner(model)
-    runner.prefill(list(range(1, 40)))
+    runner.forward_rows(torch.tensor([list(range(1, 40))]), [39])
     runner.cache._grow(4 * runner.cache.capacity)  # force growth: contents survive
-    runner.trim(10)
-    assert runner.length == 10
-    logits = runner.forward([5, 6]).logits
+    runner.trim_row(0, 10)
+    assert runner.lengths[0] == 10
+    logits = runner.forward_rows(torch.tensor([[5, 6]]), [2]).logits[0]
     assert torch.allclose(logits, _full_logits(model, list(range(1, 11)) + [5, 6])[-2:], atol=1e-4)
     with pytest.raises(ValueError):
         runner.trim(50)
@@ -271,7 +271,9 @@ def test_counters_never_count_accepted_tokens_past_eos():
             probs = torch.zeros(len(rows), 3, 64).scatter_(-1, tokens[..., None], 1.0)
             return RowsDraft(tokens, probs, [3] * len(rows))
 
-    class AcceptAll:
+    from draftwise.acceptance import Rule
+
+    class AcceptAll(Rule):
         def __call__(self, step):
             return step.draft_probs
 
@@ -424,8 +426,11 @@ def test_batched_generate_api_returns_one_generation_per_prompt(llama_pair):
                                                  ignore_eos=True).token_ids
     with pytest.raises(DraftwiseError, match="max_batch_size"):
         draftwise.generate(t, ["a", "b"], method="ar", max_batch_size=0)
-    with pytest.raises(DraftwiseError, match="one request at a time"):
-        draftwise.generate(t, ["a", "b"], method="mtjd", temperature=0)
+    batched = draftwise.generate(t, ["the cat", "a small draft"], method="mtjd", temperature=0, max_new_tokens=5,
+                                 ignore_eos=True, max_batch_size=2)  # every method batches, mtjd too
+    assert [g.token_ids for g in batched] == [
+        draftwise.generate(t, text, method="mtjd", temperature=0, max_new_tokens=5, ignore_eos=True).token_ids
+        for text in ["the cat", "a small draft"]]
 
 
 def test_eagle_row_drafter_equals_a_cache_free_rollout_under_forced_acceptance():

@@ -60,7 +60,7 @@ from scipy.stats import chisquare
 import draftwise
 import draftwise.acceptance as acceptance
 import draftwise.batched as batched
-from draftwise.acceptance import ExactRule, StepDistributions, output_distribution
+from draftwise.acceptance import ExactRule, Rule, StepDistributions, output_distribution
 from draftwise.sampling import SamplingConfig, warp
 
 from conftest import tiny_llama
@@ -260,7 +260,7 @@ def _recover_from_pi(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tenso
 
 
 @dataclass(frozen=True)
-class AcceptEverything:
+class AcceptEverything(Rule):
     """A broken rule: pi = draft, so every drafted token is accepted."""
 
     name: str = "accept-everything"

@@ -4,7 +4,7 @@ What is proven here:
 - on tiny random Llama (grouped-query attention), Qwen2 (q/k/v biases) and Mistral (a sliding window
   shorter than the sequences) models, the fast path gives the same logits and layer states as the
   transformers path (`DRAFTWISE_FAST=0`) and as an uncached full forward, through ragged prefills and
-  feeds, per-row rollbacks, `move_row`, `select_rows`, feeds to a block of rows and single-row feeds;
+  feeds, per-row rollbacks, `move_row`, `copy_rows`, feeds to a block of rows and single-row feeds;
   `forward_states` (the last layer's states, feature_layers or not) and `logits_at` agree too;
 - that comparison is not vacuous: one perturbed weight, swapped rotary tables or a dropped window fail it;
 - `Int8Linear` and `Int4Linear` compute x @ dequantized().T (int4 exactly where fp32 arithmetic is exact),
@@ -89,7 +89,7 @@ def _runner(model, monkeypatch, *, fast: bool, rows: int = ROWS) -> ModelRunner:
 def _script(seed: int, *, steps: int = 7) -> list[tuple]:
     """A deterministic sequence of runner operations over ROWS rows, tracking the lengths it implies:
     a ragged right-padded prefill, then ragged feeds of 1..5 tokens with random per-row rollbacks, one
-    `move_row`, one `select_rows`, a feed to rows 1.. only (begin=1), one-row feeds of 1 and of 3 tokens."""
+    `move_row`, one `copy_rows`, a feed to rows 1.. only (begin=1), one-row feeds of 1 and of 3 tokens."""
     rng = random.Random(seed)
     lengths = [0] * ROWS
     ops: list[tuple] = []
@@ -151,9 +151,9 @@ def _play(runner: ModelRunner, ops: list[tuple], *, hidden: bool = False) -> lis
             _, src, dst = op
             runner.cache.move_row(src, dst)
             sequences[dst] = list(sequences[src])
-        elif op[0] == "select":
-            runner.cache.select_rows(op[1])
-            sequences[:] = [list(sequences[r]) for r in op[1].tolist()]
+        elif op[0] == "select":  # a beam reorder: row i becomes a copy of row op[1][i]
+            runner.cache.copy_rows(op[1].tolist(), 0)
+            sequences[: len(op[1])] = [list(sequences[r]) for r in op[1].tolist()]
         assert runner.lengths == [len(s) for s in sequences]
     return results
 

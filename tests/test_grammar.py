@@ -110,10 +110,10 @@ def test_negative_control_an_unmasked_target_is_caught(pair, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["sd", "ar", "prompt-lookup", "suffix", "lossy", "cascade", "token-cascade",
-                                    "fly", "hybrid"])
+                                    "fly", "hybrid", "oracle-diff", "seq-cascade"])
 def test_every_output_parses(pair, method):
     target, draft, _ = pair
-    needs_draft = method in ("sd", "lossy", "cascade", "token-cascade", "fly", "hybrid")
+    needs_draft = method in ("sd", "lossy", "cascade", "token-cascade", "fly", "hybrid", "oracle-diff", "seq-cascade")
     kwargs = {"draft": draft} if needs_draft else {}
     seeds = 200 if method == "sd" else 25
     for seed in range(seeds):
@@ -167,7 +167,7 @@ def test_bad_grammars_are_one_line_errors(pair, value, says):
 
 def test_refusals_name_the_reason(pair):
     target, draft, _ = pair
-    with pytest.raises(DraftwiseError, match="grammar is applied by the batched engine.*mtjd"):
+    with pytest.raises(DraftwiseError, match="mtjd cannot apply a grammar: its beams are searched without"):
         draftwise.generate(target, PROMPT, method="mtjd", temperature=0, grammar={"regex": REGEX})
     with pytest.raises(DraftwiseError, match="ignore_eos"):
         draftwise.generate(target, PROMPT, method="ar", ignore_eos=True, grammar={"regex": REGEX})

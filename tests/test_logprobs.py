@@ -33,10 +33,11 @@ def _reference(model, ids):
 
 
 @pytest.mark.parametrize("method,temperature", [("ar", 0.0), ("sd", 1.0), ("sd", 0.0), ("lossy", 1.0),
-                                                ("prompt-lookup", 0.0)])
+                                                ("prompt-lookup", 0.0), ("mtad", 1.0), ("mtjd", 0.0),
+                                                ("oracle-diff", 1.0)])
 def test_each_token_logprob_is_the_targets_at_its_position(models, method, temperature):
     target, draft = models
-    kwargs = {"draft": draft} if method in ("sd", "lossy") else {}
+    kwargs = {"draft": draft} if method in ("sd", "lossy", "mtad", "oracle-diff") else {}
     for seed in range(3):
         out = draftwise.generate(target, PROMPT, method=method, temperature=temperature, seed=seed,
                                  max_new_tokens=20, logprobs=4, prompt_logprobs=2, **kwargs)
@@ -88,8 +89,8 @@ def test_bad_values_and_methods_off_the_engine_are_refused(models):
     for bad in (-1, 21, 2.0, True, "3"):
         with pytest.raises(DraftwiseError, match="logprobs must be"):
             draftwise.generate(target, PROMPT, method="ar", logprobs=bad)
-    with pytest.raises(DraftwiseError, match="logprobs is applied by the batched engine.*mtjd"):
-        draftwise.generate(target, PROMPT, method="mtjd", temperature=0, logprobs=1)
+    with pytest.raises(DraftwiseError, match="seq-cascade cannot apply logprobs: a kept response is never scored"):
+        draftwise.generate(target, PROMPT, draft=draft, method="seq-cascade", temperature=0, logprobs=1)
 
 
 # ---------------------------------------------------------------- the server

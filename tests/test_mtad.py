@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ from draftwise.bench.quality import perplexity, target_score
 from draftwise.bench.report import format_table
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
-from draftwise.mtad import MTADRule, beam_search, passing_prefixes, step_log_probs
+from draftwise.mtad import BeamRowsDrafter, MTADRule, ModelBeams, beam_log_probs, passing_prefixes
 from draftwise.sampling import SamplingConfig, make_generator
 
 from conftest import tiny_llama
@@ -48,7 +49,7 @@ def log_probs_after(model, prefixes: list[list[int]], vocab: int, sampling: Samp
     out = []
     for prefix in prefixes:
         logits = model(torch.tensor([prefix])).logits[0, -1, :vocab]
-        out.append(step_log_probs(logits[None], sampling)[0])
+        out.append(beam_log_probs(logits[None], [sampling])[0])
     return torch.stack(out)
 
 
@@ -72,62 +73,107 @@ def reference_beam_search(model, prompt: list[int], length: int, beams: int, voc
 # ----------------------------------------------------------------------------- beam drafter
 
 
+def beam_rows(model, prompts: list[list[int]], beams: int, vocab: int = 64):
+    """A BeamRowsDrafter over `model` with one admitted row per prompt, and those rows (as the engine keeps them)."""
+    drafter = BeamRowsDrafter(ModelBeams(ModelRunner(model, rows=0), vocab), vocab, beams)
+    rows = []
+    for b, prompt in enumerate(prompts):
+        drafter.admit(b, prompt)
+        rows.append(SimpleNamespace(sequence=list(prompt), request=SimpleNamespace(sampling=GREEDY), grammar=None,
+                                    generator=make_generator(b)))
+    return drafter, rows
+
+
+def sampled(rows, sampling: SamplingConfig, seed: int):
+    for b, row in enumerate(rows):
+        row.request = SimpleNamespace(sampling=sampling)
+        row.generator = make_generator(seed + b)
+    return rows
+
+
 def test_exhaustive_beam_is_the_joint_argmax():
     vocab, length = 6, 3
     draft = tiny_llama(1, vocab=vocab, layers=1, init=0.5)
-    runner = ModelRunner(draft)
-    beam = beam_search(runner, PROMPT, length, vocab ** (length - 1), GREEDY, make_generator(0))
-    greedy = beam_search(ModelRunner(draft), PROMPT, length, 1, GREEDY, make_generator(0))
-    assert greedy.tokens.tolist() != beam.tokens.tolist()  # a case where the joint argmax is not the greedy path
+    drafter, rows = beam_rows(draft, [PROMPT], vocab ** (length - 1), vocab)
+    beam = drafter.propose(rows, [length])
+    greedy_drafter, greedy_rows = beam_rows(draft, [PROMPT], 1, vocab)
+    greedy = greedy_drafter.propose(greedy_rows, [length])
+    assert greedy.tokens[0].tolist() != beam.tokens[0].tolist()  # the joint argmax is not the greedy path here
     every = [list(seq) for seq in itertools.product(range(vocab), repeat=length)]
     with torch.inference_mode():
         logits = draft(torch.tensor([PROMPT + seq for seq in every])).logits[:, len(PROMPT) - 1 : -1]
     scores = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(every)[..., None]).sum((1, 2))
-    assert beam.tokens.tolist() == every[int(scores.argmax())]
-    assert beam.joint_log_probs.tolist() == pytest.approx(joint_of(draft, PROMPT, beam.tokens.tolist(), vocab, GREEDY),
-                                                          abs=1e-4)
-    assert runner.length == len(PROMPT) + length - 1 and runner.cache.num_rows == 1
+    assert beam.tokens[0].tolist() == every[int(scores.argmax())]
+    assert beam.joint[0].tolist() == pytest.approx(joint_of(draft, PROMPT, beam.tokens[0].tolist(), vocab, GREEDY),
+                                                   abs=1e-4)
+    runner = drafter.base.runner
+    assert runner.lengths == [len(PROMPT)]  # scratch rows dropped; the base row holds the sequence, no beam token
 
 
 @pytest.mark.parametrize("beams", [1, 2, 3, 5])
-def test_narrow_beams_match_a_cache_free_beam_search(beams: int):
+def test_narrow_beams_match_a_cache_free_beam_search_on_every_row(beams: int):
     vocab = 64
     draft = tiny_llama(1, layers=1, init=0.5)
-    beam = beam_search(ModelRunner(draft), PROMPT, 4, beams, GREEDY, make_generator(0))
-    assert beam.tokens.tolist() == reference_beam_search(draft, PROMPT, 4, beams, vocab)
-    assert beam.joint_log_probs.tolist() == pytest.approx(joint_of(draft, PROMPT, beam.tokens.tolist(), vocab, GREEDY),
-                                                          abs=1e-4)
+    prompts = [PROMPT, [7, 8], [60, 2, 9, 33, 1, 5, 5]]
+    drafter, rows = beam_rows(draft, prompts, beams)
+    out = drafter.propose(rows, [4, 2, 3])  # each row its own limit
+    assert out.counts == [4, 2, 3]
+    for b, prompt in enumerate(prompts):
+        tokens = out.tokens[b, : out.counts[b]].tolist()
+        assert tokens == reference_beam_search(draft, prompt, out.counts[b], beams, vocab), b
+        assert out.joint[b, : out.counts[b]].tolist() == pytest.approx(joint_of(draft, prompt, tokens, vocab, GREEDY),
+                                                                       abs=1e-4)
+
+
+def test_beams_under_forced_acceptance_patterns_match_a_cache_free_beam_search():
+    """Draft, keep a forced prefix of each row's beam plus a forced token, rewind, draft again: every proposal equals
+    the cache-free beam search of the row's sequence, and the base rows' caches equal a fresh forward."""
+    vocab = 64
+    draft = tiny_llama(1, layers=1, init=0.5)
+    prompts = [PROMPT, [7, 8, 9], [60]]
+    drafter, rows = beam_rows(draft, prompts, 3)
+    patterns = [[0, 3, 1], [2, 0, 4], [4, 1, 0], [1, 2, 2], [3, 4, 3]]
+    for step, keeps in enumerate(patterns):
+        out = drafter.propose(rows, [4, 4, 4])
+        for b, row in enumerate(rows):
+            tokens = out.tokens[b, : out.counts[b]].tolist()
+            assert tokens == reference_beam_search(draft, row.sequence, 4, 3, vocab), (step, b)
+            row.sequence += tokens[: keeps[b]] + [(step * 7 + b) % vocab]  # accepted, then a recovered token
+            drafter.rewind(b, len(row.sequence) - 1)
+    logits, _, _ = drafter.base.begin(rows, [1, 1, 1])
+    for b, row in enumerate(rows):
+        with torch.inference_mode():
+            fresh = draft(torch.tensor([row.sequence])).logits[0, -1]
+        torch.testing.assert_close(logits[b], fresh, atol=1e-4, rtol=1e-4)
 
 
 def test_sampled_beam_joint_probabilities_match_recomputation():
     draft = tiny_llama(1, layers=1)
-    runner = ModelRunner(draft)
-    runner.forward(PROMPT[:3])  # part of the prompt cached already, as in decoding
-    beam = beam_search(runner, PROMPT, 4, 4, WARPED, make_generator(3))
-    expected = joint_of(draft, PROMPT, beam.tokens.tolist(), 64, WARPED)
-    assert all(math.isfinite(x) for x in expected)  # every beam token is inside the warped support
-    assert beam.joint_log_probs.tolist() == pytest.approx(expected, abs=1e-4)
+    drafter, rows = beam_rows(draft, [PROMPT, [4, 4, 2]], 4)
+    out = drafter.propose(sampled(rows, WARPED, 3), [4, 4])
+    for b, row in enumerate(rows):
+        expected = joint_of(draft, row.sequence, out.tokens[b].tolist(), 64, WARPED)
+        assert all(math.isfinite(x) for x in expected)  # every beam token is inside the warped support
+        assert out.joint[b].tolist() == pytest.approx(expected, abs=1e-4)
 
 
-def test_fewer_candidates_than_beams_keeps_fewer_beams():
+def test_fewer_candidates_than_beams_leaves_dead_beams_that_never_win():
     draft = tiny_llama(1, layers=1)
-    beam = beam_search(ModelRunner(draft), PROMPT, 3, 8, SamplingConfig(1.0, top_k=2), make_generator(0))
-    assert beam.beams <= 8 and len(beam.tokens) == 3
-    one = beam_search(ModelRunner(draft), PROMPT, 2, 8, SamplingConfig(1.0, top_k=1), make_generator(0))
-    assert one.beams == 1
+    drafter, rows = beam_rows(draft, [PROMPT], 8)
+    out = drafter.propose(sampled(rows, SamplingConfig(1.0, top_k=1), 0), [3])
+    greedy_drafter, greedy_rows = beam_rows(draft, [PROMPT], 1)
+    assert out.tokens[0].tolist() == greedy_drafter.propose(greedy_rows, [3]).tokens[0].tolist()  # one live beam
+    assert all(math.isfinite(x) for x in out.joint[0].tolist())
 
 
-def _two_token_counts(n: int, monkeypatch=None) -> np.ndarray:
+def _two_token_counts(n: int) -> np.ndarray:
     vocab = 16
     draft = tiny_llama(1, vocab=vocab, layers=1, init=0.15)
-    sampling = SamplingConfig(1.0)
-    generator = make_generator(11)
+    drafter, rows = beam_rows(draft, [PROMPT], 1, vocab)
+    sampled(rows, SamplingConfig(1.0), 11)
     counts = np.zeros((vocab, vocab))
-    runner = ModelRunner(draft)
-    runner.forward(PROMPT[:-1])
     for _ in range(n):
-        tokens = beam_search(runner, PROMPT, 2, 1, sampling, generator).tokens.tolist()
-        runner.trim(len(PROMPT) - 1)
+        tokens = drafter.propose(rows, [2]).tokens[0].tolist()
         counts[tokens[0], tokens[1]] += 1
     return counts
 
@@ -148,7 +194,8 @@ def test_one_beam_sampling_is_ancestral_sampling():
 def test_control_beam_sampling_without_noise_is_rejected(monkeypatch):
     import draftwise.mtad as mtad
 
-    monkeypatch.setattr(mtad, "_select", lambda scores, n, sampling, generator: torch.topk(scores, n).indices)
+    monkeypatch.setattr(mtad, "select_candidates",
+                        lambda scores, n, configs, generators: torch.topk(scores, min(n, scores.shape[1]), -1).indices)
     counts = _two_token_counts(300)
     assert pooled_chisquare(counts, _two_token_joint()) < ALPHA
 
@@ -157,11 +204,16 @@ def test_control_beam_sampling_without_noise_is_rejected(monkeypatch):
 
 
 def _step(target_rows: list[list[float]], draft_joint: list[float], tokens: list[int]) -> StepDistributions:
-    probs = torch.tensor(target_rows)  # [k + 1, vocab]
+    """One row's verification step (a batch of one)."""
+    probs = torch.tensor(target_rows)[None]  # [1, k + 1, vocab]
     k = len(tokens)
-    one_hot = torch.zeros(k, probs.shape[1]).scatter_(1, torch.tensor(tokens)[:, None], 1.0)
-    return StepDistributions(torch.tensor(tokens), one_hot, probs, torch.log(probs), draft_joint=torch.log(
-        torch.tensor(draft_joint)))
+    one_hot = torch.zeros(1, k, probs.shape[-1]).scatter_(-1, torch.tensor([tokens])[..., None], 1.0)
+    return StepDistributions(torch.tensor([tokens]), one_hot, probs, torch.log(probs),
+                             draft_joint=torch.log(torch.tensor([draft_joint])), num_drafted=torch.tensor([k]))
+
+
+def prefix(rule: MTADRule, step: StepDistributions) -> int:
+    return rule.prefix(step, torch.tensor([False]))[0]
 
 
 def test_longest_passing_prefix_even_after_a_failing_one():
@@ -169,21 +221,21 @@ def test_longest_passing_prefix_even_after_a_failing_one():
     # p(x_1:3) = .18 * .1 = .018 vs q = .2 -> .09 fails. Longest passing prefix: 2.
     rows = [[0.2, 0.8, 0.0], [0.05, 0.9, 0.05], [0.1, 0.0, 0.9], [1 / 3, 1 / 3, 1 / 3]]
     step = _step(rows, [0.5, 0.25, 0.2], [0, 1, 0])
-    assert MTADRule(tau=0.5).prefix(step) == 2
-    assert MTADRule(tau=0.8).prefix(step) == 0  # .4, .72, .09: none above .8
-    assert MTADRule(tau=0.05).prefix(step) == 3
-    assert MTADRule(tau=0.0).prefix(step) == 3
+    assert prefix(MTADRule(tau=0.5), step) == 2
+    assert prefix(MTADRule(tau=0.8), step) == 0  # .4, .72, .09: none above .8
+    assert prefix(MTADRule(tau=0.05), step) == 3
+    assert prefix(MTADRule(tau=0.0), step) == 3
 
 
 def test_tau_near_one_accepts_only_where_the_target_is_at_least_as_likely():
     rows = [[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]]
     step = _step(rows, [0.61, 0.61 * 0.31], [0, 0])  # p/q just below 1 at both prefixes
-    assert MTADRule(tau=0.999).prefix(step) == 0
-    assert MTADRule(tau=1.0).prefix(step) == 0
-    assert MTADRule(tau=0.9).prefix(step) == 2
+    assert prefix(MTADRule(tau=0.999), step) == 0
+    assert prefix(MTADRule(tau=1.0), step) == 0
+    assert prefix(MTADRule(tau=0.9), step) == 2
     higher = _step(rows, [0.5, 0.5 * 0.3], [0, 0])  # p >= q: min(1, p/q) = 1 > 0.999
-    assert MTADRule(tau=0.999).prefix(higher) == 2
-    assert MTADRule(tau=1.0).prefix(higher) == 0  # min(1, .) > 1 never holds
+    assert prefix(MTADRule(tau=0.999), higher) == 2
+    assert prefix(MTADRule(tau=1.0), higher) == 0  # min(1, .) > 1 never holds
 
 
 def test_zero_target_probability_never_passes():
@@ -241,21 +293,6 @@ def test_mtad_at_tau_zero_keeps_every_drafted_token(llama_pair):
     assert out.stats["accepted"] == out.stats["drafted"]  # the unwarped target gives every token p > 0
 
 
-def test_caches_stay_consistent_after_beam_drafting_and_rollback(llama_pair):
-    _, draft = llama_pair
-    runner = ModelRunner(draft)
-    generator = make_generator(1)
-    seq = list(PROMPT)
-    for step in range(4):  # draft, keep part of it, draft again from the rolled-back cache
-        beam = beam_search(runner, seq, 4, 3, WARPED, generator)
-        seq += beam.tokens.tolist()[: step % 3 + 1]
-        runner.trim(len(seq) - 1)
-    logits = runner.forward(runner.pending(seq), num_logits=1).logits[0]
-    with torch.inference_mode():
-        fresh = draft(torch.tensor([seq])).logits[0, -1]
-    torch.testing.assert_close(logits, fresh, atol=1e-4, rtol=1e-4)
-
-
 def test_sampled_mtad_runs_and_its_stats_add_up(llama_pair):
     target, draft = llama_pair
     out = draftwise.generate(target, PROMPT, draft=draft, method="mtad", tau=0.2, num_beams=3, gamma=4, seed=2,
@@ -277,14 +314,16 @@ def test_greedy_mtjd_with_an_exhaustive_beam_is_exhaustive_block_decoding():
     out = draftwise.generate(target, PROMPT, method="mtjd", k=k, num_beams=vocab, temperature=0, max_new_tokens=6,
                              ignore_eos=True)
     seq = list(PROMPT)
-    for _ in range(3):
+    for _ in range(2):  # a step: the joint argmax over k tokens, then the target's argmax after them
         every = [list(x) for x in itertools.product(range(vocab), repeat=k)]
         with torch.inference_mode():
             logits = target(torch.tensor([seq + x for x in every])).logits[:, len(seq) - 1 : -1]
         scores = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(every)[..., None]).sum((1, 2))
         seq += every[int(scores.argmax())]
+        with torch.inference_mode():
+            seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
     assert out.token_ids == seq[len(PROMPT) :]
-    assert out.stats["target_calls"] == 6 and out.stats["steps"] == 3
+    assert out.stats["target_calls"] == 2 == out.stats["steps"] and out.stats["accepted"] == 4
 
 
 def test_mtjd_with_k_one_is_greedy_decoding(llama_pair):

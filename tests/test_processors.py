@@ -46,10 +46,13 @@ def test_the_penalty_really_changes_the_output(models):
     assert plain != penalised
 
 
-def test_processors_are_refused_where_the_method_decodes_alone_and_bad_values(models):
+def test_every_method_applies_processors_and_bad_values_are_refused(models):
     target, _ = models
-    with pytest.raises(DraftwiseError, match="mtjd"):
-        draftwise.generate(target, PROMPTS[0], method="mtjd", temperature=0, repetition_penalty=1.2)
+    mtjd = draftwise.generate(target, PROMPTS[0], method="mtjd", k=1, temperature=0, repetition_penalty=1.2,
+                              max_new_tokens=12, ignore_eos=True)  # one-token blocks at temperature 0: greedy
+    ar = draftwise.generate(target, PROMPTS[0], method="ar", temperature=0, repetition_penalty=1.2,
+                            max_new_tokens=12, ignore_eos=True)
+    assert mtjd.token_ids == ar.token_ids
     for bad in (0, -1.0, float("nan"), "2"):
         with pytest.raises(DraftwiseError, match="repetition_penalty"):
             draftwise.generate(target, PROMPTS[0], method="ar", repetition_penalty=bad)

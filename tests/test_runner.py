@@ -1,7 +1,9 @@
-"""ModelRunner: the KV cache it owns survives trim-and-replay, batched and single-token
+"""ModelRunner: the KV cache it owns survives trim-and-replay (row 0, fed through `forward_rows`), batched and single-token
 forwards agree, counters count, and `trim` refuses lengths it cannot honour."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +11,43 @@ import torch
 from conftest import tiny_gpt2, tiny_llama
 from draftwise.models import ModelRunner
 
+
+class Row0:
+    """Row 0 of a runner fed through `forward_rows` (the only forward the package has), spelt one request at a time."""
+
+    def __init__(self, model, **kwargs) -> None:
+        self.runner = ModelRunner(model, **kwargs)
+
+    @property
+    def length(self) -> int:
+        return self.runner.lengths[0]
+
+    @property
+    def calls(self) -> int:
+        return self.runner.calls
+
+    @property
+    def tokens_processed(self) -> int:
+        return self.runner.tokens_processed
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def forward(self, tokens, *, num_logits=None, hidden=False):
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("at least one token")
+        num_logits = n if num_logits is None else num_logits
+        at = torch.arange(n - num_logits, n)[None]
+        out = self.runner.forward_rows(ids, [n], logits_at=at, hidden=hidden)
+        return SimpleNamespace(logits=out.logits[0], hidden=out.hidden[0, n - num_logits:] if hidden else None)
+
+    def prefill(self, tokens, *, hidden=False):
+        return self.forward(tokens, num_logits=1, hidden=hidden)
+
+    def trim(self, keep: int) -> None:
+        self.runner.trim_row(0, keep)
 
 
 PROMPT = [3, 17, 42, 8, 25, 11, 60]
@@ -25,7 +64,7 @@ def model(request):
     return MODELS[request.param]()
 
 
-def _greedy_steps(runner: ModelRunner, first_logits: torch.Tensor, steps: int):
+def _greedy_steps(runner: Row0, first_logits: torch.Tensor, steps: int):
     """Decode greedily one token at a time; return the tokens and the logits that chose each next one."""
     tokens, logits = [], [first_logits]
     current = first_logits
@@ -45,7 +84,7 @@ def _full_logits(model, ids):
 
 def test_trim_and_replay_reproduces_generation(model):
     """mlx-lm's test_trim_cache_with_generate: trim to the prompt, replay, same tokens and logits."""
-    runner = ModelRunner(model)
+    runner = Row0(model)
     first = runner.prefill(PROMPT).logits[-1]
     tokens, logits = _greedy_steps(runner, first, STEPS)
     assert runner.length == len(PROMPT) + STEPS
@@ -74,10 +113,10 @@ def test_trim_and_replay_reproduces_generation(model):
 
 def test_trim_after_rejected_tokens_then_continue(model):
     """Feed junk (as rejected drafts would be), trim it away, continue: same as never having fed it."""
-    clean = ModelRunner(model)
+    clean = Row0(model)
     expect = clean.forward(PROMPT + [5, 6]).logits
 
-    runner = ModelRunner(model)
+    runner = Row0(model)
     runner.forward(PROMPT)
     runner.forward([9, 9, 9, 9])  # four "rejected" tokens
     runner.trim(len(PROMPT))
@@ -87,12 +126,12 @@ def test_trim_after_rejected_tokens_then_continue(model):
 
 def test_multi_token_forward_matches_single_token_forwards(model):
     continuation = [7, 30, 2, 55, 19]
-    batched = ModelRunner(model)
+    batched = Row0(model)
     batched.prefill(PROMPT)
     many = batched.forward(continuation).logits  # [k, vocab]
     assert many.shape == (len(continuation), model.config.vocab_size)
 
-    single = ModelRunner(model)
+    single = Row0(model)
     single.prefill(PROMPT)
     one_by_one = torch.cat([single.forward([t]).logits for t in continuation])
     assert many.dtype == torch.float32
@@ -103,7 +142,7 @@ def test_multi_token_forward_matches_single_token_forwards(model):
     assert batched.length == single.length == len(PROMPT) + len(continuation)
 
     # num_logits keeps the last rows only.
-    last2 = ModelRunner(model)
+    last2 = Row0(model)
     last2.prefill(PROMPT)
     tail = last2.forward(continuation, num_logits=2).logits
     assert tail.shape == (2, model.config.vocab_size)
@@ -111,7 +150,7 @@ def test_multi_token_forward_matches_single_token_forwards(model):
 
 
 def test_counts_calls_and_tokens(model):
-    runner = ModelRunner(model)
+    runner = Row0(model)
     assert (runner.calls, runner.tokens_processed, runner.length) == (0, 0, 0)
     out = runner.prefill(PROMPT)
     assert out.logits.shape == (1, model.config.vocab_size)
@@ -125,18 +164,8 @@ def test_counts_calls_and_tokens(model):
     assert (runner.calls, runner.tokens_processed, runner.length) == (0, 0, 0)
 
 
-def test_pending_is_the_uncached_suffix(model):
-    runner = ModelRunner(model)
-    seq = PROMPT + [1, 2]
-    assert runner.pending(seq) == seq
-    runner.forward(PROMPT)
-    assert runner.pending(seq) == [1, 2]
-    runner.trim(3)
-    assert runner.pending(seq) == seq[3:]
-
-
 def test_trim_rejects_invalid_lengths(model):
-    runner = ModelRunner(model)
+    runner = Row0(model)
     runner.forward(PROMPT)
     for bad in (-1, len(PROMPT) + 1, 10**6):
         with pytest.raises(ValueError, match="cannot trim"):
@@ -150,18 +179,18 @@ def test_trim_rejects_invalid_lengths(model):
         runner.trim(1)
     # an emptied cache decodes like a fresh one
     again = runner.forward(PROMPT).logits
-    assert torch.allclose(again, ModelRunner(model).forward(PROMPT).logits, atol=1e-5)
+    assert torch.allclose(again, Row0(model).forward(PROMPT).logits, atol=1e-5)
 
 
 def test_forward_rejects_empty_input(model):
-    runner = ModelRunner(model)
+    runner = Row0(model)
     with pytest.raises(ValueError):
         runner.forward([])
     assert (runner.calls, runner.length) == (0, 0)
 
 
 def test_hidden_states_are_last_layer(model):
-    runner = ModelRunner(model)
+    runner = Row0(model)
     out = runner.forward(PROMPT, num_logits=3, hidden=True)
     hidden_size = model.config.hidden_size
     assert out.hidden is not None
@@ -171,17 +200,17 @@ def test_hidden_states_are_last_layer(model):
     with torch.no_grad():
         assert torch.allclose(model.lm_head(out.hidden.clone()), out.logits, atol=1e-5)
     assert runner.forward([1], hidden=False).hidden is None
-    prefill = ModelRunner(model).prefill(PROMPT, hidden=True)
+    prefill = Row0(model).prefill(PROMPT, hidden=True)
     assert prefill.hidden.shape == (1, hidden_size)
     assert torch.allclose(prefill.hidden, out.hidden[-1:], atol=1e-5)
 
 
 def test_vocab_size_cuts_padded_logits():
     padded = tiny_llama(0, vocab=72)
-    runner = ModelRunner(padded, vocab_size=64)
+    runner = Row0(padded, vocab_size=64)
     logits = runner.forward(PROMPT, num_logits=2).logits
     assert logits.shape == (2, 64)
-    full = ModelRunner(padded).forward(PROMPT, num_logits=2).logits
+    full = Row0(padded).forward(PROMPT, num_logits=2).logits
     assert full.shape == (2, 72)
     assert torch.equal(logits, full[:, :64])
 

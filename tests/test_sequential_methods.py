@@ -14,17 +14,20 @@ target's greedy decoding and from the draft's, so a method that ignored its rule
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import numpy as np
 
 import pytest
 import torch
 
 import draftwise
-from draftwise.acceptance import StepDistributions, speculative_sample
+from draftwise.acceptance import StepDistributions
 from draftwise.cascades import AcceptDraftRule, BildRollbackRule, FLyRule, aligned_ahead, chow_stop, sequence_confidence
 from draftwise.sampling import SamplingConfig, make_generator, sample, unwarped, warp
 
-from conftest import near_copy, tiny_llama
+from conftest import near_copy, tiny_llama, speculative_sample
 
 
 # ----------------------------------------------------------------------------- FLy: the rule
@@ -238,35 +241,97 @@ def test_fly_greedy_matches_a_cache_free_reference(models, gamma: int, window: i
     assert forgiven_somewhere  # FLy's leniency did change something (else this is plain sd)
 
 
-def oracle_reference(models, prompt, *, alpha: float, sampling: SamplingConfig, seed: int) -> tuple[list[int], int]:
-    """Algorithm 3 with the Diff rule: defer when max q < max p - alpha (unwarped), draw from the warped choice."""
+def oracle_greedy(models, prompt, *, alpha: float) -> tuple[list[int], int]:
+    """Algorithm 3 with the Diff rule at temperature 0: defer when max q < max p - alpha, then the deferred-to
+    model's argmax; (tokens, tokens taken from the draft)."""
     target, draft = models
-    gen = make_generator(seed)
     out: list[int] = []
     kept = 0
     while len(out) < N:
         q_logits, p_logits = last_logits(draft, prompt + out), last_logits(target, prompt + out)
         defer = bool(unwarped(q_logits).max() < unwarped(p_logits).max() - alpha)
-        pi = warp(p_logits if defer else q_logits, sampling)
-        out.append(int(sample(pi, gen)))
+        out.append(int((p_logits if defer else q_logits).argmax()))
         kept += not defer
     return out, kept
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, top_k=10)])
-def test_oracle_diff_matches_a_cache_free_reference(models, sampling: SamplingConfig):
+def test_oracle_diff_greedy_matches_a_cache_free_reference(models):
     target, draft = models
     mixed = False
     for prompt in PROMPTS:
         for alpha in (0.0, 0.05):
-            expected, kept = oracle_reference(models, prompt, alpha=alpha, sampling=sampling, seed=3)
-            out = draftwise.generate(target=target, draft=draft, prompt=prompt, method="oracle-diff", alpha=alpha,
-                                     max_new_tokens=N, ignore_eos=True, seed=3, temperature=sampling.temperature,
-                                     top_k=sampling.top_k)
+            expected, kept = oracle_greedy(models, prompt, alpha=alpha)
+            out = run(models, "oracle-diff", prompt, alpha=alpha)
             assert out.token_ids == expected, (prompt, alpha)
-            assert (out.stats["drafted"], out.stats["accepted"]) == (N, kept)
+            assert out.stats["steps"] - 1 <= out.stats["drafted"] <= out.stats["steps"]  # one-token drafts (none
+            # at the last step, when one token is left)
             mixed |= 0 < kept < N
     assert mixed  # both models' tokens were taken somewhere
+
+
+SAMPLED = SamplingConfig(temperature=0.8, top_k=10)
+N_EXACT = 1500  # seeded runs of the goodness-of-fit test
+
+
+def oracle_joint(models, prompt, alpha: float) -> dict[tuple[int, int], float]:
+    """The exact distribution of Algorithm 3's first two tokens: pi_t = S(p) where it defers, else S(q)."""
+    target, draft = models
+
+    def pi(sequence):
+        q_logits, p_logits = last_logits(draft, sequence), last_logits(target, sequence)
+        defer = bool(unwarped(q_logits).max() < unwarped(p_logits).max() - alpha)
+        return warp(p_logits if defer else q_logits, SAMPLED)[0]
+
+    first = pi(prompt)
+    joint = {}
+    for x1 in first.nonzero()[:, 0].tolist():
+        second = pi(prompt + [x1])
+        for x2 in second.nonzero()[:, 0].tolist():
+            joint[(x1, x2)] = first[x1].item() * second[x2].item()
+    return joint
+
+
+def _oracle_runs(models, prompt, alpha: float) -> dict[tuple[int, ...], int]:
+    target, draft = models
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(N_EXACT):
+        out = draftwise.generate(target=target, draft=draft, prompt=prompt, method="oracle-diff", alpha=alpha,
+                                 max_new_tokens=2, ignore_eos=True, seed=seed, temperature=SAMPLED.temperature,
+                                 top_k=SAMPLED.top_k)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    return counts
+
+
+def _fit(counts, exact) -> float:
+    from test_exactness import pooled_chisquare
+
+    if set(counts) - set(exact):
+        return 0.0
+    cells = sorted(exact)
+    return pooled_chisquare(np.array([counts.get(c, 0) for c in cells], float), np.array([exact[c] for c in cells]))
+
+
+def test_oracle_diff_samples_the_oracle_cascade_distribution(models):
+    """The engine's one-token drafts with Algorithm 4's bonus from pi commit each token from pi_t, as Algorithm 3
+    does: Pearson chi-square on the first two tokens' joint (ALPHA), against the brute-force distribution."""
+    from test_exactness import ALPHA
+
+    prompt = PROMPTS[0]
+    exact = oracle_joint(models, prompt, 0.0)
+    assert _fit(_oracle_runs(models, prompt, 0.0), exact) > ALPHA
+
+
+def test_negative_control_a_target_bonus_is_caught(models, monkeypatch):
+    """The same runs with the bonus drawn from the target (not pi) are rejected by the same test."""
+    from test_exactness import ALPHA
+    from draftwise import methods
+    from draftwise.cascades import CascadeRule
+
+    spec = methods.METHODS["oracle-diff"]
+    monkeypatch.setitem(methods.METHODS, "oracle-diff", dataclasses.replace(
+        spec, make_rule=lambda o: CascadeRule(rule="diff", alpha=o["alpha"], bonus_from="target")))
+    prompt = PROMPTS[0]
+    assert _fit(_oracle_runs(models, prompt, 0.0), oracle_joint(models, prompt, 0.0)) < ALPHA
 
 
 def test_seq_cascade_keeps_or_discards_the_whole_draft_at_its_threshold(models):

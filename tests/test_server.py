@@ -268,9 +268,14 @@ def test_unknown_method_override_is_400(client):
         client.completions.create(model=MODEL, prompt="the cat", max_tokens=4,
                                   extra_body={"draftwise": {"method": "ar", "alpha": 0.3}})
     _assert_error(400, caught.value.response.json(), 400, says="has no option 'alpha'")
-    with pytest.raises(openai.BadRequestError) as caught:  # a method the batched engine does not run
-        client.completions.create(model=MODEL, prompt="the cat", max_tokens=4, extra_body={"draftwise": {"method": "mtad"}})
-    _assert_error(400, caught.value.response.json(), 400, code="method_unavailable", says="one request at a time")
+    with pytest.raises(openai.BadRequestError) as caught:  # a method that needs a file the server was not given
+        client.completions.create(model=MODEL, prompt="the cat", max_tokens=4,
+                                  extra_body={"draftwise": {"method": "sprinter"}})
+    _assert_error(400, caught.value.response.json(), 400, code="method_unavailable", says="needs a trained file")
+    for method in ("mtad", "mtjd", "oracle-diff", "seq-cascade"):  # every method runs on the batched engine
+        out = client.completions.create(model=MODEL, prompt="the cat", max_tokens=4,
+                                        extra_body={"draftwise": {"method": method}})
+        assert out.choices[0].finish_reason in ("length", "stop"), method
 
 
 def test_an_override_never_loads_a_model_or_reads_a_file(models, bare, served, monkeypatch, tmp_path):

@@ -18,12 +18,12 @@ from scipy.stats import binomtest, norm
 
 import draftwise
 from draftwise import theory
-from draftwise.acceptance import StepDistributions, speculative_sample
+from draftwise.acceptance import StepDistributions
 from draftwise.errors import DraftwiseError
 from draftwise.sampling import make_generator, sample
 from draftwise.sprinter import SprinterRule, Verifier
 
-from conftest import tiny_llama
+from conftest import tiny_llama, speculative_sample
 from test_exactness import ALPHA, pooled_chisquare
 
 P = np.array([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])

@@ -129,6 +129,7 @@ class Watch:
 
     def __init__(self, inner) -> None:
         self.inner, self.steps = inner, []
+        self.discards = inner.discards
 
     def limits(self, rows, limits):
         return self.inner.limits(rows, limits)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.drafters import PromptLookupDrafter
+from draftwise.lookup import prompt_lookup
 from draftwise.methods import METHODS, suffix_options
 from draftwise.suffix import SuffixRowsDrafter
 from draftwise.vllm_proposer import PromptLookupProposer, SuffixProposer
@@ -39,8 +39,8 @@ def test_prompt_lookup_proposer_equals_the_drafter():
     tokens, counts = _batch(SEQUENCES)
     out = proposer.propose([[1]] * 3, counts, tokens)
     options = METHODS["prompt-lookup"].resolve_options({})
-    ours = PromptLookupDrafter(64, torch.device("cpu"), max_ngram=options["max_ngram"], min_ngram=options["min_ngram"])
-    assert out == [ours.lookup(s, 4) for s in SEQUENCES]
+    assert out == [prompt_lookup(s, 4, max_ngram=options["max_ngram"], min_ngram=options["min_ngram"])
+                   for s in SEQUENCES]
     assert out[0] == [4, 5, 1, 2]
     assert proposer.propose([[], [1], [1]], counts, tokens)[0] == []  # nothing sampled: nothing drafted
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -145,25 +144,6 @@ def _request_stats(generation: Any) -> dict[str, Any]:
     stats = {key: generation.stats.get(key) for key in STAT_KEYS}
     stats["token_ids"] = list(generation.token_ids)
     return stats
-
-
-def engine_refusal(name: str, options: dict[str, Any], eagle: bool) -> str | None:
-    """Why `generate` would refuse a list of prompts for this method (None: it batches them), asked of
-    the API's own check without loading a model."""
-    from .. import api
-    from ..eagle import EagleHead
-    from ..methods import METHODS
-
-    spec = METHODS[name]
-    try:
-        resolved = spec.resolve_options(options)
-    except DraftwiseError:
-        resolved = dict(options)
-    refuses = getattr(api, "_engine_refuses", None)
-    if refuses is None:  # the API's check moved: fall back to its public list (an EAGLE head: let generate say)
-        return None if name in api.batched_methods() else f"method {name!r} decodes one request at a time"
-    plan = SimpleNamespace(method=spec, options=resolved, draft=EagleHead.__new__(EagleHead) if eagle else None)
-    return refuses(plan)
 
 
 def run_batched(config: Any, target: Any, draft_of: dict[str, Any], encoded: list[list[int]], *,

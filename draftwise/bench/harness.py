@@ -299,15 +299,11 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
             raise DraftwiseError(f"method {label}: an EAGLE draft head cannot draft for it; give an independent "
                                  f"draft model{hint}")
         drafts[label] = draft
-    if config.batch_sizes:
-        drafts = _plan_batched(config, drafts)
     return drafts
 
 
 def _check_batched(config: BenchConfig) -> None:
     """Before any draft is chosen: the batched bench runs only what `generate` batches."""
-    from .batched import engine_refusal
-
     if config.quality or config.compare_to or config.save_outputs:
         raise DraftwiseError("--batch-sizes reports speed only: drop --quality, --compare-to and --save-outputs")
     for label in config.methods:
@@ -315,43 +311,6 @@ def _check_batched(config: BenchConfig) -> None:
         if name in HF_METHODS:
             raise DraftwiseError(f"--batch-sizes: {name} runs transformers' generate one prompt at a time; "
                                  f"leave it out of --methods")
-        if name == DRAFT_ONLY:
-            continue
-        options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
-        refused = engine_refusal(name, options, False)
-        if refused:
-            from ..api import batched_methods
-
-            raise DraftwiseError(f"--batch-sizes: method {label}: {refused}; batched methods: "
-                                 f"{', '.join(batched_methods())}")
-
-
-def _plan_batched(config: BenchConfig, drafts: dict[str, str | None]) -> dict[str, str | None]:
-    """A default EAGLE head the engine cannot batch gives way to the registry's independent draft; one
-    given with --draft is an error."""
-    from ..models import registry
-    from .batched import engine_refusal
-
-    for label in config.methods:
-        name, fixed = parse_label(label)
-        if name in HF_METHODS or name == DRAFT_ONLY:
-            continue
-        options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
-        draft = drafts[label]
-        eagle = draft is not None and is_eagle_spec(draft)
-        refused = engine_refusal(name, options, eagle)
-        if refused and eagle and config.draft is None:
-            independent = registry.default_draft_for(config.target, eagle_ok=False) \
-                if config.target in registry.names() else None
-            if independent is not None and engine_refusal(name, options, False) is None:
-                drafts[label] = independent
-                continue
-        if refused:
-            from ..api import batched_methods
-
-            raise DraftwiseError(f"--batch-sizes: method {label}: {refused}; batched methods: "
-                                 f"{', '.join(batched_methods())}")
-    return drafts
 
 
 def reference_text(prompt: Prompt) -> str | None:

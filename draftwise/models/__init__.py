@@ -1,4 +1,4 @@
 from .loading import LoadedModel, load_model
-from .runner import ModelRunner, RunnerOutput
+from .runner import ModelRunner
 
-__all__ = ["LoadedModel", "ModelRunner", "RunnerOutput", "load_model"]
+__all__ = ["LoadedModel", "ModelRunner", "load_model"]

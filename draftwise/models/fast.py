@@ -14,7 +14,7 @@ Qwen2), `FastModel` runs the same arithmetic with far less around it:
   their quantised form) through PyTorch's CPU kernels.
 
 The fast path reads and writes the same `PositionCache` buffers as the generic path, so rollback
-(`trim_row`), `move_row`, `select_rows` and the engine's budget work unchanged, and a runner may mix
+(`trim_row`), `move_row`, `copy_rows` and the engine's budget work unchanged, and a runner may mix
 both paths on one cache (the tests do).
 """
 

@@ -242,14 +242,20 @@ class PositionCache(Cache):
         self.lengths = []
 
     @torch.inference_mode()
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """New row i is old row rows[i] (beam search: broadcast, reorder, pick). A gather copy."""
-        index = rows.long()
-        host = index.tolist()
-        self.lengths = [self.lengths[r] for r in host]
-        for store in (self.keys, self.values):
-            for i, buf in enumerate(store):
-                store[i] = buf.index_select(0, index.to(buf.device))
+    def copy_rows(self, sources: list[int], begin: int) -> None:
+        """Row `begin + i` becomes a copy of row `sources[i]` (beam search: broadcast a prefix, reorder beams).
+        Sources may overlap the destination: they are read before anything is written."""
+        end = begin + len(sources)
+        if end > self.num_rows:
+            self.add_rows(end - self.num_rows)
+        lengths = [self.lengths[s] for s in sources]
+        n = max(lengths, default=0)
+        if n and self.keys:
+            index = torch.tensor(sources, dtype=torch.long)
+            for store in (self.keys, self.values):
+                for buf in store:
+                    buf[begin:end, :, :n] = buf[:, :, :n].index_select(0, index.to(buf.device))
+        self.lengths[begin:end] = lengths
 
     def drop_rows(self, keep: int) -> None:
         """Forget rows past the first `keep` (their buffers stay allocated for reuse)."""

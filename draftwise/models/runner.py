@@ -5,10 +5,6 @@ sequence that row decodes. `forward_rows` appends a different number of tokens t
 each row of a contiguous block; `trim_row` rolls one row back. The decoding loops
 call the rollback from one place (their rewind phase); nothing else shortens a row.
 
-A single request is row 0 of the same cache: `forward`, `prefill`, `trim` and
-`pending` are the batch-of-one spellings of the row methods, and MTAD's beam search
-uses `select_beams` / `forward_beams` on the same rows.
-
 Logits are computed only where they are asked for: the base model returns hidden
 states, the runner gathers the positions each row needs and applies the LM head to
 those alone (a prompt of 256 tokens pays for one LM-head row, not 256). Models whose
@@ -55,12 +51,6 @@ def _cpu_gqa(device: torch.device) -> Iterator[None]:
         yield
     finally:
         os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    logits: torch.Tensor  # [num_logits, vocab] for the last num_logits tokens fed
-    hidden: torch.Tensor | None  # [num_logits or n fed, hidden] last-layer hidden states, when asked
 
 
 @dataclass(frozen=True)
@@ -333,60 +323,6 @@ class ModelRunner:
     def trim_row(self, row: int, keep: int) -> None:
         """Drop row `row`'s cached tokens past its first `keep` (rollback of rejected tokens)."""
         self.cache.trim(row, keep)
-
-    # ---- a single request: row 0 ------------------------------------------------
-
-    @property
-    def length(self) -> int:
-        return self.cache.lengths[0]
-
-    def forward(
-        self, new_tokens: Sequence[int] | torch.Tensor, *, num_logits: int | None = None, hidden: bool = False,
-        hidden_all: bool = False, prompt: bool = False,
-    ) -> RunnerOutput:
-        """Feed tokens to row 0 after its cached ones; return logits for the last `num_logits` (default: all).
-
-        hidden: also return the last layer's hidden states for those positions;
-        hidden_all: for every fed token instead (feature drafters need them all).
-        """
-        ids = torch.as_tensor(new_tokens, dtype=torch.long).reshape(1, -1)  # [1, n]
-        n = ids.shape[1]
-        if n == 0:
-            raise ValueError("ModelRunner.forward needs at least one token")
-        num_logits = n if num_logits is None else num_logits
-        if not 1 <= num_logits <= n:
-            raise ValueError(f"num_logits must be in [1, {n}], got {num_logits}")
-        at = torch.arange(n - num_logits, n, device=self.device)[None]  # [1, num_logits]
-        out = self.forward_rows(ids, [n], logits_at=at, hidden=hidden or hidden_all, prompt=prompt)
-        states = None
-        if hidden_all:
-            states = out.hidden[0]
-        elif hidden:
-            states = out.hidden[0, -num_logits:]
-        return RunnerOutput(logits=out.logits[0], hidden=states)
-
-    def prefill(self, tokens: Sequence[int] | torch.Tensor, *, hidden: bool = False) -> RunnerOutput:
-        """Forward over a whole prompt, keeping only the last position's logits."""
-        return self.forward(tokens, num_logits=1, hidden=hidden, prompt=True)
-
-    def trim(self, keep: int) -> None:
-        """Drop row 0's cached tokens past the first `keep`."""
-        self.cache.trim(0, keep)
-
-    def pending(self, sequence: Sequence[int]) -> list[int]:
-        """The tokens of `sequence` not yet in row 0 (the row holds a prefix of it)."""
-        return list(sequence[self.length :])
-
-    # ---- beams (MTAD): every row the same length ----------------------------------
-
-    def forward_beams(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per cache row: tokens [beams] -> next-token logits [beams, vocab]."""
-        ids = tokens.to(device=self.device, dtype=torch.long).reshape(-1, 1)  # [beams, 1]
-        return self.forward_rows(ids, [1] * ids.shape[0]).logits[:, -1]
-
-    def select_beams(self, rows: torch.Tensor) -> None:
-        """Make cache row i a copy of row `rows[i]` (broadcast one row to many, reorder, or pick one)."""
-        self.cache.select_rows(rows)
 
 
 def fast_model(model: PreTrainedModel) -> FastModel | None:

@@ -103,9 +103,8 @@ class Service:
     # ---- methods ----
 
     def _check_methods(self) -> None:
-        batched = set(api.batched_methods())
         for name, spec in METHODS.items():
-            reason = self._refusal(spec, batched)
+            reason = self._refusal(spec)
             if reason is None:
                 reason = self._first_plans(spec)
             if reason is not None:
@@ -113,15 +112,13 @@ class Service:
                     raise DraftwiseError(f"cannot serve method {name!r}: {reason}")
                 self.refused[name] = reason
 
-    def _refusal(self, spec: Method, batched: set[str]) -> str | None:
-        if spec.name not in batched:
-            return "it decodes one request at a time, and the server runs the batched engine only"
+    def _refusal(self, spec: Method) -> str | None:
         if spec.needs_draft and self.draft is None:
             return "it needs a draft model and this server loaded none (start it with --draft)"
         if spec.needs_draft and not isinstance(self.draft, LoadedModel) and spec.name not in api.EAGLE_METHODS:
             return (f"the server's draft is an EAGLE head, which drafts for {', '.join(sorted(api.EAGLE_METHODS))} "
                     "only")
-        if getattr(spec, "needs_companion", False) and self.companion is None:
+        if spec.needs_companion and self.companion is None:
             return "it needs a companion model and this server loaded none (start it with --companion)"
         files = [o.name for o in spec.options if o.required]
         if files and spec.name != self.config.method:
@@ -131,21 +128,21 @@ class Service:
 
     def _startup_options(self, spec: Method) -> dict[str, Any]:
         options = dict(self.config.options) if spec.name == self.config.method else {}
-        if getattr(spec, "needs_companion", False):
+        if spec.needs_companion:
             options["companion"] = self.companion  # the loaded one: never a name to load
         return options
 
     def _first_plans(self, spec: Method) -> str | None:
         """Build the method's plan(s) now, the only time plans are built; the reason it cannot run, or None."""
-        if spec.drafter in ("sprinter", "stophead") and self._given_file(spec):
+        if spec.kind.objective and self._given_file(spec):
             try:  # a trained file at one sampling setting, read at start
                 found = self._verifier_spec(spec)
             except DraftwiseError as error:
                 return str(error)
             settings = [SamplingConfig(found.temperature, found.top_k, found.top_p)]
-        elif spec.drafter in ("sprinter", "stophead"):  # the registry's files for the pair, where it ships them
+        elif spec.kind.objective:  # the registry's files for the pair, where it ships them
             settings = [SamplingConfig(1.0), SamplingConfig(0.0)]
-        elif getattr(spec, "needs_profile", False):  # an SV profile per sampling setting: every one found now
+        elif spec.needs_profile:  # an SV profile per sampling setting: every one found now
             settings = self._profile_settings(spec)
         else:
             settings = [SamplingConfig(0.0 if spec.greedy_only else 1.0)]
@@ -187,7 +184,7 @@ class Service:
 
     @staticmethod
     def _key(spec: Method, sampling: SamplingConfig) -> tuple[str, Any]:
-        if not getattr(spec, "needs_profile", False):
+        if not spec.needs_profile:
             return spec.name, None
         return spec.name, SamplingConfig(0.0) if sampling.greedy else sampling  # greedy ignores top-k / top-p
 
@@ -295,7 +292,7 @@ class Service:
             request = api._request(plan, prompt_ids)
         except DraftwiseError as error:
             raise ApiError(400, str(error), param=source, code="context_length_exceeded") from None
-        window = plan.options[spec.window_option] if spec.window_option else plan.gamma if spec.uses_gamma else 0
+        window = spec.draft_run(plan.options, plan.gamma)
         # end-of-sequence tokens are the request's own (ignore_eos): requests that differ in them share an engine,
         # whose drafters stop a draft at the target's EOS tokens (a shorter draft; verification decides)
         key = (method, tuple(sorted((k, _key_value(v)) for k, v in options.items())), window,
@@ -305,7 +302,7 @@ class Service:
         shared = dataclasses.replace(plan, eos_token_ids=self.target.eos_token_ids)
 
         def make_engine() -> Any:
-            return api._engine(shared, size, stream_text=True, prefix_cache_mb=prefix_mb)[0]
+            return api.build_engine(shared, size, stream_text=True, prefix_cache_mb=prefix_mb)
 
         return key, make_engine, request, spec
 

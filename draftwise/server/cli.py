@@ -113,7 +113,7 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
         target = load_model(args.target, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
         draft_spec = args.draft or (api.default_draft(target, spec.name) if spec.needs_draft else None)
         draft = load_draft(draft_spec, target, device=args.device, dtype=args.dtype) if draft_spec else None
-        if companion_spec is None and getattr(spec, "needs_companion", False):
+        if companion_spec is None and spec.needs_companion:
             companion_spec = registry.default_companion(target.name) if target.name in registry.names() else None
         companion = None
         if companion_spec is not None:
