@@ -29,7 +29,7 @@ import torch
 
 import draftwise
 from draftwise.bench.datasets import load_prompts
-from draftwise.bench.harness import _prompt_ids, machine_description
+from draftwise.bench.harness import encode_bench_prompt, machine_description
 from draftwise.bench.report import write_json
 from draftwise.engine import Engine
 from draftwise.models import registry
@@ -84,7 +84,7 @@ def main() -> None:
 
     target = draftwise.load_model(args.target, dtype="fp32")
     eagle = registry.default_draft_for(args.target, eagle_ok=True)  # the registry's EAGLE head for sd
-    prompts = [_prompt_ids(target, p) for p in load_prompts(num_prompts=max(args.num_prompts, args.batch_prompts))]
+    prompts = [encode_bench_prompt(target, p) for p in load_prompts(num_prompts=max(args.num_prompts, args.batch_prompts))]
     common = dict(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
     clock = ForwardClock()
     out: dict = {"config": vars(args) | {"sd_draft": eagle}, "machine": machine_description(torch.device("cpu"))}

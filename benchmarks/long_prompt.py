@@ -54,17 +54,17 @@ def main() -> int:
                         "(default: the engine's PREFILL_SHARE)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from draftwise import engine
+    from draftwise import drafters, engine
 
-    if args.chunk:
-        engine.PREFILL_CHUNK = args.chunk
+    if args.chunk:  # the engine's chunk and the prefill helper's
+        engine.PREFILL_CHUNK = drafters.PREFILL_CHUNK = args.chunk
     if args.prefill_share:
         engine.PREFILL_SHARE = args.prefill_share
 
     target = load_model(args.target)
-    from draftwise import api
+    from draftwise import plan as plan_module
 
-    draft_spec = api.default_draft(target, args.method)
+    draft_spec = plan_module.default_draft(target, args.method)
     draft = load_draft(draft_spec, target) if draft_spec else None
     service = Service(ServerConfig(model_name="m", method=args.method), target, draft)
     vocab = target.tokenizer.get_vocab()

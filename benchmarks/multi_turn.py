@@ -85,10 +85,10 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from draftwise import api
+    from draftwise import plan as plan_module
 
     target = load_model(args.target)
-    spec = api.default_draft(target, args.method)
+    spec = plan_module.default_draft(target, args.method)
     draft = load_draft(spec, target) if spec else None
     servers = {on: ThreadedServer(create_app(Service(ServerConfig(
         model_name="m", method=args.method, prefix_cache_mb=args.prefix_cache_mb if on else 0.0), target, draft)))

@@ -17,7 +17,7 @@ Setup (idempotent; every step is skipped when its result is already there, and t
   `draftwise export-eagle` (`.peers/models/eagle3`).
 
 Prompts: the Spec-Bench evaluation prompts `draftwise bench` uses (`load_prompts`, round-robin over the
-tasks), chat-formatted by the bench's own `_prompt_ids`; every engine gets those token ids (llama.cpp:
+tasks), chat-formatted by the bench's own `encode_bench_prompt`; every engine gets those token ids (llama.cpp:
 `Llama.generate(tokens)`; vLLM: `TokensPrompt(prompt_token_ids=...)`), so all see identical inputs.
 
 Measures (greedy, `--max-new-tokens` each, EOS ignored in every engine, `--threads` threads each:
@@ -910,11 +910,11 @@ def main() -> int:
 
     import draftwise
     from draftwise.bench.datasets import load_prompts
-    from draftwise.bench.harness import _prompt_ids
+    from draftwise.bench.harness import encode_bench_prompt
 
     target = draftwise.load_model(TARGET, dtype="fp32")  # the float32 directory every engine's files come from
     prompts = load_prompts("spec-bench", num_prompts=max(args.num_prompts, args.batch_size))
-    encoded = [_prompt_ids(target, p) for p in prompts]
+    encoded = [encode_bench_prompt(target, p) for p in prompts]
     del target
     gc.collect()
     result["prompts"] = {"dataset": "spec-bench (evaluation split)", "chat_template": True,

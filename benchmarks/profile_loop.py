@@ -19,7 +19,7 @@ import torch
 
 import draftwise
 from draftwise.bench.datasets import load_prompts
-from draftwise.bench.harness import BenchConfig, _load_bench_draft, _prompt_ids, machine_description, resolve_drafts
+from draftwise.bench.harness import BenchConfig, _load_bench_draft, encode_bench_prompt, machine_description, resolve_drafts
 from draftwise.bench.report import write_json
 from draftwise.eagle import DraftHead
 from draftwise.models import runner as runner_module
@@ -67,7 +67,7 @@ def main() -> None:
     config = resolve_drafts(BenchConfig(target=args.target, draft=args.draft, dtype=args.dtype))
     target = draftwise.load_model(config.target, dtype=args.dtype)
     draft = _load_bench_draft(config.draft, target, config) if config.draft else None
-    prompts = [_prompt_ids(target, p) for p in load_prompts(num_prompts=args.num_prompts)]
+    prompts = [encode_bench_prompt(target, p) for p in load_prompts(num_prompts=args.num_prompts)]
 
     timer = Timer()
     for name in ("forward_rows", "forward_states"):

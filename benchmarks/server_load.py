@@ -9,7 +9,7 @@
 3. Overhead at concurrency 1 (after the subprocess has stopped): the same prompts, max_tokens and
    temperature 0, one request at a time, interleaved prompt by prompt and repeated (median): a streamed
    HTTP request to the server (client clock, request to [DONE]; the server runs in this process, see
-   `overhead`) against `draftwise.generate` and a reused batch-1 `Engine` (api._plan / api._engine,
+   `overhead`) against `draftwise.generate` and a reused batch-1 `Engine` (plan.make_plan / builder.build_engine,
    submit + run). Outputs are compared token for token.
 
 Reportable figures need a quiet machine (nothing else on the cores). Default settings take about
@@ -40,9 +40,10 @@ from typing import Any
 import torch
 
 import draftwise
-from draftwise import api
+from draftwise import builder, prompts
+from draftwise import plan as plan_module
 from draftwise.bench.harness import machine_description
-from draftwise.cli import _read_prompts_file
+from draftwise.cli.generate import read_prompts_file
 from draftwise.server import loadtest
 from draftwise.models.loading import load_draft, load_model
 
@@ -91,7 +92,7 @@ def stop_server(process: subprocess.Popen) -> int | None:
 def direct_engine(plan: Any, prompt_ids: list[int]) -> tuple[float, list[int]]:
     """A batch-1 engine built once per method (as the server does), one request submitted and run."""
     engine = plan["engine"]
-    request = api._request(plan["plan"], prompt_ids)
+    request = plan_module.request_for(plan["plan"], prompt_ids)
     start = time.perf_counter()
     request_id = engine.submit(request)
     engine.run()
@@ -122,7 +123,7 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
     levels = [int(c) for c in args.concurrency.split(",")]
     skip = set(args.skip.split(","))
-    prompts = _read_prompts_file(args.prompts_file) if args.prompts_file else loadtest.default_prompts(
+    prompts = read_prompts_file(args.prompts_file) if args.prompts_file else loadtest.default_prompts(
         max(args.num_requests, args.overhead_prompts))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,7 +180,7 @@ def overhead(args: argparse.Namespace, methods: list[str], prompts: list[Any]) -
     from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 
     target = load_model(args.target)
-    sd_draft = args.draft or api.default_draft(target, "sd")
+    sd_draft = args.draft or plan_module.default_draft(target, "sd")
     service = Service(ServerConfig(model_name="bench", method="sd", gamma=args.gamma), target,
                       load_draft(sd_draft, target) if sd_draft else None)
     server = ThreadedServer(create_app(service)).start()
@@ -194,13 +195,13 @@ def _overhead(args, client, target, methods, prompts) -> dict[str, Any]:
     plans = {}
     for method in methods:
         spec = draftwise.METHODS[method]
-        draft_spec = (args.draft or api.default_draft(target, method)) if spec.needs_draft else None
+        draft_spec = (args.draft or plan_module.default_draft(target, method)) if spec.needs_draft else None
         draft = load_draft(draft_spec, target) if draft_spec else None
-        plan = api._plan(target=target, prompt=prompts[0] if not args.chat else None,
+        plan = plan_module.make_plan(target=target, prompt=prompts[0] if not args.chat else None,
                          messages=[{"role": "user", "content": prompts[0]}] if args.chat else None, draft=draft,
                          method=method, max_new_tokens=args.max_tokens, temperature=0.0, top_k=0, top_p=1.0,
                          seed=None, gamma=args.gamma, stop=None, ignore_eos=False, method_options={})
-        plans[method] = {"plan": plan, "engine": api.build_engine(plan, 1, stream_text=True), "draft": draft}
+        plans[method] = {"plan": plan, "engine": builder.build_engine(plan, 1, stream_text=True), "draft": draft}
     times: dict[str, dict[str, list[list[float]]]] = {
         m: {k: [[] for _ in prompts] for k in ("server", "generate", "engine")} for m in methods}
     same: dict[str, list[bool]] = {m: [] for m in methods}
@@ -237,7 +238,7 @@ def _one_round(args, client, plan, method, prompt, times, p, same) -> None:
                                     draft=plan["draft"], method=method, temperature=0.0, max_new_tokens=args.max_tokens,
                                     gamma=args.gamma)
     times["generate"][p].append(time.perf_counter() - start)
-    ids = api._prompt_ids(chat or prompt, plan["plan"].target, plan["plan"].vocab_size)
+    ids = prompts.encode_prompt(chat or prompt, plan["plan"].target, plan["plan"].vocab_size)
     wall, tokens = direct_engine(plan, ids)
     times["engine"][p].append(wall)
     same.append(tokens == generation.token_ids and record["completion_tokens"] == len(tokens)

@@ -62,7 +62,7 @@ class StepDistributions:
     target_logits: torch.Tensor  # [k + 1, vocab] raw target logits, for rules that read unwarped probs
     draft_raw: torch.Tensor | None = None  # [k, vocab] unwarped draft distributions (cascade rules), if kept
     greedy: bool | torch.Tensor = False  # temperature 0: one flag, or per row ([rows] bool) in the engine
-    verifier_accepts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
+    verdicts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
     draft_joint: torch.Tensor | None = None  # [k] log q(x_{1:j}), MTAD's beam drafter
     num_drafted: torch.Tensor | None = None  # [rows] drafted tokens per row (batched steps only)
 

@@ -146,23 +146,3 @@ class EagleHead(DraftHead):
         head = cls(config, state["vocab_ids"])
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         return head.eval()
-
-
-def is_eagle_dir(path: str | Path) -> bool:
-    """A directory holding a draft head: EAGLE-1 (eagle.json) or EAGLE-3 (eagle3.json)."""
-    from .eagle3 import is_eagle3_dir
-    from .export import is_eagle3_checkpoint
-
-    return (Path(path) / CONFIG_FILE).is_file() or is_eagle3_dir(path) or is_eagle3_checkpoint(path)
-
-
-def load_head(path: str | Path) -> DraftHead:
-    """Load the draft head in `path`, whichever kind it is."""
-    from .eagle3 import Eagle3Head, is_eagle3_dir
-    from .export import import_eagle3, is_eagle3_checkpoint
-
-    if is_eagle3_dir(path):
-        return Eagle3Head.load(path)
-    if is_eagle3_checkpoint(path):  # vLLM's / SGLang's layout (`draftwise export-eagle`, or trained elsewhere)
-        return import_eagle3(path)
-    return EagleHead.load(path)

@@ -40,6 +40,12 @@ CONFIG_FILE = "eagle3.json"
 WEIGHTS_FILE = "eagle3.safetensors"
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The low, middle and high layers whose inputs EAGLE-3 fuses (vLLM's and SGLang's default choice)."""
+    if num_layers < 4:
+        raise DraftwiseError(f"an EAGLE-3 head needs a target with at least 4 layers, this one has {num_layers}")
+    return (2, num_layers // 2, num_layers - 3)
+
 @dataclass(frozen=True)
 class Eagle3Config:
     hidden_size: int
@@ -294,7 +300,6 @@ class Eagle3Head(DraftHead):
     def new(cls, target_model, *, vocab_ids: torch.Tensor, intermediate_size: int, target_name: str = "",
             feature_layers: tuple[int, ...] | None = None, shared_lm_head: bool = False) -> "Eagle3Head":
         """A fresh head for `target_model`, its lm_head initialised from the target's rows of the draft vocabulary."""
-        from .training.shards import eagle3_layers
 
         tc = target_model.config
         heads = tc.num_attention_heads

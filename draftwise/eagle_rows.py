@@ -22,7 +22,7 @@ from .models.runner import ModelRunner, full_vocabulary_logits
 from .policies import FixedLength, LengthPolicy
 
 if TYPE_CHECKING:
-    from .engine import RowsDraft
+    from .protocols import RowsDraft
 
 CATCH_UP = 256  # true-feature positions a row's head reads per step: a long prompt's catch-up is spread over
 # steps (the row drafts nothing until it is done), so it never stalls the other rows' step
@@ -133,7 +133,7 @@ class EagleRowsDrafter:
         from .batched import warp_rows
         from .batched import sample_rows
         from .grammar import mask_rows, push_rows
-        from .engine import RowsDraft, empty_draft
+        from .protocols import RowsDraft, empty_draft
         from .sampling import unwarped
 
         n = len(rows)

@@ -29,537 +29,28 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .acceptance import StepDistributions, TargetRule
-from .batched import sample_rows, speculative_sample_rows, warp_rows
+from .batched import speculative_sample_rows, warp_rows
 from .errors import DraftwiseError
-from .grammar import Grammar, GrammarState, compiler_for, mask_logits, mask_rows, push_rows
+from .grammar import compiler_for, mask_logits
 from .models.kvcache import release_heap
 from .models.runner import ModelRunner, RowsOutput, fast_model
-from .policies import FixedLength, LengthPolicy
-from .sampling import SamplingConfig, make_generator
+from .sampling import make_generator
+from .drafters import PREFILL_CHUNK, PREFILL_TOKENS
+from .protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
+from .rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
 
 
-# ---------------------------------------------------------------- requests and counters
-
-@dataclass(frozen=True)
-class Request:
-    """What a caller asks for; validated by the API before it reaches the engine."""
-
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingConfig = SamplingConfig()
-    max_new_tokens: int = 128
-    eos_token_ids: frozenset[int] = frozenset()
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    repetition_penalty: float = 1.0  # transformers' rule on the target's logits: / penalty if > 0, * if < 0
-    min_new_tokens: int = 0  # end-of-sequence tokens get probability 0 before this many new tokens
-    logprobs: int | None = None  # each new token's target log-probability and this many top alternatives
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first (prefilled alone)
-    grammar: Grammar | None = None  # every new token obeys it (structured output; see grammar.py)
-
-
-MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default max_logprobs)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token's log-probability under the target and the target's `top` most likely tokens there.
-
-    From the target's raw logits at that position (log-softmax before temperature, top-k / top-p and
-    penalties, as vLLM's default `raw_logprobs`): for a lossy method it is still the target's view of the
-    token committed, which may be far from the target's own choice."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"token_id": self.token_id, "logprob": self.logprob,
-                "top": [{"token_id": t, "logprob": lp} for t, lp in self.top]}
-
-
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
-    """logits: [n, vocab] raw, the distribution before each of `tokens` (n of them)."""
-    if not tokens:
-        return []
-    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, vocab]
-    index = torch.tensor(list(tokens), device=logp.device)
-    chosen = logp.gather(1, index[:, None])[:, 0].tolist()
-    if top:
-        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        alternatives = [()] * len(tokens)
-    return [TokenLogprob(int(t), lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives)]
-
-
-def cut_at_eos(committed: list[int], eos_token_ids: frozenset[int]) -> list[int]:
-    """The committed tokens up to and including the first end-of-sequence token."""
-    for i, token in enumerate(committed):
-        if token in eos_token_ids:
-            return committed[: i + 1]
-    return committed
-
-
-@dataclass
-class RowCounters:
-    """One request's raw counts; rates are computed when reported. `steps` = verification calls this request took
-    part in."""
-
-    gamma: int
-    steps: int = 0
-    drafted: int = 0  # drafted tokens sent to verification
-    accepted: int = 0  # drafted tokens kept
-    accepted_per_position: list[int] = field(default_factory=list)  # [gamma]: kept at draft position i
-    drafted_per_position: list[int] = field(default_factory=list)  # [gamma]: verified at draft position i
-    target_tokens: int = 0  # tokens this request fed the target (prefill included)
-    draft_calls: int = 0  # drafting forwards (draft model or head) this request took part in
-    prefill_calls: int = 0
-    verifier_accepted: int = 0  # drafted tokens kept on a verifier's word (SPRINTER)
-    proposed: int = 0  # drafted tokens before the select phase (SV discards some unverified)
-
-    def __post_init__(self) -> None:
-        self.accepted_per_position = [0] * self.gamma
-        self.drafted_per_position = [0] * self.gamma
-
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.steps += 1
-        self.drafted += num_drafted
-        self.accepted += num_accepted
-        for i in range(num_drafted):
-            self.drafted_per_position[i] += 1
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-
-class Detokenizer:
-    """Incremental detokenisation: each push decodes a short window, never the whole output.
-
-    The window starts at the previous release point (`prefix`), so byte-level pieces and
-    leading spaces decode as in the full text; text is released only when the window's
-    text grew and does not end in an incomplete character (U+FFFD)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.prefix = 0  # window start
-        self.read = 0  # tokens whose text has been released
-
-    def push(self, tokens: Sequence[int]) -> str:
-        self.tokens.extend(tokens)
-        if self.tokenizer is None:
-            return ""
-        before = self.tokenizer.decode(self.tokens[self.prefix : self.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.tokens[self.prefix :], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.tokens)
-            return after[len(before) :]
-        return ""
-
-
-@dataclass
-class _Row:
-    id: int
-    request: Request
-    generator: torch.Generator
-    counters: RowCounters
-    detok: Detokenizer
-    sequence: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""  # text so far (stop strings cut)
-    emitted: int = 0  # characters of `text` handed out as events
-    finish_reason: str | None = None
-    submitted: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    fed: int = 0  # prompt tokens in the target's cache (while prefilling)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token (Request.logprobs)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per prompt token, None first
-    grammar: GrammarState | None = None  # the request's grammar matcher (Request.grammar)
-    cached: int = 0  # prompt positions restored from the prefix store
-    prefill_states: list = field(default_factory=list)  # the prompt's target features, for a drafter that wants them
-
-    @property
-    def unfed(self) -> int:
-        """Prompt tokens still to prefill (the last one is fed by the first decoding step)."""
-        return len(self.request.prompt_ids) - 1 - self.fed
-
-    @property
-    def budget(self) -> int:
-        return self.request.max_new_tokens - len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class Event:
-    """What a step produced for one request: new tokens, new safe text, and whether it ended."""
-
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first event, when it asked
-
-
-@dataclass
-class Result:
-    request_id: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: dict[str, Any]
-    logprobs: list[TokenLogprob] | None = None  # Request.logprobs
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # Request.prompt_logprobs
-
-
-# ---------------------------------------------------------------- drafters over rows
-
-@dataclass(frozen=True)
-class RowsDraft:
-    tokens: torch.Tensor  # [rows, k] int64, padded past counts[b]
-    probs: torch.Tensor  # [rows, k, vocab] the distributions the tokens were drawn from
-    counts: list[int]  # [rows] drafted tokens per row (k = max)
-    raw_probs: torch.Tensor | None = None  # [rows, k, vocab] unwarped, when the rule reads them
-    verdicts: torch.Tensor | None = None  # [rows, k] bool: a verifier's word per drafted token (SPRINTER)
-    companion_probs: torch.Tensor | None = None  # [rows, k + 1, vocab] a companion's warped distributions (SV)
-    companion_raw: torch.Tensor | None = None  # [rows, k + 1, vocab] the same, unwarped
-    joint: torch.Tensor | None = None  # [rows, k] log q(x_1..x_j) of a beam drafter (MTAD)
-
-    @property
-    def width(self) -> int:
-        return int(self.tokens.shape[1])
-
-    def prefix(self, counts: Sequence[int]) -> "RowsDraft":
-        """The draft cut to its first counts[b] tokens per row (the select phase's choice)."""
-        counts = [min(int(c), d) for c, d in zip(counts, self.counts)]
-        k = max(counts, default=0)
-
-        def cut(t: torch.Tensor | None, width: int = k) -> torch.Tensor | None:
-            return None if t is None else t[:, :width]
-
-        return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.raw_probs), cut(self.verdicts),
-                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint))
-
-
-class RowsDrafter(Protocol):
-    """Proposes per-row drafts and follows the rows the engine keeps (admit / move / rewind)."""
-
-    calls: int
-    wants_features: bool  # the verify forward hands it the target's states (`observe`)
-    feature_layers: tuple[int, ...]  # which target layers those states come from (EAGLE-3: several; () the last)
-
-    def admit(self, row: int, prompt_ids: Sequence[int]) -> None: ...
-
-    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft: ...
-
-    def rewind(self, row: int, keep: int) -> None: ...
-
-    def move_row(self, src: int, dst: int) -> None: ...
-
-    def release(self, live: int) -> None: ...
-
-    def observe(self, row: int, start: int, states: torch.Tensor) -> None: ...
-
-
-class VerifySelector(Protocol):
-    """The select phase: how many of each row's drafted tokens the target verifies (a prefix; the
-    rest are discarded). Reads draft-side information only, so exact rules stay exact."""
-
-    discards: bool  # may discard drafted tokens unverified (a request's stats then report what was proposed)
-
-    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
-        """Each row's drafting limit this step (at most the engine's)."""
-
-    def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]: ...
-
-    def observe(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
-                target_logits: torch.Tensor, num_accepted: Sequence[int]) -> None:
-        """After acceptance: what the target said (history-based selectors and profiling learn here)."""
-
-
-class VerifyAll:
-    """The default select phase: every drafted token is verified."""
-
-    discards = False
-
-    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
-        return limits
-
-    def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]:
-        return draft.counts
-
-    def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
-        pass
-
-
-def empty_draft(rows: int, vocab: int, device: torch.device) -> RowsDraft:
-    return RowsDraft(torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab, device=device),
-                     [0] * rows)
-
-
-class NoRowsDrafter:
-    """Proposes nothing: every step is one target token per row (`ar`)."""
-
-    calls = 0
-    wants_features = False
-    feature_layers: tuple[int, ...] = ()
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size, self.device = vocab_size, device
-        self._empty: dict[int, RowsDraft] = {}
-
-    def admit(self, row, prompt_ids) -> None: pass
-
-    def propose(self, rows, limits) -> RowsDraft:
-        n = len(rows)
-        if n not in self._empty:
-            self._empty[n] = empty_draft(n, self.vocab_size, self.device)
-        return self._empty[n]
-
-    def rewind(self, row, keep) -> None: pass
-
-    def move_row(self, src, dst) -> None: pass
-
-    def release(self, live) -> None: pass
-
-    def observe(self, row, start, states) -> None: pass
-
-
-class LookupRowsDrafter(NoRowsDrafter):
-    """Prompt lookup per row (n-gram continuation of the row's own text), one-hot draft distributions."""
-
-    def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int, min_ngram: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
-        super().__init__(vocab_size, device)
-        self.ngrams = {"max_ngram": max_ngram, "min_ngram": min_ngram}
-        self.eos = eos_token_ids
-
-    def propose(self, rows, limits) -> RowsDraft:
-        from .lookup import prompt_lookup
-
-        # a continuation stops after an end-of-sequence token: nothing past it is drafted
-        found = [cut_at_eos(prompt_lookup(r.sequence, limit, **self.ngrams), self.eos) for r, limit in zip(rows, limits)]
-        return one_hot_draft(found, self.vocab_size, self.device)
-
-
-def one_hot_draft(found: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> RowsDraft:
-    """Deterministic drafts (lookup, suffix tries): each row's tokens with one-hot distributions."""
-    tokens, counts = pad_rows(found)
-    if tokens.shape[1] == 0:
-        return empty_draft(len(found), vocab_size, device)
-    tokens = tokens.to(device)
-    probs = torch.zeros(*tokens.shape, vocab_size, device=device).scatter_(-1, tokens[..., None], 1.0)
-    return RowsDraft(tokens, probs, counts)
-
-
-class RetiringRows:
-    """Per-row state of a rows drafter that outlives its row: when a request leaves (its row is reused,
-    overwritten by a move, or dropped), `retire(state)` receives what it held."""
-
-    def __init__(self) -> None:
-        self.rows: list[Any] = []
-
-    def put(self, row: int, state: Any) -> None:
-        while len(self.rows) <= row:
-            self.rows.append(None)
-        self._retire(row)
-        self.rows[row] = state
-
-    def move_row(self, src: int, dst: int) -> None:
-        self._retire(dst)
-        self.rows[dst] = self.rows[src]
-        self.rows[src] = None
-
-    def release(self, live: int) -> None:
-        for row in range(live, len(self.rows)):
-            self._retire(row)
-        del self.rows[live:]
-
-    def retire(self, state: Any) -> None:
-        raise NotImplementedError
-
-    def _retire(self, row: int) -> None:
-        state = self.rows[row] if row < len(self.rows) else None
-        if state is not None:
-            self.retire(state)
-            self.rows[row] = None
-
-
-class ModelRowsDrafter:
-    """An independent draft model over rows: each row samples from its own warped distribution with its
-    own generator. A row stops drafting at EOS, at its limit, or when its length policy says so."""
-
-    wants_features = False
-    feature_layers: tuple[int, ...] = ()
-
-    def __init__(self, runner: ModelRunner, vocab_size: int, *, eos_token_ids: frozenset[int] = frozenset(),
-                 keep_raw: bool = False, policy: LengthPolicy | None = None) -> None:
-        self.runner = runner
-        self.vocab_size = vocab_size
-        self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=runner.device)
-        self.policy = policy or FixedLength()
-        self.keep_raw = keep_raw
-        self.prefill_calls = 0
-
-    @property
-    def calls(self) -> int:
-        """Drafting forwards (prefill forwards are counted apart, in `prefill_calls`)."""
-        return self.runner.calls - self.prefill_calls
-
-    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        self.runner.cache.reset_row(row)
-        if len(prompt_ids) - 1 <= CATCH_UP:  # a longer prompt is caught up in drafting steps (see `propose`)
-            self.prefill_calls += len(_prefill(self.runner, row, prompt_ids[:-1]))
-
-    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
-        from .sampling import unwarped
-
-        width = max(limits, default=0)
-        n = len(rows)
-        if width == 0:
-            return empty_draft(n, self.vocab_size, self.runner.device)
-        device = self.runner.device
-        policy = self.policy
-        lengths = self.runner.lengths
-        # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
-        # nothing until its cache has caught up, so its prompt never stalls the other rows' step
-        behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
-        feed, counts = pad_rows([r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)])
-        limits = [0 if late else limit for late, limit in zip(behind, limits)]
-        at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
-        configs = [r.request.sampling for r in rows]
-        greedy = [c.greedy for c in configs]
-        generators = [r.generator for r in rows]
-        active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
-        limit_t = torch.tensor(list(limits), device=device)
-        drafted = torch.zeros(n, dtype=torch.long, device=device)
-        tokens, probs, raws, verdicts = [], [], [], []
-        policy.start(n, device)
-        for step in range(width):
-            out = self.runner.forward_rows(feed, counts, logits_at=at, hidden=policy.needs_hidden)
-            logits, active = mask_rows(rows, out.logits[:, -1], active)  # [rows, vocab]; a grammar's mask
-            raw = unwarped(logits) if self.keep_raw or policy.needs_raw else None  # [rows, vocab]
-            active &= ~policy.stop_before(raw)
-            if self.keep_raw:
-                raws.append(raw)
-            step_probs = warp_rows(logits, configs)  # [rows, vocab]
-            token = sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
-            active = push_rows(rows, token, active)
-            drafted += active.long()
-            tokens.append(token)
-            probs.append(step_probs)
-            hidden = out.hidden.gather(1, at[:, :, None].expand(-1, -1, out.hidden.shape[-1]))[:, -1] \
-                if policy.needs_hidden else None  # [rows, hidden] at the last fed position
-            stop, verdict = policy.after(hidden, token, raw)
-            if verdict is not None:
-                verdicts.append(verdict)
-            # a row stops after drafting EOS, on its policy's word, or at its limit; the rest go on
-            active &= ~torch.isin(token, self.eos) & ~stop & (drafted < limit_t)
-            if step + 1 < width:
-                if not bool(active.any()):
-                    break
-                feed, counts = token[:, None], [1] * n
-                at = torch.zeros(n, 1, dtype=torch.long, device=device)
-        counts_out = drafted.tolist()
-        k = max(counts_out)
-        if k == 0:
-            return empty_draft(n, self.vocab_size, device)
-        return RowsDraft(
-            torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
-            torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
-            torch.stack(verdicts, 1)[:, :k] if verdicts else None,
-        )
-
-    def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(unwarped, warped) draft distributions after each row's context: one forward over the rows."""
-        from .sampling import unwarped
-
-        lengths = self.runner.lengths
-        for b, context in enumerate(contexts):  # rows that drafted past their own stop hold extra tokens
-            if lengths[b] >= len(context):
-                self.runner.trim_row(b, len(context) - 1)
-        feed, counts = pad_rows([context[lengths[b]:] for b, context in enumerate(contexts)])
-        at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
-        logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
-        return unwarped(logits), warp_rows(logits, configs)
-
-    def rewind(self, row: int, keep: int) -> None:
-        # the last drafted token was never fed, so the row may already be shorter than `keep`
-        self.runner.trim_row(row, min(keep, self.runner.lengths[row]))
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.runner.cache.move_row(src, dst)
-
-    def release(self, live: int) -> None:
-        self.runner.cache.drop_rows(live)
-
-    def observe(self, row, start, states) -> None: pass
-
-
-def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
-    """Right-padded token rows (host) and their lengths: [rows, longest] int64, [rows]."""
-    counts = [len(seq) for seq in sequences]
-    out = torch.zeros(len(counts), max(counts, default=0), dtype=torch.long)
-    for b, seq in enumerate(sequences):
-        out[b, : counts[b]] = torch.as_tensor(list(seq), dtype=torch.long)
-    return out, counts
-
-
-CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
-PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time (a request arriving
-# meanwhile waits for it: 7,000-token prompt, 2-core EPYC, short request at 4.2x its time alone with 512-token
-# chunks, 3.7x with 128) and costs ~10% on the long prompt (17.0 s -> 18.7 s; benchmarks/long_prompt.py)
-PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
 PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
 PREFILL_FIRST = 8  # prompt tokens per step beside decoding rows before their cost is measured
 PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decoding while another engine decodes
 DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
 
-
-def _prefill(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:
-    """Feed `tokens` to one row in chunks (one forward each); returns the last-layer states per chunk
-    when `hidden`, else an empty tensor per chunk."""
-    states, _ = prefill_rows(runner, row, [tokens], hidden=hidden)
-    return states[0]
-
-
-def prefill_rows(runner: ModelRunner, begin: int, prompts: Sequence[Sequence[int]], *, hidden: bool = False
-                 ) -> tuple[list[list[torch.Tensor]], list[int]]:
-    """Feed prompts[i] to row `begin + i`, every row with tokens left in the same forward, chunk by chunk.
-
-    `prompts` must be sorted longest first (the rows still feeding are then always a leading block).
-    Returns per row its last-layer states per chunk (`hidden`; else empty tensors) and the forwards it
-    took part in."""
-    lengths = [len(p) for p in prompts]
-    assert lengths == sorted(lengths, reverse=True), "prefill_rows needs prompts sorted longest first"
-    states: list[list[torch.Tensor]] = [[] for _ in prompts]
-    calls = [0] * len(prompts)
-    start = [0] * len(prompts)
-    while True:
-        active = [i for i, n in enumerate(lengths) if start[i] < n]  # a leading block: sorted longest first
-        if not active:
-            break
-        chunk = max(64, min(PREFILL_CHUNK, PREFILL_TOKENS // len(active)))
-        pieces = [list(prompts[i][start[i]: start[i] + chunk]) for i in active]
-        tokens, counts = pad_rows(pieces)
-        out = runner.forward_rows(tokens, counts, begin=begin, logits_at=torch.zeros(len(active), 1, dtype=torch.long),
-                                  hidden=hidden, prompt=True)
-        for b, i in enumerate(active):
-            states[i].append(out.hidden[b, : counts[b]] if hidden else tokens[b, :0])
-            start[i] += counts[b]
-            calls[i] += 1
-    return states, calls
-
-
-# ---------------------------------------------------------------- the engine
 
 class Engine:
     """Continuous batching of one method over many requests. See the module docstring."""
@@ -586,9 +77,9 @@ class Engine:
         if drafter.wants_features:
             target.feature_layers = tuple(drafter.feature_layers)  # EAGLE-3 reads several layers
         self.stream_text = stream_text  # False: text only at the end (and for stop strings), no per-step decoding
-        self.waiting: list[_Row] = []
-        self.live: list[_Row] = []  # row i of every cache is live[i]
-        self.prefilling: list[_Row] = []  # row len(live) + j of the target's cache is prefilling[j]
+        self.waiting: list[Row] = []
+        self.live: list[Row] = []  # row i of every cache is live[i]
+        self.prefilling: list[Row] = []  # row len(live) + j of the target's cache is prefilling[j]
         self.prefill_share = prefill_share
         self._decode_s: float | None = None  # moving averages: a decoding step's time,
         self._prompt_token_s: float | None = None  # and what one prompt token adds to it
@@ -602,7 +93,7 @@ class Engine:
     # ---- interface ----
 
     def submit(self, request: Request) -> int:
-        row = _Row(
+        row = Row(
             id=next(self._ids), request=request,
             generator=make_generator(request.seed, self.target.device),
             counters=RowCounters(gamma=self.gamma), detok=Detokenizer(self.tokenizer),
@@ -639,7 +130,7 @@ class Engine:
         return bool(self.waiting or self.live or self.prefilling)
 
     @property
-    def admitted(self) -> list[_Row]:
+    def admitted(self) -> list[Row]:
         """Requests holding a row: decoding, then prefilling."""
         return [*self.live, *self.prefilling]
 
@@ -759,24 +250,24 @@ class Engine:
     # ---- phases ----
 
     def _pi(self, draft: RowsDraft, target_probs: torch.Tensor, target_logits: torch.Tensor,
-            rows: Sequence[_Row]) -> torch.Tensor:
+            rows: Sequence[Row]) -> torch.Tensor:
         """pi = rule(draft, target) at the drafted positions: [rows, k, vocab], one rule call with per-row greedy
         flags."""
         return self.rule(self._step_distributions(draft, target_probs, target_logits, self._greedy(rows)))
 
     @staticmethod
-    def _greedy(rows: Sequence[_Row]) -> torch.Tensor:
+    def _greedy(rows: Sequence[Row]) -> torch.Tensor:
         return torch.tensor([row.request.sampling.greedy for row in rows])
 
     @staticmethod
     def _step_distributions(draft: RowsDraft, target_probs: torch.Tensor, target_logits: torch.Tensor,
                             greedy: torch.Tensor) -> StepDistributions:
-        return StepDistributions(draft.tokens, draft.probs, target_probs, target_logits, draft.raw_probs,
+        return StepDistributions(draft.tokens, draft.probs, target_probs, target_logits, draft.draft_raw,
                                  greedy.to(draft.tokens.device),
                                  draft.verdicts, draft.joint,
                                  torch.tensor(draft.counts, device=draft.tokens.device))
 
-    def _grammar_drafts(self, rows: Sequence[_Row], grammars: list[int], draft: RowsDraft) -> RowsDraft:
+    def _grammar_drafts(self, rows: Sequence[Row], grammars: list[int], draft: RowsDraft) -> RowsDraft:
         """Each grammar row's path becomes its draft, cut before the first token its grammar refuses (a lookup
         or suffix draft; a model's was drawn under the mask and is whole)."""
         host = draft.tokens.tolist() if draft.width else [[] for _ in rows]
@@ -785,7 +276,7 @@ class Engine:
             counts[b] = rows[b].grammar.follow(host[b][: counts[b]])
         return draft.prefix(counts) if counts != list(draft.counts) else draft
 
-    def _grammar_masked(self, rows: Sequence[_Row], grammars: list[int], draft: RowsDraft,
+    def _grammar_masked(self, rows: Sequence[Row], grammars: list[int], draft: RowsDraft,
                         logits: torch.Tensor) -> torch.Tensor:
         """logits [rows, k + 1, vocab] with each grammar row's masks at depths 0 .. its draft length."""
         logits = logits.clone()
@@ -794,7 +285,7 @@ class Engine:
             logits[b, : n + 1] = mask_logits(logits[b, : n + 1], rows[b].grammar.masks(n))[0]
         return logits
 
-    def _processed(self, rows: Sequence[_Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
+    def _processed(self, rows: Sequence[Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
         """The target's logits after each request's repetition penalty and min_new_tokens: [rows, k + 1, vocab].
 
         Position j of row b follows the row's sequence plus its first j drafted tokens, so the penalty at
@@ -825,7 +316,7 @@ class Engine:
             logits[b, :missing, eos] = float("-inf")
         return logits
 
-    def _bonus_maker(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
+    def _bonus_maker(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
                      target_logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The sampler calls this with the rows that need a bonus; the draft's extra forward runs only then."""
         def bonus(needed: torch.Tensor) -> torch.Tensor:
@@ -834,7 +325,7 @@ class Engine:
             return self._bonus_from_pi(rows, draft, target_probs, target_logits)
         return bonus
 
-    def _bonus_from_pi(self, rows: Sequence[_Row], draft: RowsDraft, target_probs: torch.Tensor,
+    def _bonus_from_pi(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
                        target_logits: torch.Tensor) -> torch.Tensor:
         """target_probs with row b's position counts[b] replaced by rule.bonus(q, p) there: [rows, k + 1, vocab]."""
         from .sampling import unwarped
@@ -852,7 +343,7 @@ class Engine:
         out[index, at] = self.rule.bonus(q_raw, q_warped, p_raw, p_warped, self._greedy(rows).to(out.device))
         return out
 
-    def _commit(self, row: _Row, committed: list[int], now: float) -> list[int]:
+    def _commit(self, row: Row, committed: list[int], now: float) -> list[int]:
         """Append the step's tokens (cut at a stop string) and decide whether the row ends; returns the kept tokens."""
         stop_hit = False
         if row.request.stop and self.tokenizer is not None:
@@ -880,7 +371,7 @@ class Engine:
             row.finish_reason = "length"
         return committed
 
-    def _event(self, row: _Row, kept: list[int]) -> Event:
+    def _event(self, row: Row, kept: list[int]) -> Event:
         """The step's event for a row, after its counters were recorded (a finished row's stats are final)."""
         if row.finish_reason is not None:
             self._finish(row, row.finish_reason)
@@ -969,7 +460,7 @@ class Engine:
         self._fed(plan, out.hidden if self.drafter.wants_features else None)
         self._start_decoding()
 
-    def _prefill_scored(self, row: _Row, index: int) -> None:
+    def _prefill_scored(self, row: Row, index: int) -> None:
         """Prefill a prompt whose log-probabilities were asked for, alone and now (logits at every position:
         too wide to share a forward with decoding rows), in chunks; the row then waits to start decoding."""
         prompt = row.request.prompt_ids
@@ -982,7 +473,7 @@ class Engine:
                                                   row.request.prompt_logprobs)
             self._fed([n], out.hidden, rows=[row])
 
-    def _fed(self, plan: list[int], hidden: torch.Tensor | None, rows: list[_Row] | None = None) -> None:
+    def _fed(self, plan: list[int], hidden: torch.Tensor | None, rows: list[Row] | None = None) -> None:
         for j, (row, n) in enumerate(zip(self.prefilling if rows is None else rows, plan)):
             row.fed += n
             row.counters.prefill_calls += 1
@@ -1046,7 +537,7 @@ class Engine:
             if not self.waiting:
                 release_heap()
 
-    def _finish(self, row: _Row, reason: str) -> None:
+    def _finish(self, row: Row, reason: str) -> None:
         row.finish_reason = reason
         row.finished_at = time.perf_counter()
         if self.tokenizer is not None and reason != "stop":

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .eagle3 import Eagle3Config, Eagle3Head
+from .eagle import CONFIG_FILE as EAGLE_CONFIG, DraftHead, EagleHead
+from .eagle3 import Eagle3Config, Eagle3Head, is_eagle3_dir
 from .errors import DraftwiseError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -143,3 +144,17 @@ def import_eagle3(path: str | Path) -> Eagle3Head:
         wanted[name] = state[source].float()
     head.load_state_dict({**wanted, "vocab_ids": vocab_ids})
     return head.eval()
+
+
+def is_eagle_dir(path: str | Path) -> bool:
+    """A directory holding a draft head: EAGLE-1 (eagle.json) or EAGLE-3 (eagle3.json)."""
+    return (Path(path) / EAGLE_CONFIG).is_file() or is_eagle3_dir(path) or is_eagle3_checkpoint(path)
+
+
+def load_head(path: str | Path) -> DraftHead:
+    """Load the draft head in `path`, whichever kind it is."""
+    if is_eagle3_dir(path):
+        return Eagle3Head.load(path)
+    if is_eagle3_checkpoint(path):  # vLLM's / SGLang's layout (`draftwise export-eagle`, or trained elsewhere)
+        return import_eagle3(path)
+    return EagleHead.load(path)

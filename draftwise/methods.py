@@ -31,7 +31,7 @@ MAX_WINDOW = 64  # the bound of every option that sets a draft run, a match leng
 
 @dataclass(frozen=True)
 class DrafterKind:
-    """What a kind of drafter needs. Its builder is `api.DRAFTER_BUILDERS[name]`; adding a kind is this entry and
+    """What a kind of drafter needs. Its builder is `builder.DRAFTER_BUILDERS[name]`; adding a kind is this entry and
     that builder."""
 
     name: str
@@ -69,10 +69,10 @@ class Method:
     reference: str = ""
     loop: str = "speculative"  # "speculative" (draft -> verify on one engine), "sequence" (eq. 1: the draft's
     #                            engine writes each response, the target's engine redoes the deferred ones)
-    make_stop: Callable[[dict[str, Any]], Callable] | None = None  # the drafter's own deferral (sequential cascades)
-    window_option: str | None = None  # the option that sets the draft window in place of gamma
+    draft_stop: Callable[[dict[str, Any]], Callable] | None = None  # the drafter's own deferral (sequential cascades)
+    run_option: str | None = None  # the option that sets the draft window in place of gamma
     selector: str = ""  # the select phase: "" (verify every drafted token) | "sv" | "history" | "smartspec"
-    draft_length: int = 0  # a fixed draft run for a method without gamma (oracle-diff: 1)
+    fixed_run: int = 0  # a fixed draft run for a method without gamma (oracle-diff: 1)
     refuses: tuple[tuple[str, str], ...] = ()  # (request feature, why this method cannot apply it)
     _defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
@@ -95,9 +95,9 @@ class Method:
 
     def draft_run(self, options: dict[str, Any], gamma: int) -> int:
         """Tokens drafted per step at most: the window option, else gamma, else the fixed draft length."""
-        if self.window_option:
-            return int(options[self.window_option])
-        return gamma if self.uses_gamma else self.draft_length
+        if self.run_option:
+            return int(options[self.run_option])
+        return gamma if self.uses_gamma else self.fixed_run
 
     @property
     def needs_companion(self) -> bool:
@@ -357,10 +357,10 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "token-cascade", "sequential token-level cascade with Chow's rule: the target runs only when the draft defers",
-            drafter="model", make_rule=_window("max_run"), make_stop=lambda o: chow_stop(o["alpha"]),
+            drafter="model", make_rule=_window("max_run"), draft_stop=lambda o: chow_stop(o["alpha"]),
             options=(_CHOW_ALPHA, Option("max_run", 10, int, "small-model tokens before the target is invoked anyway",
                                          high=MAX_WINDOW)),
-            uses_gamma=False, window_option="max_run", exact=False, reference="Narasimhan et al. Algorithm 2, §F.1",
+            uses_gamma=False, run_option="max_run", exact=False, reference="Narasimhan et al. Algorithm 2, §F.1",
         ),
         Method(
             "seq-cascade", "sequence-level cascade with Chow's rule: keep the draft's whole response or let the target redo it",
@@ -378,17 +378,17 @@ METHODS: dict[str, Method] = {
             "deferral's choice (one-token drafts; head-room reference, not fast)",
             drafter="model", make_rule=lambda o: CascadeRule(rule="diff", alpha=o["alpha"], bonus_from="pi"),
             options=(Option("alpha", 0.0, float, "defer when max q < max p - alpha"),),
-            uses_gamma=False, draft_length=1, exact=False, reference="Narasimhan et al. Algorithm 3, eq. 5",
+            uses_gamma=False, fixed_run=1, exact=False, reference="Narasimhan et al. Algorithm 3, eq. 5",
         ),
         Method(
             "bild", "original Big Little Decoder: draft until max q < 1 - fallback, deterministic rollback where -log p > alpha",
-            drafter="model", make_rule=_bild_rule, make_stop=lambda o: chow_stop(o["fallback"]),
+            drafter="model", make_rule=_bild_rule, draft_stop=lambda o: chow_stop(o["fallback"]),
             options=(
                 Option("alpha", 2.0, float, "rollback threshold on -log p(draft token)"),
                 Option("fallback", 0.5, float, "fallback threshold: the draft stops when max q < 1 - fallback"),
                 Option("max_window", 10, int, "longest draft run", high=MAX_WINDOW),
             ),
-            uses_gamma=False, window_option="max_window", greedy_only=True, exact=False,
+            uses_gamma=False, run_option="max_window", greedy_only=True, exact=False,
             reference="Kim et al. 2023; Narasimhan et al. §B, §F.5",
         ),
         Method(
@@ -401,11 +401,11 @@ METHODS: dict[str, Method] = {
                 Option("max_run", 16, int, "longest run of verifier-accepted tokens before the target runs anyway",
                        high=MAX_WINDOW),
             ),
-            uses_gamma=False, window_option="max_run", exact=False, reference="Zhong et al. 2025, Zhong et al. Algorithm 2",
+            uses_gamma=False, run_option="max_run", exact=False, reference="Zhong et al. 2025, Zhong et al. Algorithm 2",
         ),
         Method(
             "adaedl", "exact speculative decoding whose draft stops when 1 - sqrt(scale * entropy(q)) < threshold",
-            drafter="model", make_rule=_adaedl_rule, make_stop=_adaedl_stop,
+            drafter="model", make_rule=_adaedl_rule, draft_stop=_adaedl_stop,
             options=(
                 Option("scale", 0.4, float, "gamma of AdaEDL's bound 1 - sqrt(gamma H(q))"),
                 Option("threshold", 0.5, float, "stop drafting when the bound falls below this"),
@@ -455,7 +455,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "svip", "exact speculative decoding whose draft stops once sqrt(entropy(q)) > threshold",
-            drafter="model", make_rule=_svip_rule, make_stop=_svip_stop,
+            drafter="model", make_rule=_svip_rule, draft_stop=_svip_stop,
             options=(Option("threshold", 1.0, float, "stop drafting when sqrt(H(q)) (nats) exceeds this"),),
             reference="Zhang et al. 2025 (SVIP); Kim et al. §2",
         ),
@@ -477,7 +477,7 @@ METHODS: dict[str, Method] = {
             "token, per step (quality reference, slow)",
             drafter="target-beam", make_rule=_mtjd_rule,
             options=(Option("k", 4, int, "tokens per joint block", high=16), _BEAMS),
-            uses_gamma=False, window_option="k", exact=False, reference="the MTAD paper Def. 3.1, Figure 1",
+            uses_gamma=False, run_option="k", exact=False, reference="the MTAD paper Def. 3.1, Figure 1",
             refuses=_BEAM_REFUSALS,
         ),
     )

@@ -50,7 +50,8 @@ import torch
 
 from .acceptance import Rule, StepDistributions
 from .batched import warp_rows
-from .engine import CATCH_UP, ModelRowsDrafter, RowsDraft, empty_draft, pad_rows
+from .drafters import CATCH_UP, ModelRowsDrafter
+from .protocols import RowsDraft, empty_draft, pad_rows
 from .errors import DraftwiseError
 from .sampling import SamplingConfig, unwarped
 

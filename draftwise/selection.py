@@ -28,7 +28,9 @@ from typing import Sequence
 import torch
 
 from .batched import speculative_sample_rows, warp_rows
-from .engine import ModelRowsDrafter, RowsDraft, _Row, pad_rows, _prefill
+from .drafters import ModelRowsDrafter, prefill_row
+from .protocols import RowsDraft, pad_rows
+from .rows import Row
 from .models.runner import ModelRunner
 from .sampling import unwarped
 from .sv import LatencyModel, AcceptanceTable, indicators, schedule
@@ -57,9 +59,9 @@ class CompanionRowsDrafter:
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
         self.inner.admit(row, prompt_ids)
         self.companion.cache.reset_row(row)
-        self.companion_prefill_calls += len(_prefill(self.companion, row, prompt_ids[:-1]))
+        self.companion_prefill_calls += len(prefill_row(self.companion, row, prompt_ids[:-1]))
 
-    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
+    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
         draft = self.inner.propose(rows, limits)
         lengths = self.companion.lengths
         drafted = draft.tokens.tolist()
@@ -71,7 +73,7 @@ class CompanionRowsDrafter:
         at = torch.minimum(at, torch.tensor(counts, device=device)[:, None] - 1)  # past a row's draft: padding
         logits = self.companion.forward_rows(feed, counts, logits_at=at).logits  # [rows, k + 1, vocab]
         configs = [r.request.sampling for r in rows]
-        return RowsDraft(draft.tokens, draft.probs, draft.counts, draft.raw_probs, draft.verdicts,
+        return RowsDraft(draft.tokens, draft.probs, draft.counts, draft.draft_raw, draft.verdicts,
                          warp_rows(logits, configs), unwarped(logits))
 
     def rewind(self, row: int, keep: int) -> None:
@@ -90,15 +92,15 @@ class CompanionRowsDrafter:
         self.inner.observe(row, start, states)
 
 
-def indicator_pair(rows: Sequence[_Row], draft: RowsDraft) -> tuple[torch.Tensor, torch.Tensor]:
+def indicator_pair(rows: Sequence[Row], draft: RowsDraft) -> tuple[torch.Tensor, torch.Tensor]:
     """S and A [rows, k] for a companion draft: the warped (drawn-from) distributions for sampling rows,
     the unwarped ones for greedy rows (one-hot distributions carry no information)."""
     k = draft.width
     greedy = torch.tensor([r.request.sampling.greedy for r in rows], device=draft.tokens.device)[:, None, None]
     if bool(greedy.any()):
-        if draft.raw_probs is None or draft.companion_raw is None:
+        if draft.draft_raw is None or draft.companion_raw is None:
             raise RuntimeError("greedy rows need the draft's and the companion's unwarped distributions")
-        q_d = torch.where(greedy, draft.raw_probs, draft.probs)
+        q_d = torch.where(greedy, draft.draft_raw, draft.probs)
         q_c = torch.where(greedy, draft.companion_raw[:, :k], draft.companion_probs[:, :k])
     else:
         q_d, q_c = draft.probs, draft.companion_probs[:, :k]
@@ -131,7 +133,7 @@ class GoodputSelector:
         self.selected: dict[int, deque] = {}  # request -> its last `memory` selections
         self.memory = memory
 
-    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
+    def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         """Draft no more than the row verified lately, plus `lookahead`: tokens the scheduler keeps dropping
         are not worth drafting (a request starts at the full gamma and can grow by `lookahead` a step).
         Reads only past selections, so exactness is untouched."""
@@ -143,7 +145,7 @@ class GoodputSelector:
             out.append(min(limit, max(history) + self.lookahead) if history else limit)
         return out
 
-    def _remember(self, rows: Sequence[_Row], chosen: Sequence[int]) -> None:
+    def _remember(self, rows: Sequence[Row], chosen: Sequence[int]) -> None:
         live = set()
         for row, count in zip(rows, chosen):
             self.selected.setdefault(row.id, deque(maxlen=self.memory)).append(count)
@@ -151,13 +153,13 @@ class GoodputSelector:
         for gone in set(self.selected) - live:  # finished requests
             del self.selected[gone]
 
-    def estimates(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]]:
+    def estimates(self, rows: Sequence[Row], draft: RowsDraft) -> list[list[float]]:
         """P(accept | S_i, A_i) per drafted token, from the token's actual A."""
         self._sa = indicator_pair(rows, draft)
         self._actual = self.table.lookup(*self._sa)  # [rows, k], read again by before_draw
         return _masked(self._actual, draft.counts)
 
-    def before_draw(self, rows: Sequence[_Row], draft: RowsDraft) -> list[list[float]] | None:
+    def before_draw(self, rows: Sequence[Row], draft: RowsDraft) -> list[list[float]] | None:
         """Token i's estimate before it was drawn: E_{t ~ q_i}[P(accept | S_i, A_i(t))], over the draft
         distribution it was drawn from (its BEFORE_DRAW_TOP likeliest tokens, the rest lumped into one
         with their summed masses). Exactness needs the decision to verify token i not to read token i;
@@ -181,7 +183,7 @@ class GoodputSelector:
         mixed = torch.where(torch.tensor(greedy, device=expected.device)[:, None], actual, expected)
         return _masked(mixed, draft.counts)
 
-    def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]:
+    def select(self, rows: Sequence[Row], draft: RowsDraft) -> list[int]:
         p = self.last_estimates = self.estimates(rows, draft)
         n = len(rows)  # drafting is paid already, but it is part of the step the goodput divides by
         fixed = draft.width * self.latency.draft_ms(n) + (self.latency.companion_ms(n) if self.uses_companion else 0.0)
@@ -247,7 +249,7 @@ class SmartSpecSelector:
         self.latency, self.gamma, self.decay, self.prior = latency, gamma, decay, prior
         self.rate: dict[int, float] = {}
 
-    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
+    def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         rates = [min(self.rate.get(r.id, self.prior), 0.999) for r in rows]
         n = len(rows)
         best_k, best = 0, -1.0
@@ -275,7 +277,7 @@ class StagedRowsDrafter(CompanionRowsDrafter):
     companion's distributions as the proposal. Each staged token is distributed as the companion's, so
     the target's exact rule keeps the output exact."""
 
-    def propose(self, rows: Sequence[_Row], limits: Sequence[int]) -> RowsDraft:
+    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
         draft = super().propose(rows, limits)
         k = draft.width
         if k == 0:

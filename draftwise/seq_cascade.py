@@ -21,7 +21,8 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .engine import Engine, Event, Request, Result
+from .engine import Engine
+from .rows import Event, Request, Result
 
 
 @dataclass

@@ -201,7 +201,7 @@ class SprinterRule(Rule):
     name: str = "sprinter"
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
-        verdicts = step.verifier_accepts
+        verdicts = step.verdicts
         if verdicts is None:
             raise DraftwiseError("the sprinter rule needs the verifier's verdicts (a VerifierStop policy)")
         one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[..., None], 1.0)

@@ -25,7 +25,8 @@ from typing import Sequence
 
 import torch
 
-from .engine import RetiringRows, one_hot_draft
+from .drafters import RetiringRows
+from .protocols import one_hot_draft
 from .errors import DraftwiseError
 
 
@@ -256,7 +257,7 @@ class HybridRowsDrafter:
         self.suffix.release(live)
 
     def propose(self, rows, limits):
-        from .engine import RowsDraft, empty_draft
+        from .protocols import RowsDraft, empty_draft
 
         found, scores = self.suffix.speculate(rows, limits)
         use_suffix = [bool(f) and s >= self.threshold for f, s in zip(found, scores)]

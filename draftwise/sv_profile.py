@@ -20,7 +20,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .engine import Engine, ModelRowsDrafter, Request, RowsDraft, _Row
+from .drafters import ModelRowsDrafter
+from .engine import Engine
+from .protocols import RowsDraft
+from .rows import Request, Row
 from .errors import DraftwiseError
 from .acceptance import ExactRule
 from .models.runner import ModelRunner, draft_runner
@@ -45,10 +48,10 @@ class RecordingSelector:
         self.samples: dict[str, list[float]] = {f: [] for f in FIELDS}
         self._sa: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def limits(self, rows: Sequence[_Row], limits: list[int]) -> list[int]:
+    def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         return limits
 
-    def select(self, rows: Sequence[_Row], draft: RowsDraft) -> list[int]:
+    def select(self, rows: Sequence[Row], draft: RowsDraft) -> list[int]:
         self._sa = indicator_pair(rows, draft)
         return list(draft.counts)
 
@@ -59,7 +62,7 @@ class RecordingSelector:
         s, a = self._sa
         x = acceptance_probability(draft.probs, target_probs[:, :k], draft.tokens)
         greedy = torch.tensor([r.request.sampling.greedy for r in rows], device=x.device)[:, None, None]
-        q = torch.where(greedy, draft.raw_probs, draft.probs) if draft.raw_probs is not None else draft.probs
+        q = torch.where(greedy, draft.draft_raw, draft.probs) if draft.draft_raw is not None else draft.probs
         p = torch.where(greedy, unwarped(target_logits[:, :k]), target_probs[:, :k])
         s_target = torch.minimum(q, p).sum(-1)
         host = torch.stack([s.double(), a.double(), x.double(), s_target.double()]).tolist()

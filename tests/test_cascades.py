@@ -126,10 +126,10 @@ def test_bad_rule_and_alpha_are_rejected():
     with pytest.raises(DraftwiseError, match="alpha must be a finite number"):
         CascadeRule(rule="opt", alpha=float("nan"))
     with pytest.raises(DraftwiseError, match="unknown cascade rule"):
-        draftwise.api.check_options(method="cascade", rule="token-v9", max_new_tokens=4, temperature=1.0, top_k=0,
+        draftwise.plan.check_options(method="cascade", rule="token-v9", max_new_tokens=4, temperature=1.0, top_k=0,
                                     top_p=1.0, seed=0, gamma=2, stop=None, ignore_eos=False, draft_given=True)
     with pytest.raises(DraftwiseError, match="greedy decoding only"):
-        draftwise.api.check_options(method="bild", max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+        draftwise.plan.check_options(method="bild", max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, seed=0,
                                     gamma=2, stop=None, ignore_eos=False, draft_given=True)
 
 

@@ -14,7 +14,7 @@ import torch
 import draftwise
 from conftest import tiny_llama, tiny_tokenizer
 from draftwise.eagle3 import Eagle3Head
-from draftwise.engine import Request
+from draftwise.rows import Request
 from draftwise.errors import DraftwiseError
 from draftwise.models.loading import LoadedModel
 from draftwise.models.runner import ModelRunner
@@ -428,7 +428,8 @@ def test_train_eagle3_and_export_cli_on_a_tiny_target(tmp_path):
     import subprocess
     import sys
 
-    from draftwise.training.shards import eagle3_layers, generate_shards
+    from draftwise.eagle3 import eagle3_layers
+    from draftwise.training.shards import generate_shards
 
     target = _target()
     tok = tiny_tokenizer(64)

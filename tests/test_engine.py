@@ -14,7 +14,9 @@ from scipy.stats import chisquare
 import draftwise
 from conftest import tiny_gpt2, tiny_llama, tiny_tokenizer
 from draftwise.acceptance import ExactRule
-from draftwise.engine import Engine, ModelRowsDrafter, NoRowsDrafter, Request
+from draftwise.drafters import ModelRowsDrafter, NoRowsDrafter
+from draftwise.engine import Engine
+from draftwise.rows import Request
 from draftwise.errors import DraftwiseError
 from draftwise.models.kvcache import PositionCache, check_supported
 from draftwise.models.loading import load_model
@@ -93,7 +95,7 @@ def test_rollback_is_a_length_write_and_growth_keeps_contents():
     logits = runner.forward_rows(torch.tensor([[5, 6]]), [2]).logits[0]
     assert torch.allclose(logits, _full_logits(model, list(range(1, 11)) + [5, 6])[-2:], atol=1e-4)
     with pytest.raises(ValueError):
-        runner.trim(50)
+        runner.trim_row(0, 50)
 
 
 def test_attention_reads_only_up_to_the_longest_row():
@@ -265,7 +267,7 @@ def test_counters_never_count_accepted_tokens_past_eos():
 
     class EosDrafter(NoRowsDrafter):
         def propose(self, rows, limits):
-            from draftwise.engine import RowsDraft
+            from draftwise.protocols import RowsDraft
 
             tokens = torch.tensor([[7, 7, 7]] * len(rows))
             probs = torch.zeros(len(rows), 3, 64).scatter_(-1, tokens[..., None], 1.0)
@@ -377,7 +379,7 @@ def _batched_p_values(method: str, n: int) -> list[float]:
         head.attach(t.model)
         drafter = EagleRowsDrafter(head, 64, runner.device)
     else:
-        from draftwise.engine import LookupRowsDrafter
+        from draftwise.drafters import LookupRowsDrafter
         drafter = LookupRowsDrafter(64, runner.device, max_ngram=3, min_ngram=1)
     engine = Engine(runner, drafter, ExactRule(), gamma=2, max_batch_size=4)
     counts = [np.zeros((64, 64)) for _ in prompts]
@@ -548,7 +550,7 @@ def test_a_stop_string_cut_records_no_accepted_token_past_it(llama_pair):
 
 
 def test_prompt_lookup_rows_stop_drafting_at_eos():
-    from draftwise.engine import LookupRowsDrafter
+    from draftwise.drafters import LookupRowsDrafter
 
     class Row:
         sequence = [1, 2, 7, 3, 4, 5, 1, 2]

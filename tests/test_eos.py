@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from draftwise.acceptance import ExactRule
-from draftwise.engine import Engine, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, Request, one_hot_draft
+from draftwise.drafters import LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter
+from draftwise.engine import Engine
+from draftwise.protocols import one_hot_draft
+from draftwise.rows import Request
 from draftwise.models.runner import ModelRunner
 from draftwise.sampling import SamplingConfig, make_generator
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import draftwise
 from conftest import tiny_llama
-from draftwise.eagle import load_head
+from draftwise.export import load_head
 from draftwise.eagle3 import Eagle3Head
 from draftwise.errors import DraftwiseError
 from draftwise.export import export_eagle3, import_eagle3

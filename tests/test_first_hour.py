@@ -97,7 +97,7 @@ def test_default_method_uses_the_registry_draft(dirs):
 
 
 def test_default_draft_depends_on_the_method(dirs):
-    from draftwise.api import default_draft
+    from draftwise.plan import default_draft
 
     assert default_draft(TARGET, "sd") == EAGLE
     assert default_draft(TARGET, "mtad") == EAGLE  # beam search runs on the head too
@@ -230,17 +230,17 @@ def test_unsupported_prompts_name_what_was_passed(chat_target, prompt, pattern):
 
 
 def test_split_prompts_tells_one_prompt_from_a_batch():
-    from draftwise.api import _split_prompts
+    from draftwise.prompts import split_prompts
 
     chat = [{"role": "user", "content": "x"}]
-    assert _split_prompts("hi") == (["hi"], False)
-    assert _split_prompts(chat) == ([chat], False)
-    assert _split_prompts([1, 2]) == ([[1, 2]], False)
-    assert _split_prompts(["a", "b"]) == (["a", "b"], True)
-    assert _split_prompts([chat, chat]) == ([chat, chat], True)
-    assert _split_prompts(torch.tensor([[1, 2], [3, 4]])) == ([[1, 2], [3, 4]], True)
+    assert split_prompts("hi") == (["hi"], False)
+    assert split_prompts(chat) == ([chat], False)
+    assert split_prompts([1, 2]) == ([[1, 2]], False)
+    assert split_prompts(["a", "b"]) == (["a", "b"], True)
+    assert split_prompts([chat, chat]) == ([chat, chat], True)
+    assert split_prompts(torch.tensor([[1, 2], [3, 4]])) == ([[1, 2], [3, 4]], True)
     with pytest.raises(DraftwiseError, match="no prompt"):
-        _split_prompts(None)
+        split_prompts(None)
 
 
 # ------------------------------------------------- 5. bench: a helper per method, every method checked first

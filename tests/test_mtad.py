@@ -26,7 +26,7 @@ import torch
 import draftwise
 from draftwise.acceptance import StepDistributions
 from draftwise.bench.energy import EnergyMeter, find_meter, rapl_meter
-from draftwise.bench.harness import parse_label
+from draftwise.bench.labels import parse_label
 from draftwise.bench.metrics import RunRecord, quality_fields, summarize
 from draftwise.bench.quality import perplexity, target_score
 from draftwise.bench.report import format_table

@@ -19,7 +19,9 @@ import torch
 import pytest
 
 from draftwise.acceptance import ExactRule
-from draftwise.engine import Engine, ModelRowsDrafter, NoRowsDrafter, Request
+from draftwise.drafters import ModelRowsDrafter, NoRowsDrafter
+from draftwise.engine import Engine
+from draftwise.rows import Request
 from draftwise.models.runner import ModelRunner
 from draftwise.prefix import PrefixStore
 from draftwise.sampling import SamplingConfig

@@ -279,12 +279,12 @@ def test_unknown_method_override_is_400(client):
 
 
 def test_an_override_never_loads_a_model_or_reads_a_file(models, bare, served, monkeypatch, tmp_path):
-    from draftwise import api, sprinter
+    from draftwise import plan, sprinter
     from draftwise.models import loading
 
     calls = []
     monkeypatch.setattr(sprinter.Verifier, "load", classmethod(lambda cls, *a, **k: calls.append(a)))
-    for module in (api, loading):
+    for module in (plan, loading):
         original = module.load_model
         monkeypatch.setattr(module, "load_model", lambda spec, *a, _original=original, **k: calls.append(spec)
                             if isinstance(spec, str) else _original(spec, *a, **k))

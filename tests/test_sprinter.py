@@ -41,7 +41,7 @@ def simulate_tokens(n: int, eta_tp: float, eta_fp: float, seed: int = 0) -> tupl
         acceptable = bool(q[x] <= p[x])
         verdict = coins.random() < (eta_tp if acceptable else eta_fp)
         step = StepDistributions(x, q[None], torch.stack([p, p]), torch.stack([p, p]).log(),
-                                 verifier_accepts=torch.tensor([verdict]))
+                                 verdicts=torch.tensor([verdict]))
         out = speculative_sample(x, q[None], SprinterRule()(step), p, generator)
         kept += out.num_accepted
         counts[int(x) if out.num_accepted else out.next_token] += 1

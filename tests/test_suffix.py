@@ -138,7 +138,9 @@ def test_hybrid_with_an_eagle3_head_equals_ar_at_t0_and_uses_both_drafters():
     from draftwise.acceptance import ExactRule
     from draftwise.eagle3 import Eagle3Head
     from draftwise.eagle_rows import EagleRowsDrafter
-    from draftwise.engine import Engine, NoRowsDrafter, Request
+    from draftwise.drafters import NoRowsDrafter
+    from draftwise.engine import Engine
+    from draftwise.rows import Request
     from draftwise.models.runner import ModelRunner
     from draftwise.sampling import SamplingConfig
     from draftwise.suffix import HybridRowsDrafter, SuffixRowsDrafter

@@ -52,7 +52,10 @@ import draftwise.bench.report as report
 from conftest import near_copy, tiny_llama
 from draftwise import sv, sv_profile
 from draftwise.acceptance import ExactRule
-from draftwise.engine import Engine, ModelRowsDrafter, Request, RowsDraft
+from draftwise.drafters import ModelRowsDrafter
+from draftwise.engine import Engine
+from draftwise.protocols import RowsDraft
+from draftwise.rows import Request
 from draftwise.errors import DraftwiseError
 from draftwise.models.loading import LoadedModel
 from draftwise.models.runner import ModelRunner
@@ -152,7 +155,7 @@ class PreDrawGoodputSelector(GoodputSelector):
         s, _ = indicator_pair(rows, draft)
         k = draft.width
         greedy = torch.tensor([r.request.sampling.greedy for r in rows])[:, None, None]
-        q_d = torch.where(greedy, draft.raw_probs, draft.probs)
+        q_d = torch.where(greedy, draft.draft_raw, draft.probs)
         q_c = torch.where(greedy, draft.companion_raw[:, :k], draft.companion_probs[:, :k])
         a = torch.where(q_d > 0, q_c / q_d.clamp(min=1e-30), torch.ones_like(q_d)).clamp(max=1.0)  # A of every token
         p_hat = self.table.lookup(s[..., None].expand_as(a).contiguous(), a.contiguous())  # [rows, k, vocab]
@@ -657,7 +660,7 @@ def test_a_missing_or_damaged_profile_is_refused(tmp_path, profile_path):
 # ---------------------------------------------------------------- the companion and the drafters
 
 
-class _Row:
+class Row:
     def __init__(self, sequence, sampling, seed):
         self.sequence = list(sequence)
         self.request = Request(tuple(sequence), sampling)
@@ -680,8 +683,8 @@ def test_the_companion_never_changes_the_drafted_tokens_and_reads_every_position
     bare = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
     paired = CompanionRowsDrafter(ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True),
                                   ModelRunner(companion.model, vocab_size=V, rows=0), V)
-    rows_a = [_Row(p, s, seed) for seed, (p, s) in enumerate(zip(prompts, settings))]
-    rows_b = [_Row(p, s, seed) for seed, (p, s) in enumerate(zip(prompts, settings))]
+    rows_a = [Row(p, s, seed) for seed, (p, s) in enumerate(zip(prompts, settings))]
+    rows_b = [Row(p, s, seed) for seed, (p, s) in enumerate(zip(prompts, settings))]
     for b, row in enumerate(rows_a):
         bare.admit(b, row.sequence)
         paired.admit(b, row.sequence)
@@ -770,14 +773,14 @@ def test_rows_draft_prefix_keeps_consistent_shapes():
         width = max(counts)
         assert cut.counts == counts and cut.width == width
         assert cut.tokens.shape == (rows, width) and cut.probs.shape == (rows, width, V)
-        assert cut.raw_probs.shape == (rows, width, V) and cut.verdicts.shape == (rows, width)
+        assert cut.draft_raw.shape == (rows, width, V) and cut.verdicts.shape == (rows, width)
         assert cut.companion_probs.shape == (rows, width + 1, V) == cut.companion_raw.shape
         for b in range(rows):  # the kept part is the original's prefix
             n = counts[b]
             assert torch.equal(cut.tokens[b, :n], draft.tokens[b, :n]) and torch.equal(cut.probs[b, :n], draft.probs[b, :n])
             assert torch.equal(cut.companion_probs[b, : n + 1], draft.companion_probs[b, : n + 1])
     bare = RowsDraft(draft.tokens, draft.probs, draft.counts).prefix([1, 1, 1])
-    assert bare.raw_probs is None and bare.companion_probs is None and bare.counts == [1, 1, 0]
+    assert bare.draft_raw is None and bare.companion_probs is None and bare.counts == [1, 1, 0]
 
 
 def test_lookahead_drafts_only_past_what_the_request_verified_lately():
@@ -785,7 +788,7 @@ def test_lookahead_drafts_only_past_what_the_request_verified_lately():
     its last `memory` steps; finished requests are forgotten."""
     latency = linear_latency(0.4)
     selector = GoodputSelector(None, latency, lookahead=1, memory=3)
-    rows = [_Row([1], PLAIN, 0), _Row([2], PLAIN, 1)]
+    rows = [Row([1], PLAIN, 0), Row([2], PLAIN, 1)]
     rows[0].id, rows[1].id = 10, 11
     assert selector.limits(rows, [4, 4]) == [4, 4]
     for chosen in ([0, 2], [0, 0], [1, 0]):

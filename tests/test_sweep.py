@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from draftwise.bench.harness import parse_label
+from draftwise.bench.labels import parse_label
 from draftwise.bench.metrics import RunRecord, quality_fields
 from draftwise.bench.quality import corpus_bleu, rouge2, target_score
 from draftwise.bench.sweep import SweepConfig, sweep_labels, table2

@@ -45,7 +45,7 @@ def test_prompt_lookup_proposer_equals_the_drafter():
     assert proposer.propose([[], [1], [1]], counts, tokens)[0] == []  # nothing sampled: nothing drafted
 
 
-class _Row:
+class Row:
     def __init__(self, sequence):
         self.sequence = sequence
 
@@ -59,7 +59,7 @@ def test_suffix_proposer_equals_the_rows_drafter_as_tokens_commit_and_rows_chang
     for step in range(6):
         tokens, counts = _batch(sequences)
         theirs = proposer.propose([[1]] * 3, counts, tokens)
-        mine, _ = ours.speculate([_Row(s) for s in sequences], [4, 4, 4])
+        mine, _ = ours.speculate([Row(s) for s in sequences], [4, 4, 4])
         assert theirs == mine, step
         for s in sequences:  # commit the first drafted token, or a fresh one
             s.append((s[-1] * 3 + step) % 11)

@@ -154,7 +154,7 @@ def run_batched(config: Any, target: Any, draft_of: dict[str, Any], encoded: lis
     from ..api import Generation, generate
     from ..methods import METHODS
     from ..sampling import SamplingConfig
-    from .harness import DRAFT_ONLY, parse_label
+    from .labels import DRAFT_ONLY, parse_label
 
     def run(label: str, b: int, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[Any]:
         name, fixed = parse_label(label)

@@ -25,59 +25,10 @@ from ..eagle import DraftHead
 from ..models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from ..sampling import SamplingConfig
 from .datasets import Prompt, load_prompts
+from .labels import DRAFT_ONLY, HF_METHODS, parse_label
 from .energy import find_meter
 from .metrics import RunRecord, report
 from .quality import target_score
-
-HF_METHODS = ("hf-assisted", "prompt-lookup-hf")
-DRAFT_ONLY = "draft-only"  # the draft model decoding alone (`ar` with the draft as the model): quality's lower end
-
-
-def parse_label(label: str) -> tuple[str, dict[str, Any]]:
-    """A method label -> (method name, options it fixes).
-
-    `NAME`, `NAME:RULE` (methods with a `rule` option: `cascade:token-v3`), either with
-    `@ALPHA` (`lossy@0.3`, `cascade:opt@0.5`), and any with `/OPTION=VALUE` suffixes
-    (`mtad/tau=0.3/num_beams=2`; a value cannot hold "/": give paths with --option), so one run can
-    hold several variants.
-    """
-    name, *settings = label.split("/")
-    options: dict[str, Any] = {}
-    for setting in settings:
-        key, eq, value = setting.partition("=")
-        if not eq or not key or not value:
-            raise DraftwiseError(f"method label {label!r}: {setting!r} is not OPTION=VALUE")
-        if key in options:
-            raise DraftwiseError(f"method label {label!r}: option {key!r} given twice")
-        options[key] = value
-    if "@" in name:
-        if "alpha" in options:
-            raise DraftwiseError(f"method label {label!r}: alpha given twice (@ and /alpha=)")
-        name, _, alpha = name.rpartition("@")
-        try:
-            options["alpha"] = float(alpha)
-        except ValueError:
-            raise DraftwiseError(f"method label {label!r}: {alpha!r} after @ is not a number") from None
-    if ":" in name:
-        name, _, rule = name.partition(":")
-        options["rule"] = rule
-    if name in HF_METHODS or name == DRAFT_ONLY:
-        if options:
-            raise DraftwiseError(f"method label {label!r}: {name} takes no :rule, @alpha or /option")
-        return name, options
-    if name not in METHODS:
-        valid = ", ".join(list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY])
-        raise DraftwiseError(f"unknown method {name!r} in {label!r}; valid: {valid}")
-    known = {o.name for o in METHODS[name].options}
-    for key in options:
-        if key not in known:
-            raise DraftwiseError(f"method label {label!r}: method {name!r} has no {key!r} option")
-    if options:  # validate the values the label fixes; required options (a verifier path) come from --option
-        resolved = METHODS[name].resolve_options(options)
-        options = {key: resolved[key] for key in options}  # typed
-        METHODS[name].make_rule(resolved)
-    return name, options
-
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -140,7 +91,7 @@ def machine_description(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def _prompt_ids(model: LoadedModel, prompt: Prompt, prefix_fraction: float = 0.0) -> list[int]:
+def encode_bench_prompt(model: LoadedModel, prompt: Prompt, prefix_fraction: float = 0.0) -> list[int]:
     """The chat-formatted prompt; or, with `prefix_fraction`, the first fraction of its words as raw
     text to continue (SPRINTER §4's "30% prefixes")."""
     tokenizer = model.tokenizer
@@ -256,7 +207,7 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
     draft for a registry target (the EAGLE head where the method drafts with one, else the
     independent draft). `draft-only` and `hf-assisted` need an independent draft model.
     """
-    from ..api import EAGLE_METHODS, check_options, default_draft
+    from ..plan import EAGLE_METHODS, check_options, default_draft
     from ..models import registry
 
     check_methods(config.methods)
@@ -357,7 +308,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     loaded = {spec: _load_bench_draft(spec, target, config) for spec in dict.fromkeys(drafts.values()) if spec}
     draft_of = {label: loaded[spec] if spec else None for label, spec in drafts.items()}
     hf_draft = draft_of.get("hf-assisted")
-    encoded = [(p, _prompt_ids(target, p, config.prefix_fraction)) for p in prompts]
+    encoded = [(p, encode_bench_prompt(target, p, config.prefix_fraction)) for p in prompts]
     # Quality fields (perplexity, agreement, ROUGE-2 / BLEU where Spec-Bench has references)
     # whenever a lossy method runs, or on request; then for every method, `ar` being the reference.
     score_quality = config.quality or bool(config.compare_to) or any(

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..errors import DraftwiseError
-from .harness import DRAFT_ONLY, BenchConfig, check_methods, parse_label, run_bench
+from .harness import BenchConfig, check_methods, run_bench
+from .labels import DRAFT_ONLY, parse_label
 
 QUALITY_METRICS = ("rouge2", "bleu", "perplexity", "target_agreement")
 LOWER_IS_BETTER = {"perplexity"}

@@ -27,7 +27,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import api
+from .. import api, builder, prompts
+from .. import plan as plan_module
 from ..errors import DraftwiseError, DraftwiseWarning
 from ..grammar import grammar_from
 from ..methods import METHODS, Method
@@ -95,7 +96,7 @@ class Service:
         self.in_flight = 0
         self.stopping = False
         self.created = protocol.now()
-        self._plans: dict[tuple[str, Any], api._Plan] = {}  # (method, sampling or None) -> plan, options apart
+        self._plans: dict[tuple[str, Any], plan_module.Plan] = {}  # (method, sampling or None) -> plan, options apart
         self.refused: dict[str, str] = {}  # method -> why this server cannot run it
         self._pieces: dict[int, str] = {}
         self._check_methods()
@@ -115,8 +116,8 @@ class Service:
     def _refusal(self, spec: Method) -> str | None:
         if spec.needs_draft and self.draft is None:
             return "it needs a draft model and this server loaded none (start it with --draft)"
-        if spec.needs_draft and not isinstance(self.draft, LoadedModel) and spec.name not in api.EAGLE_METHODS:
-            return (f"the server's draft is an EAGLE head, which drafts for {', '.join(sorted(api.EAGLE_METHODS))} "
+        if spec.needs_draft and not isinstance(self.draft, LoadedModel) and spec.name not in plan_module.EAGLE_METHODS:
+            return (f"the server's draft is an EAGLE head, which drafts for {', '.join(sorted(plan_module.EAGLE_METHODS))} "
                     "only")
         if spec.needs_companion and self.companion is None:
             return "it needs a companion model and this server loaded none (start it with --companion)"
@@ -192,13 +193,13 @@ class Service:
         probe = [next(iter(self.target.eos_token_ids), 0)]  # any valid prompt: each request brings its own
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DraftwiseWarning)
-            self._plans[self._key(spec, sampling)] = api._plan(
+            self._plans[self._key(spec, sampling)] = plan_module.make_plan(
                 target=self.target, prompt=probe, draft=self.draft if spec.needs_draft else None, method=spec.name,
                 max_new_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                 seed=None, gamma=self.config.gamma, stop=None, ignore_eos=False,
                 method_options=self._startup_options(spec))
 
-    def _plan(self, spec: Method, sampling: SamplingConfig) -> api._Plan:
+    def _plan(self, spec: Method, sampling: SamplingConfig) -> plan_module.Plan:
         """The method's plan over the loaded models, built at start (per sampling setting for an SV profile)."""
         plan = self._plans.get(self._key(spec, sampling))
         if plan is not None:
@@ -257,7 +258,7 @@ class Service:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DraftwiseWarning)
-                _, options, sampling, stops = api.check_options(
+                _, options, sampling, stops = plan_module.check_options(
                     method=method, max_new_tokens=parsed.max_tokens or 1, temperature=parsed.temperature, top_k=top_k,
                     top_p=parsed.top_p, seed=parsed.seed, gamma=gamma, stop=list(parsed.stop), ignore_eos=ignore_eos,
                     draft_given=spec.needs_draft, target=None, draft=self.draft if spec.needs_draft else None,
@@ -269,7 +270,7 @@ class Service:
             raise ApiError(400, str(error), param="draftwise") from None
         source = "messages" if parsed.chat else "prompt"
         try:
-            prompt_ids = api._prompt_ids(parsed.messages if parsed.chat else parsed.prompt, base.target,
+            prompt_ids = prompts.encode_prompt(parsed.messages if parsed.chat else parsed.prompt, base.target,
                                          base.vocab_size)
         except DraftwiseError as error:
             raise ApiError(400, str(error), param=source) from None
@@ -282,14 +283,14 @@ class Service:
             eos_token_ids=frozenset() if ignore_eos else self.target.eos_token_ids,
             requested_new_tokens=budget, max_new_tokens=budget)
         try:
-            plan = api._with_processors(plan, parsed.repetition_penalty, parsed.min_tokens, parsed.logprobs,
+            plan = plan_module.with_processors(plan, parsed.repetition_penalty, parsed.min_tokens, parsed.logprobs,
                                         parsed.logprobs if parsed.echo else None, grammar)
         except DraftwiseError as error:
             param = "response_format" if grammar is not None else "logprobs" if parsed.logprobs is not None else \
                 "repetition_penalty"
             raise ApiError(400, str(error), param=param) from None
         try:
-            request = api._request(plan, prompt_ids)
+            request = plan_module.request_for(plan, prompt_ids)
         except DraftwiseError as error:
             raise ApiError(400, str(error), param=source, code="context_length_exceeded") from None
         window = spec.draft_run(plan.options, plan.gamma)
@@ -302,7 +303,7 @@ class Service:
         shared = dataclasses.replace(plan, eos_token_ids=self.target.eos_token_ids)
 
         def make_engine() -> Any:
-            return api.build_engine(shared, size, stream_text=True, prefix_cache_mb=prefix_mb)
+            return builder.build_engine(shared, size, stream_text=True, prefix_cache_mb=prefix_mb)
 
         return key, make_engine, request, spec
 
@@ -330,7 +331,7 @@ class Service:
         return tokenizer.decode(list(prompt_ids)) if tokenizer is not None else ""
 
     def usage(self, result: Any, spec: Method) -> dict[str, Any]:
-        generation = api._generation(result, spec)
+        generation = api.generation_from(result, spec)
         return protocol.usage(generation.stats, generation.mean_accepted_length, generation.acceptance_rate)
 
 

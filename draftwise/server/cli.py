@@ -81,7 +81,7 @@ def _positive(name: str, value: float) -> None:
 
 
 def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
-    from .. import api
+    from .. import plan
     from ..models import registry
     from ..models.loading import load_draft, load_model
     from . import ServerConfig, Service, bind, create_app, serve
@@ -97,7 +97,7 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
     spec = METHODS[args.method]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DraftwiseWarning)  # a draft the method does not use still serves overrides
-        api.check_options(method=args.method, max_new_tokens=1, temperature=0.0 if spec.greedy_only else 1.0,
+        plan.check_options(method=args.method, max_new_tokens=1, temperature=0.0 if spec.greedy_only else 1.0,
                           top_k=0, top_p=1.0, seed=None, gamma=args.gamma, stop=None, ignore_eos=False,
                           draft_given=args.draft is not None, target=args.target, draft=args.draft, **options)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -111,14 +111,14 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
 
             torch.set_num_threads(args.threads)
         target = load_model(args.target, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
-        draft_spec = args.draft or (api.default_draft(target, spec.name) if spec.needs_draft else None)
+        draft_spec = args.draft or (plan.default_draft(target, spec.name) if spec.needs_draft else None)
         draft = load_draft(draft_spec, target, device=args.device, dtype=args.dtype) if draft_spec else None
         if companion_spec is None and spec.needs_companion:
             companion_spec = registry.default_companion(target.name) if target.name in registry.names() else None
         companion = None
         if companion_spec is not None:
             companion = load_model(companion_spec, device=args.device or target.device, dtype=target.dtype)
-            api.check_same_tokenizer(target, companion)
+            plan.check_same_tokenizer(target, companion)
         config = ServerConfig(model_name=args.served_model_name or args.target, method=args.method, options=options,
                               gamma=args.gamma, api_key=api_key, max_batch_size=args.max_batch_size,
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_engines=args.max_engines,

@@ -21,7 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from ..engine import Engine, Request, Result
+from ..engine import Engine
+from ..rows import Request, Result
 from .metrics import Metrics
 
 log = logging.getLogger("draftwise.server")

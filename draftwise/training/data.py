@@ -212,7 +212,9 @@ def synthesise_prompts(target, count: int, out: Path, *, batch_size: int = 32, s
     Batched engine, sampled; filtered by `keep_magpie` and deduplicated. Re-running tops the file
     up to `count` (it is rewritten atomically after each round)."""
     from ..acceptance import ExactRule
-    from ..engine import Engine, NoRowsDrafter, Request
+    from ..drafters import NoRowsDrafter
+    from ..engine import Engine
+    from ..rows import Request
     from ..models.runner import ModelRunner
     from ..sampling import SamplingConfig
 

@@ -54,7 +54,7 @@ class DistillConfig:
     output_vocab: int = 0  # > 0: also write output-vocab.json, the most frequent tokens of the data (runtime cut)
 
 
-def _examples(paths: str | Path, max_len: int, *, keep_prompt_only: bool = False) -> list[tuple[list[int], int]]:
+def read_examples(paths: str | Path, max_len: int, *, keep_prompt_only: bool = False) -> list[tuple[list[int], int]]:
     """(ids, answer_start) per record of comma-separated JSONL files or shard directories, cut to the last
     max_len tokens."""
     out = []
@@ -77,7 +77,7 @@ def _examples(paths: str | Path, max_len: int, *, keep_prompt_only: bool = False
     return out
 
 
-def _split(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+def split_examples(examples: list, fraction: float, seed: int) -> tuple[list, list]:
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     n_val = max(1, int(len(order) * fraction)) if len(order) > 1 else 0
@@ -86,7 +86,7 @@ def _split(examples: list, fraction: float, seed: int) -> tuple[list, list]:
     return train, val
 
 
-def _batch(examples: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_batch(examples: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
@@ -134,7 +134,7 @@ def evaluate(model: LlamaForCausalLM, examples: list, pad: int, batch_size: int 
     correct = total = 0
     loss_sum = 0.0
     for i in range(0, len(examples), batch_size):
-        ids, mask, labels = _batch(examples[i : i + batch_size], pad)
+        ids, mask, labels = pad_batch(examples[i : i + batch_size], pad)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         target = labels[:, 1:]
         valid = target != -100
@@ -179,8 +179,8 @@ def distill(
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "checkpoint.pt"
-    examples = _examples(config.data, config.max_len)
-    train, val = _split(examples, config.val_fraction, config.seed)
+    examples = read_examples(config.data, config.max_len)
+    train, val = split_examples(examples, config.val_fraction, config.seed)
 
     torch.manual_seed(config.seed)
     model = LlamaForCausalLM(draft_config(target_config, config))
@@ -189,7 +189,7 @@ def distill(
                                   betas=(0.9, 0.98))
 
     def step_fn(picked: list[int]):
-        ids, mask, labels = _batch([train[i] for i in picked], pad)
+        ids, mask, labels = pad_batch([train[i] for i in picked], pad)
         with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=config.bf16):
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
             target = labels[:, 1:]

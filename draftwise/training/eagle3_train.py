@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from ..eagle3 import Eagle3Head
 from ..errors import DraftwiseError
 from .loop import cosine_lr, train_loop
-from .shards import eagle3_layers, read_shards
+from ..eagle3 import eagle3_layers
+from .shards import read_shards
 
 
 @dataclass(frozen=True)

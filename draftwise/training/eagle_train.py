@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..eagle import EagleConfig, EagleHead
 from ..errors import DraftwiseError
 from .data import read_answers
-from .distill import _batch, _examples, _split
+from .distill import pad_batch, read_examples, split_examples
 from .loop import cosine_lr, train_loop
 
 
@@ -71,7 +71,7 @@ def target_features(target, examples: list, pad: int, batch_size: int = 8, progr
     by_length = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
     for start in range(0, len(by_length), batch_size):
         indices = by_length[start : start + batch_size]
-        ids, mask, _ = _batch([examples[i] for i in indices], pad)
+        ids, mask, _ = pad_batch([examples[i] for i in indices], pad)
         hidden = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]  # [B,T,H]
         greedy = target.get_output_embeddings()(hidden).argmax(-1)  # [B, T]
         for row, i in enumerate(indices):
@@ -126,10 +126,10 @@ def train_eagle(
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "checkpoint.pt"
-    examples = _examples(config.data, config.max_len, keep_prompt_only=config.loss_on == "all")
+    examples = read_examples(config.data, config.max_len, keep_prompt_only=config.loss_on == "all")
     if config.loss_on == "all":
         examples = [(ids, 1) for ids, _ in examples]
-    train, val = _split(examples, config.val_fraction, config.seed)
+    train, val = split_examples(examples, config.val_fraction, config.seed)
     tc = target.config
     torch.manual_seed(config.seed)
     start = EagleHead.load(config.init_from) if config.init_from else None
@@ -152,7 +152,7 @@ def train_eagle(
     train_features, val_features = features[: len(train)], features[len(train) :]
 
     def step_fn(picked: list[int]):
-        return _losses(head, _batch([train[i] for i in picked], pad), [train_features[i] for i in picked], config)
+        return _losses(head, pad_batch([train[i] for i in picked], pad), [train_features[i] for i in picked], config)
 
     started = time.perf_counter()
     step = train_loop(
@@ -167,7 +167,7 @@ def train_eagle(
         sums: Counter[str] = Counter()
         n = 0
         for i in range(0, len(val), config.batch_size):
-            _, stats = _losses(head, _batch(val[i : i + config.batch_size], pad),
+            _, stats = _losses(head, pad_batch(val[i : i + config.batch_size], pad),
                                val_features[i : i + config.batch_size], config)
             sums.update(stats)
             n += 1

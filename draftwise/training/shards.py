@@ -31,17 +31,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..atomic import atomic_path
-from ..engine import NoRowsDrafter, RetiringRows
+from ..eagle3 import eagle3_layers
+from ..drafters import NoRowsDrafter, RetiringRows
 from ..errors import DraftwiseError
 
 SHARD_GLOB = "shard-*.safetensors"
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """The low, middle and high layers whose inputs EAGLE-3 fuses (vLLM's and SGLang's default choice)."""
-    if num_layers < 4:
-        raise DraftwiseError(f"an EAGLE-3 head needs a target with at least 4 layers, this one has {num_layers}")
-    return (2, num_layers // 2, num_layers - 3)
 
 
 class FeatureCapture(RetiringRows):
@@ -184,7 +178,8 @@ def generate_shards(
     `deadline` (a `time.monotonic()` value): stop there, keeping every finished answer (in-flight ones are
     redone by the next run)."""
     from ..acceptance import ExactRule
-    from ..engine import Engine, Request
+    from ..engine import Engine
+    from ..rows import Request
     from ..models.runner import ModelRunner
     from ..sampling import SamplingConfig
 

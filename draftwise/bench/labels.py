@@ -1,0 +1,58 @@
+"""Method labels of the benchmarks: `NAME`, `NAME:RULE`, `NAME@ALPHA`, `NAME/OPTION=VALUE`, and the names that are
+not draftwise methods (transformers' assisted decoding, the draft decoding alone)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import DraftwiseError
+from ..methods import METHODS
+
+HF_METHODS = ("hf-assisted", "prompt-lookup-hf")
+DRAFT_ONLY = "draft-only"  # the draft model decoding alone (`ar` with the draft as the model): quality's lower end
+
+
+def parse_label(label: str) -> tuple[str, dict[str, Any]]:
+    """A method label -> (method name, options it fixes).
+
+    `NAME`, `NAME:RULE` (methods with a `rule` option: `cascade:token-v3`), either with
+    `@ALPHA` (`lossy@0.3`, `cascade:opt@0.5`), and any with `/OPTION=VALUE` suffixes
+    (`mtad/tau=0.3/num_beams=2`; a value cannot hold "/": give paths with --option), so one run can
+    hold several variants.
+    """
+    name, *settings = label.split("/")
+    options: dict[str, Any] = {}
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not eq or not key or not value:
+            raise DraftwiseError(f"method label {label!r}: {setting!r} is not OPTION=VALUE")
+        if key in options:
+            raise DraftwiseError(f"method label {label!r}: option {key!r} given twice")
+        options[key] = value
+    if "@" in name:
+        if "alpha" in options:
+            raise DraftwiseError(f"method label {label!r}: alpha given twice (@ and /alpha=)")
+        name, _, alpha = name.rpartition("@")
+        try:
+            options["alpha"] = float(alpha)
+        except ValueError:
+            raise DraftwiseError(f"method label {label!r}: {alpha!r} after @ is not a number") from None
+    if ":" in name:
+        name, _, rule = name.partition(":")
+        options["rule"] = rule
+    if name in HF_METHODS or name == DRAFT_ONLY:
+        if options:
+            raise DraftwiseError(f"method label {label!r}: {name} takes no :rule, @alpha or /option")
+        return name, options
+    if name not in METHODS:
+        valid = ", ".join(list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY])
+        raise DraftwiseError(f"unknown method {name!r} in {label!r}; valid: {valid}")
+    known = {o.name for o in METHODS[name].options}
+    for key in options:
+        if key not in known:
+            raise DraftwiseError(f"method label {label!r}: method {name!r} has no {key!r} option")
+    if options:  # validate the values the label fixes; required options (a verifier path) come from --option
+        resolved = METHODS[name].resolve_options(options)
+        options = {key: resolved[key] for key in options}  # typed
+        METHODS[name].make_rule(resolved)
+    return name, options

@@ -1,0 +1,109 @@
+"""`draftwise` command line: one subcommand per job; flags map one to one onto API keywords."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Sequence
+
+from ..errors import DraftwiseError, DraftwiseWarning
+from .bench import add_bench, add_profile_sv, add_sweep, add_theory, run_bench, run_profile_sv, run_sweep, run_theory
+from .common import DEFAULT_TARGET, HelpFormatter, check_outputs, method_options, option_help
+from .generate import add_generate, read_prompts_file, run_generate, run_methods, run_models
+from .train import add_distill, add_export_eagle, add_train_data, add_train_eagle3, add_train_verifier, run_distill, run_export_eagle, run_train_data, run_train_eagle3, run_train_verifier
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is one `--help` away, not 28 lines of it)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = _Parser(prog="draftwise", description="Faster LLM decoding with draft models.",
+                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"draftwise {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate(sub)
+    methods = sub.add_parser("methods", help="list the methods, their options and defaults")
+    methods.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                         help="the methods as JSON, to PATH or to standard output ('-' or left out)")
+    add_bench(sub)
+    add_sweep(sub)
+    add_train_verifier(sub)
+    add_theory(sub)
+    add_train_data(sub)
+    add_distill(sub)
+    add_train_eagle3(sub)
+    add_export_eagle(sub)
+    add_profile_sv(sub)
+    models = sub.add_parser("models", help="list the default models and what is cached")
+    models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
+    _add_serving(sub)
+    for subparser in sub.choices.values():
+        subparser.formatter_class = HelpFormatter  # defaults in every --help
+    return parser
+
+
+_COMMANDS = {"generate": run_generate, "methods": run_methods, "bench": run_bench, "sweep": run_sweep,
+             "train-verifier": run_train_verifier, "theory": run_theory,
+             "models": run_models,
+             "train-data": run_train_data, "distill": run_distill, "train-eagle3": run_train_eagle3, "export-eagle": run_export_eagle, "profile-sv": run_profile_sv}
+
+
+def _add_serving(sub: argparse._SubParsersAction) -> None:
+    """`serve` (the OpenAI-compatible server) and `loadtest` (its load test): draftwise.server.cli."""
+    from ..server.cli import add_parsers
+
+    add_parsers(sub, default_target=DEFAULT_TARGET, method_options=method_options(), option_help=option_help)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from ..server.cli import run_serve
+
+    return run_serve(args, method_options())
+
+
+def _run_loadtest(args: argparse.Namespace) -> int:
+    from ..server.cli import run_loadtest
+
+    return run_loadtest(args, read_prompts_file)
+
+
+_COMMANDS.update({"serve": _run_serve, "loadtest": _run_loadtest})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would interleave with the output
+    hf_logging.set_verbosity_error()  # per-call deprecation notices from generate() would flood the bench
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        warnings.simplefilter("always", DraftwiseWarning)
+        try:
+            check_outputs(args)
+            return _COMMANDS[args.command](args)
+        except DraftwiseError as error:
+            print(f"draftwise: error: {error}", file=sys.stderr)
+            return 2
+
+
+_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """draftwise's own warnings as one line, like its errors; others as Python shows them."""
+    if issubclass(category, DraftwiseWarning):
+        print(f"draftwise: warning: {message}", file=sys.stderr)
+    else:
+        _showwarning(message, category, filename, lineno, file, line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

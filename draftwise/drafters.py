@@ -1,0 +1,249 @@
+"""Drafters over the engine's rows that need no model of their own kind: none (`ar`), prompt lookup, an
+independent draft model; the per-row state helper `RetiringRows`; and prefilling rows in chunks (the engine and the
+drafters share it)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .batched import sample_rows, warp_rows
+from .grammar import mask_rows, push_rows
+from .models.runner import ModelRunner
+from .policies import FixedLength, LengthPolicy
+from .sampling import SamplingConfig
+from .protocols import RowsDraft, empty_draft, one_hot_draft, pad_rows
+from .rows import Row, cut_at_eos
+
+
+CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
+PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time (a request arriving
+# meanwhile waits for it: 7,000-token prompt, 2-core EPYC, short request at 4.2x its time alone with 512-token
+# chunks, 3.7x with 128) and costs ~10% on the long prompt (17.0 s -> 18.7 s; benchmarks/long_prompt.py)
+PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
+
+
+class NoRowsDrafter:
+    """Proposes nothing: every step is one target token per row (`ar`)."""
+
+    calls = 0
+    wants_features = False
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.empty_draft: dict[int, RowsDraft] = {}
+
+    def admit(self, row, prompt_ids) -> None: pass
+
+    def propose(self, rows, limits) -> RowsDraft:
+        n = len(rows)
+        if n not in self.empty_draft:
+            self.empty_draft[n] = empty_draft(n, self.vocab_size, self.device)
+        return self.empty_draft[n]
+
+    def rewind(self, row, keep) -> None: pass
+
+    def move_row(self, src, dst) -> None: pass
+
+    def release(self, live) -> None: pass
+
+    def observe(self, row, start, states) -> None: pass
+
+
+class LookupRowsDrafter(NoRowsDrafter):
+    """Prompt lookup per row (n-gram continuation of the row's own text), one-hot draft distributions."""
+
+    def __init__(self, vocab_size: int, device: torch.device, *, max_ngram: int, min_ngram: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        super().__init__(vocab_size, device)
+        self.ngrams = {"max_ngram": max_ngram, "min_ngram": min_ngram}
+        self.eos = eos_token_ids
+
+    def propose(self, rows, limits) -> RowsDraft:
+        from .lookup import prompt_lookup
+
+        # a continuation stops after an end-of-sequence token: nothing past it is drafted
+        found = [cut_at_eos(prompt_lookup(r.sequence, limit, **self.ngrams), self.eos) for r, limit in zip(rows, limits)]
+        return one_hot_draft(found, self.vocab_size, self.device)
+
+
+class RetiringRows:
+    """Per-row state of a rows drafter that outlives its row: when a request leaves (its row is reused,
+    overwritten by a move, or dropped), `retire(state)` receives what it held."""
+
+    def __init__(self) -> None:
+        self.rows: list[Any] = []
+
+    def put(self, row: int, state: Any) -> None:
+        while len(self.rows) <= row:
+            self.rows.append(None)
+        self._retire(row)
+        self.rows[row] = state
+
+    def move_row(self, src: int, dst: int) -> None:
+        self._retire(dst)
+        self.rows[dst] = self.rows[src]
+        self.rows[src] = None
+
+    def release(self, live: int) -> None:
+        for row in range(live, len(self.rows)):
+            self._retire(row)
+        del self.rows[live:]
+
+    def retire(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def _retire(self, row: int) -> None:
+        state = self.rows[row] if row < len(self.rows) else None
+        if state is not None:
+            self.retire(state)
+            self.rows[row] = None
+
+
+class ModelRowsDrafter:
+    """An independent draft model over rows: each row samples from its own warped distribution with its
+    own generator. A row stops drafting at EOS, at its limit, or when its length policy says so."""
+
+    wants_features = False
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, *, eos_token_ids: frozenset[int] = frozenset(),
+                 keep_raw: bool = False, policy: LengthPolicy | None = None) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=runner.device)
+        self.policy = policy or FixedLength()
+        self.keep_raw = keep_raw
+        self.prefill_calls = 0
+
+    @property
+    def calls(self) -> int:
+        """Drafting forwards (prefill forwards are counted apart, in `prefill_calls`)."""
+        return self.runner.calls - self.prefill_calls
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        self.runner.cache.reset_row(row)
+        if len(prompt_ids) - 1 <= CATCH_UP:  # a longer prompt is caught up in drafting steps (see `propose`)
+            self.prefill_calls += len(prefill_row(self.runner, row, prompt_ids[:-1]))
+
+    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
+        from .sampling import unwarped
+
+        width = max(limits, default=0)
+        n = len(rows)
+        if width == 0:
+            return empty_draft(n, self.vocab_size, self.runner.device)
+        device = self.runner.device
+        policy = self.policy
+        lengths = self.runner.lengths
+        # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
+        # nothing until its cache has caught up, so its prompt never stalls the other rows' step
+        behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
+        feed, counts = pad_rows([r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)])
+        limits = [0 if late else limit for late, limit in zip(behind, limits)]
+        at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
+        configs = [r.request.sampling for r in rows]
+        greedy = [c.greedy for c in configs]
+        generators = [r.generator for r in rows]
+        active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
+        limit_t = torch.tensor(list(limits), device=device)
+        drafted = torch.zeros(n, dtype=torch.long, device=device)
+        tokens, probs, raws, verdicts = [], [], [], []
+        policy.start(n, device)
+        for step in range(width):
+            out = self.runner.forward_rows(feed, counts, logits_at=at, hidden=policy.needs_hidden)
+            logits, active = mask_rows(rows, out.logits[:, -1], active)  # [rows, vocab]; a grammar's mask
+            raw = unwarped(logits) if self.keep_raw or policy.needs_raw else None  # [rows, vocab]
+            active &= ~policy.stop_before(raw)
+            if self.keep_raw:
+                raws.append(raw)
+            step_probs = warp_rows(logits, configs)  # [rows, vocab]
+            token = sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
+            active = push_rows(rows, token, active)
+            drafted += active.long()
+            tokens.append(token)
+            probs.append(step_probs)
+            hidden = out.hidden.gather(1, at[:, :, None].expand(-1, -1, out.hidden.shape[-1]))[:, -1] \
+                if policy.needs_hidden else None  # [rows, hidden] at the last fed position
+            stop, verdict = policy.after(hidden, token, raw)
+            if verdict is not None:
+                verdicts.append(verdict)
+            # a row stops after drafting EOS, on its policy's word, or at its limit; the rest go on
+            active &= ~torch.isin(token, self.eos) & ~stop & (drafted < limit_t)
+            if step + 1 < width:
+                if not bool(active.any()):
+                    break
+                feed, counts = token[:, None], [1] * n
+                at = torch.zeros(n, 1, dtype=torch.long, device=device)
+        counts_out = drafted.tolist()
+        k = max(counts_out)
+        if k == 0:
+            return empty_draft(n, self.vocab_size, device)
+        return RowsDraft(
+            torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
+            torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
+            torch.stack(verdicts, 1)[:, :k] if verdicts else None,
+        )
+
+    def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unwarped, warped) draft distributions after each row's context: one forward over the rows."""
+        from .sampling import unwarped
+
+        lengths = self.runner.lengths
+        for b, context in enumerate(contexts):  # rows that drafted past their own stop hold extra tokens
+            if lengths[b] >= len(context):
+                self.runner.trim_row(b, len(context) - 1)
+        feed, counts = pad_rows([context[lengths[b]:] for b, context in enumerate(contexts)])
+        at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
+        logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
+        return unwarped(logits), warp_rows(logits, configs)
+
+    def rewind(self, row: int, keep: int) -> None:
+        # the last drafted token was never fed, so the row may already be shorter than `keep`
+        self.runner.trim_row(row, min(keep, self.runner.lengths[row]))
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.runner.cache.move_row(src, dst)
+
+    def release(self, live: int) -> None:
+        self.runner.cache.drop_rows(live)
+
+    def observe(self, row, start, states) -> None: pass
+
+
+def prefill_row(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:
+    """Feed `tokens` to one row in chunks (one forward each); returns the last-layer states per chunk
+    when `hidden`, else an empty tensor per chunk."""
+    states, _ = prefill_rows(runner, row, [tokens], hidden=hidden)
+    return states[0]
+
+
+def prefill_rows(runner: ModelRunner, begin: int, prompts: Sequence[Sequence[int]], *, hidden: bool = False
+                 ) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Feed prompts[i] to row `begin + i`, every row with tokens left in the same forward, chunk by chunk.
+
+    `prompts` must be sorted longest first (the rows still feeding are then always a leading block).
+    Returns per row its last-layer states per chunk (`hidden`; else empty tensors) and the forwards it
+    took part in."""
+    lengths = [len(p) for p in prompts]
+    assert lengths == sorted(lengths, reverse=True), "prefill_rows needs prompts sorted longest first"
+    states: list[list[torch.Tensor]] = [[] for _ in prompts]
+    calls = [0] * len(prompts)
+    start = [0] * len(prompts)
+    while True:
+        active = [i for i, n in enumerate(lengths) if start[i] < n]  # a leading block: sorted longest first
+        if not active:
+            break
+        chunk = max(64, min(PREFILL_CHUNK, PREFILL_TOKENS // len(active)))
+        pieces = [list(prompts[i][start[i]: start[i] + chunk]) for i in active]
+        tokens, counts = pad_rows(pieces)
+        out = runner.forward_rows(tokens, counts, begin=begin, logits_at=torch.zeros(len(active), 1, dtype=torch.long),
+                                  hidden=hidden, prompt=True)
+        for b, i in enumerate(active):
+            states[i].append(out.hidden[b, : counts[b]] if hidden else tokens[b, :0])
+            start[i] += counts[b]
+            calls[i] += 1
+    return states, calls

@@ -1,0 +1,114 @@
+"""The parts the engine calls, as protocols with their declared fields: a drafter over rows (`RowsDrafter`, which
+returns a `RowsDraft`) and the select phase (`VerifySelector`; `VerifyAll` verifies every drafted token). Rules are
+`acceptance.TargetRule`, length policies `policies.LengthPolicy`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from .rows import Row
+
+
+@dataclass(frozen=True)
+class RowsDraft:
+    tokens: torch.Tensor  # [rows, k] int64, padded past counts[b]
+    probs: torch.Tensor  # [rows, k, vocab] the distributions the tokens were drawn from
+    counts: list[int]  # [rows] drafted tokens per row (k = max)
+    draft_raw: torch.Tensor | None = None  # [rows, k, vocab] unwarped, when the rule reads them
+    verdicts: torch.Tensor | None = None  # [rows, k] bool: a verifier's word per drafted token (SPRINTER)
+    companion_probs: torch.Tensor | None = None  # [rows, k + 1, vocab] a companion's warped distributions (SV)
+    companion_raw: torch.Tensor | None = None  # [rows, k + 1, vocab] the same, unwarped
+    joint: torch.Tensor | None = None  # [rows, k] log q(x_1..x_j) of a beam drafter (MTAD)
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def prefix(self, counts: Sequence[int]) -> "RowsDraft":
+        """The draft cut to its first counts[b] tokens per row (the select phase's choice)."""
+        counts = [min(int(c), d) for c, d in zip(counts, self.counts)]
+        k = max(counts, default=0)
+
+        def cut(t: torch.Tensor | None, width: int = k) -> torch.Tensor | None:
+            return None if t is None else t[:, :width]
+
+        return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.draft_raw), cut(self.verdicts),
+                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint))
+
+
+class RowsDrafter(Protocol):
+    """Proposes per-row drafts and follows the rows the engine keeps (admit / move / rewind)."""
+
+    calls: int
+    wants_features: bool  # the verify forward hands it the target's states (`observe`)
+    feature_layers: tuple[int, ...]  # which target layers those states come from (EAGLE-3: several; () the last)
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft: ...
+
+    def rewind(self, row: int, keep: int) -> None: ...
+
+    def move_row(self, src: int, dst: int) -> None: ...
+
+    def release(self, live: int) -> None: ...
+
+    def observe(self, row: int, start: int, states: torch.Tensor) -> None: ...
+
+
+class VerifySelector(Protocol):
+    """The select phase: how many of each row's drafted tokens the target verifies (a prefix; the
+    rest are discarded). Reads draft-side information only, so exact rules stay exact."""
+
+    discards: bool  # may discard drafted tokens unverified (a request's stats then report what was proposed)
+
+    def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
+        """Each row's drafting limit this step (at most the engine's)."""
+
+    def select(self, rows: Sequence[Row], draft: RowsDraft) -> list[int]: ...
+
+    def observe(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
+                target_logits: torch.Tensor, num_accepted: Sequence[int]) -> None:
+        """After acceptance: what the target said (history-based selectors and profiling learn here)."""
+
+
+class VerifyAll:
+    """The default select phase: every drafted token is verified."""
+
+    discards = False
+
+    def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
+        return limits
+
+    def select(self, rows: Sequence[Row], draft: RowsDraft) -> list[int]:
+        return draft.counts
+
+    def observe(self, rows, draft, target_probs, target_logits, num_accepted) -> None:
+        pass
+
+
+def empty_draft(rows: int, vocab: int, device: torch.device) -> RowsDraft:
+    return RowsDraft(torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab, device=device),
+                     [0] * rows)
+
+
+def one_hot_draft(found: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> RowsDraft:
+    """Deterministic drafts (lookup, suffix tries): each row's tokens with one-hot distributions."""
+    tokens, counts = pad_rows(found)
+    if tokens.shape[1] == 0:
+        return empty_draft(len(found), vocab_size, device)
+    tokens = tokens.to(device)
+    probs = torch.zeros(*tokens.shape, vocab_size, device=device).scatter_(-1, tokens[..., None], 1.0)
+    return RowsDraft(tokens, probs, counts)
+
+
+def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Right-padded token rows (host) and their lengths: [rows, longest] int64, [rows]."""
+    counts = [len(seq) for seq in sequences]
+    out = torch.zeros(len(counts), max(counts, default=0), dtype=torch.long)
+    for b, seq in enumerate(sequences):
+        out[b, : counts[b]] = torch.as_tensor(list(seq), dtype=torch.long)
+    return out, counts
