@@ -203,7 +203,8 @@ class EagleRowsDrafter:
 
     @torch.inference_mode()
     def next_distribution(self, contexts: Sequence[Sequence[int]], configs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(unwarped, warped) head distributions of the token after each row's context (cascades' bonus from pi).
+        """(unwarped, warped) head distributions of the token after each row's context (cascades' bonus from pi);
+        NaN rows where the head has no state to score from (the engine takes the target's distribution there).
 
         Called after verification, before the rewind: the target's features of the context's positions
         are in, so the head catches up on them (its drafted positions are dropped first) and scores the
@@ -228,21 +229,25 @@ class EagleRowsDrafter:
             feats[b, :c] = self.features[b][:c].to(dtype)
             nexts[b, :c] = torch.tensor(list(context[start + 1 : start + 1 + c]), dtype=torch.long)
         states = self.runner.forward_states(self._embed_fuse(feats, nexts.to(self.device)), [max(c, 1) for c in counts])
-        picked = []
+        picked, unknown = [], []
         for b in range(n):
             c = counts[b]
             if c == 0:  # nothing new was accepted: the state from the last catch-up scores the next token
                 self.runner.trim_row(b, self.cached[b])
-                if self.last_state[b] is None:
-                    raise DraftwiseError(f"EAGLE head row {b}: no head state yet for a bonus distribution")
             else:
                 self.cached[b] += c
                 self.features[b] = self.features[b][c:]
                 self.last_state[b] = states[b, c - 1]
-            picked.append(self.last_state[b])
+            # no state yet (a one-token prompt: no target feature precedes the token to score)
+            unknown.append(self.last_state[b] is None)
+            picked.append(states[b, 0] if self.last_state[b] is None else self.last_state[b])
         logits = self.head.logits(torch.stack(picked))[:, self.usable]
         full = full_vocabulary_logits(logits, self.usable_ids, self.vocab_size)
-        return unwarped(full), warp_rows(full, configs)
+        q_raw, q_warped = unwarped(full), warp_rows(full, configs)
+        if any(unknown):  # rows the head cannot score: NaN, which the engine replaces with the target's
+            rows = torch.tensor(unknown, device=q_raw.device)
+            q_raw[rows], q_warped[rows] = float("nan"), float("nan")
+        return q_raw, q_warped
 
     def move_row(self, src: int, dst: int) -> None:
         self.runner.cache.move_row(src, dst)

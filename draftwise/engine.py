@@ -322,15 +322,20 @@ class Engine:
         def bonus(needed: torch.Tensor) -> torch.Tensor:
             if not bool(needed.any()):
                 return target_probs
-            return self._bonus_from_pi(rows, draft, target_probs, target_logits)
+            return self._bonus_from_pi(rows, draft, target_probs, target_logits, needed.tolist())
         return bonus
 
     def _bonus_from_pi(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
-                       target_logits: torch.Tensor) -> torch.Tensor:
-        """target_probs with row b's position counts[b] replaced by rule.bonus(q, p) there: [rows, k + 1, vocab]."""
+                       target_logits: torch.Tensor, needed: Sequence[bool]) -> torch.Tensor:
+        """target_probs with row b's position counts[b] replaced by rule.bonus(q, p) there: [rows, k + 1, vocab].
+
+        Only the rows that need a bonus (every drafted token accepted) read the draft past their drafts: a row with
+        a rejection reads no further than its sequence, so a drafter never consumes what the rewind drops (an EAGLE
+        head would lose the target's features of its rejected positions). Those rows' bonus rows are unused."""
         from .sampling import unwarped
 
-        contexts = [row.sequence + draft.tokens[b, : draft.counts[b]].tolist() for b, row in enumerate(rows)]
+        contexts = [row.sequence + (draft.tokens[b, : draft.counts[b]].tolist() if needed[b] else [])
+                    for b, row in enumerate(rows)]
         q_raw, q_warped = self.drafter.next_distribution(contexts, [row.request.sampling for row in rows])
         for b, row in enumerate(rows):  # the draft's distribution after its last token, under the grammar
             if row.grammar is not None:
@@ -340,7 +345,9 @@ class Engine:
         at = torch.tensor(draft.counts, device=target_probs.device)
         p_raw, p_warped = unwarped(target_logits[index, at]), target_probs[index, at]  # [rows, vocab]
         out = target_probs.clone()
-        out[index, at] = self.rule.bonus(q_raw, q_warped, p_raw, p_warped, self._greedy(rows).to(out.device))
+        mixed = self.rule.bonus(q_raw, q_warped, p_raw, p_warped, self._greedy(rows).to(out.device))
+        unknown = torch.isnan(q_raw).any(-1)  # the drafter cannot score that position: the target's distribution
+        out[index, at] = torch.where(unknown[:, None], p_warped, mixed)
         return out
 
     def _commit(self, row: Row, committed: list[int], now: float) -> list[int]:

@@ -414,6 +414,24 @@ def test_mtad_beams_on_a_head_equal_a_brute_force_beam_search_under_forced_accep
             drafter.rewind(b, len(row.sequence) - 1)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cascade_with_a_head_batches_like_single_requests(temperature):
+    """Algorithm 4's bonus from pi reads the head past the drafts only for rows that accepted every drafted token: a
+    batch mixing rejections and full acceptances runs (it once lost a rejected row's target features and failed) and
+    gives each request the tokens it gets alone."""
+    target = _target()
+    head = _head(target, torch.arange(64), scale=1.0)
+    prompts = [[1, 2, 3, 4], [9, 8, 7], [5, 5, 6, 1, 2], [30]]
+    kwargs = dict(draft=head, method="cascade", rule="diff", alpha=0.05, temperature=temperature, seed=4,
+                  max_new_tokens=20, gamma=3, ignore_eos=True)
+    batch = draftwise.generate(target, prompts, max_batch_size=4, **kwargs)
+    alone = [draftwise.generate(target, p, **kwargs) for p in prompts]
+    assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
+    accepted = [g.stats["accepted"] for g in batch]
+    drafted = [g.stats["drafted"] for g in batch]
+    assert 0 < sum(accepted) < sum(drafted)  # both rejections and acceptances happened
+
+
 def test_mtad_runs_on_a_head():
     target = _target()
     head = _head(target, torch.arange(64), scale=1.0)
