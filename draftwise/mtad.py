@@ -65,12 +65,13 @@ def beam_log_probs(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> t
 
 
 def select_candidates(scores: torch.Tensor, n: int, configs: Sequence[SamplingConfig],
-                      generators: Sequence[torch.Generator]) -> torch.Tensor:
+                      generators: Sequence[torch.Generator], drawing: Sequence[bool] | None = None) -> torch.Tensor:
     """[rows, C] joint log-scores -> [rows, n] indices: the top n (temperature 0) or n drawn without replacement
-    (Gumbel-top-k, with each row's generator). -inf scores are chosen only when fewer than n are finite."""
+    (Gumbel-top-k, with each row's generator). -inf scores are chosen only when fewer than n are finite. A row not
+    `drawing` (its beams are done) takes no random number, so its generator does not depend on its batch-mates."""
     keys = scores.double()
     for b, (config, generator) in enumerate(zip(configs, generators)):
-        if not config.greedy:
+        if not config.greedy and (drawing is None or drawing[b]):
             u = torch.rand(scores.shape[1], generator=generator, device=scores.device, dtype=torch.float64)
             keys[b] -= torch.log(-torch.log(u.clamp_(min=1e-300)))  # -inf stays -inf
     return torch.topk(keys, min(n, scores.shape[1]), dim=-1).indices
@@ -150,7 +151,8 @@ class BeamRowsDrafter:
         generators = [r.generator for r in rows]
         cache = self.base.runner.cache
         scores = beam_log_probs(logits[:, :vocab], configs)  # [rows, vocab] the first token's joint
-        chosen = select_candidates(scores, beams, configs, generators)  # [rows, W'] W' = min(W, vocab)
+        chosen = select_candidates(scores, beams, configs, generators,  # [rows, W'] W' = min(W, vocab)
+                                   [limit > 0 for limit in limits])
         width_w = chosen.shape[1]
         parents = torch.zeros_like(chosen)
         tokens = chosen
@@ -167,7 +169,7 @@ class BeamRowsDrafter:
             logits, state = self.base.beam_step(tokens.flatten(), state, n)  # [rows W', vocab]
             step = beam_log_probs(logits[:, :vocab], [c for c in configs for _ in range(width_w)])
             joint = (scores[:, :, None] + step.view(n, width_w, vocab)).flatten(1)  # [rows, W' vocab]
-            chosen = select_candidates(joint, width_w, configs, generators)
+            chosen = select_candidates(joint, width_w, configs, generators, [t < limit for limit in limits])
             parents = torch.div(chosen, vocab, rounding_mode="floor")
             tokens = chosen % vocab
             scores = joint.gather(1, chosen).float()

@@ -195,7 +195,8 @@ def test_control_beam_sampling_without_noise_is_rejected(monkeypatch):
     import draftwise.mtad as mtad
 
     monkeypatch.setattr(mtad, "select_candidates",
-                        lambda scores, n, configs, generators: torch.topk(scores, min(n, scores.shape[1]), -1).indices)
+                        lambda scores, n, configs, generators, drawing=None:
+                        torch.topk(scores, min(n, scores.shape[1]), -1).indices)
     counts = _two_token_counts(300)
     assert pooled_chisquare(counts, _two_token_joint()) < ALPHA
 

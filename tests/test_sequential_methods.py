@@ -421,3 +421,21 @@ def test_token_cascade_matches_a_cache_free_reference(models, alpha: float, max_
         assert out.stats["accepted"] == out.stats["drafted"] == drafted
         both |= 0 < drafted < N - 1
     assert both  # the draft wrote some tokens and deferred some
+
+
+@pytest.mark.parametrize("method", ["mtad", "mtjd", "oracle-diff", "seq-cascade"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_moved_methods_batch_like_single_requests(models, method, temperature):
+    """mtad, mtjd, oracle-diff and seq-cascade run on the batched engine: each request of a batch gets the tokens it
+    gets alone (seeded), and the batch's stats add up per request."""
+    target, draft = models
+    kwargs = dict(method=method, temperature=temperature, seed=7, max_new_tokens=N, ignore_eos=True)
+    if method != "mtjd":
+        kwargs["draft"] = draft
+    if method == "seq-cascade":
+        kwargs["alpha"] = 0.9  # some answers kept, some deferred
+    batch = draftwise.generate(target=target, prompt=PROMPTS, max_batch_size=2, **kwargs)  # continuous batching
+    alone = [draftwise.generate(target=target, prompt=p, **kwargs) for p in PROMPTS]
+    assert [g.token_ids for g in batch] == [g.token_ids for g in alone]
+    for g in batch:
+        assert g.stats["new_tokens"] == N and g.stats["accepted"] <= g.stats["drafted"]
