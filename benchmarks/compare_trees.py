@@ -105,21 +105,23 @@ def worker(tree: str, job: dict) -> dict:
     def draft_for(spec) -> tuple[dict, str | None]:
         """generate()'s keyword arguments that hand it the registry's models, loaded once here."""
         kwargs: dict = {}
+        draft_name = None
         if spec.needs_draft:
             if default_draft is None:
-                return {}, None  # generate picks and loads it inside the call
-            name = default_draft(target, spec.name)
-            if name is not None:
-                if name not in drafts:
-                    drafts[name] = load_draft(name, target)
-                kwargs["draft"] = drafts[name]
+                return {}, "(picked inside generate: no default_draft found)"
+            draft_name = default_draft(target, spec.name)
+            if draft_name is not None:
+                if draft_name not in drafts:
+                    drafts[draft_name] = load_draft(draft_name, target)
+                kwargs["draft"] = drafts[draft_name]
         if getattr(spec, "needs_companion", False):
-            name = registry.default_companion(target.name)
-            if name is not None:
-                if name not in companions:
-                    companions[name] = load_model(name, device=target.device, dtype=target.dtype)
-                kwargs["companion"] = companions[name]
-        return kwargs, name if spec.needs_draft else None
+            companion = registry.default_companion(target.name)
+            if companion is not None:
+                if companion not in companions:
+                    companions[companion] = load_model(companion, device=target.device, dtype=target.dtype)
+                kwargs["companion"] = companions[companion]
+                draft_name = f"{draft_name} + companion {companion}"
+        return kwargs, draft_name
 
     out: dict = {"tree": tree, "package": str(package), "torch": torch.__version__,
                  "threads": torch.get_num_threads(), "target": target_name,
@@ -249,9 +251,15 @@ def run_child(mode: str, tree: str, stdin: str, label: str) -> dict:
             if label:
                 print(f"[{label}] {line}", file=sys.stderr, flush=True)
 
-    reader = threading.Thread(target=echo, daemon=True)
+    reader = threading.Thread(target=echo, daemon=True)  # the only reader of stderr (communicate would race it)
     reader.start()
-    stdout, _ = process.communicate(stdin)
+    try:
+        process.stdin.write(stdin)
+        process.stdin.close()
+    except BrokenPipeError:  # the worker died at start: its stderr says why
+        pass
+    stdout = process.stdout.read()
+    process.wait()
     reader.join()
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if not lines:
