@@ -14,7 +14,9 @@ from .eagle import DraftHead
 from .eagle_rows import EagleRowsDrafter
 from .models.runner import ModelRunner, draft_runner
 from .policies import ConfidenceStop, FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
+from .errors import DraftwiseError
 from .plan import Plan
+from .protocols import ScoringDrafter
 
 
 def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, prefix_cache_mb: float = 0.0) -> Any:
@@ -35,7 +37,11 @@ def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, 
             lambda log_probs: sequence_confidence(log_probs, aggregate), 1.0 - alpha, method=spec.name)
     rule = spec.make_rule(plan.options)
     gamma = spec.draft_run(plan.options, plan.gamma)
-    return Engine(ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0), _drafter(plan, rule), rule,
+    drafter = _drafter(plan, rule)
+    if rule.bonus_from_pi and not isinstance(drafter, ScoringDrafter):  # checked once, never in the step
+        raise DraftwiseError(f"{spec.name}: its rule draws the bonus from pi, and a {spec.drafter!r} drafter cannot "
+                             "score the token after its drafts")
+    return Engine(ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0), drafter, rule,
                   gamma=gamma, tokenizer=plan.target.tokenizer, max_batch_size=max_batch_size, method=spec.name,
                   stream_text=stream_text, selector=_selector(plan, gamma),
                   prefixes=PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None)

@@ -74,6 +74,8 @@ class Method:
     selector: str = ""  # the select phase: "" (verify every drafted token) | "sv" | "history" | "smartspec"
     fixed_run: int = 0  # a fixed draft run for a method without gamma (oracle-diff: 1)
     refuses: tuple[tuple[str, str], ...] = ()  # (request feature, why this method cannot apply it)
+    head_refusal: str = ""  # why an EAGLE head cannot draft for it ("": a head can, when the method has a draft)
+    independent_by_default: bool = False  # a head can draft, but the registry's default is the independent draft
     _defaults: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -370,6 +372,7 @@ METHODS: dict[str, Method] = {
                 Option("aggregate", "mean", str, "confidence: 'mean' (per-token geometric mean) or 'product' (eq. 1)"),
             ),
             uses_gamma=False, exact=False, reference="Narasimhan et al. eq. 1",
+            head_refusal="it lets the draft write a whole response alone, and a head cannot decode without the target",
             refuses=(("logprobs", "a kept response is never scored by the target"),
                      ("prompt_logprobs", "its draft pass, not the target, reads the prompt first")),
         ),
@@ -379,6 +382,7 @@ METHODS: dict[str, Method] = {
             drafter="model", make_rule=lambda o: CascadeRule(rule="diff", alpha=o["alpha"], bonus_from="pi"),
             options=(Option("alpha", 0.0, float, "defer when max q < max p - alpha"),),
             uses_gamma=False, fixed_run=1, exact=False, reference="Narasimhan et al. Algorithm 3, eq. 5",
+            head_refusal="the oracle defers between two models that each decode alone, and a head cannot decode without the target",
         ),
         Method(
             "bild", "original Big Little Decoder: draft until max q < 1 - fallback, deterministic rollback where -log p > alpha",
@@ -402,6 +406,7 @@ METHODS: dict[str, Method] = {
                        high=MAX_WINDOW),
             ),
             uses_gamma=False, run_option="max_run", exact=False, reference="Zhong et al. 2025, Zhong et al. Algorithm 2",
+            independent_by_default=True,  # the shipped trained files read the independent draft's states
         ),
         Method(
             "adaedl", "exact speculative decoding whose draft stops when 1 - sqrt(scale * entropy(q)) < threshold",
@@ -421,6 +426,7 @@ METHODS: dict[str, Method] = {
                 Option("threshold", 0.7, float, "stop after the token where 1 - prod(acceptance) exceeds this"),
             ),
             reference="Huang et al. 2024 (SpecDec++)",
+            independent_by_default=True,  # the shipped trained files read the independent draft's states
         ),
         Method(
             "fly", "lossy FLy verification: forgive a mismatch at an uncertain position when the next drafts stay aligned",
@@ -440,18 +446,21 @@ METHODS: dict[str, Method] = {
                      Option("bins", "adaptive", str, "P(accept | S, A) from 'adaptive' (quantile) or 'equal' bins"),
                      _LOOKAHEAD),
             reference="Kim et al. 2025, Kim et al. §4-§5",
+            head_refusal="SV's companion reads the draft's unwarped distributions, which the head drafter does not expose",
         ),
         Method(
             "adaptive-verify", "the goodput scheduler with each slot scored by its request's acceptance history "
             "(vLLM-style adaptive verification, no companion; exact)",
             drafter="model", make_rule=_lookahead_rule, selector="history", options=(_PROFILE, _LOOKAHEAD),
             reference="Kim et al. §2; vLLM adaptive verification",
+            head_refusal="the SV selectors are built for independent drafts",
         ),
         Method(
             "smartspec", "one draft length per batch from each request's moving-average acceptance and the profiled "
             "step cost (exact)",
             drafter="model", make_rule=lambda o: ExactRule(), selector="smartspec", options=(_PROFILE,),
             reference="Liu et al. 2024 (SmartSpec); Kim et al. §2",
+            head_refusal="the SV selectors are built for independent drafts",
         ),
         Method(
             "svip", "exact speculative decoding whose draft stops once sqrt(entropy(q)) > threshold",
@@ -464,6 +473,7 @@ METHODS: dict[str, Method] = {
             "it keeps with the companion as the proposal (exact)",
             drafter="staged", make_rule=lambda o: ExactRule(), options=(_COMPANION,),
             reference="Spector & Re 2023; Kim et al. §2, §7.3",
+            head_refusal="staged drafting runs the draft model and a companion",
         ),
         Method(
             "mtad", "multi-token assisted decoding: beam-search drafts, keep the longest prefix with "

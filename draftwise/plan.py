@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import DraftwiseError, DraftwiseWarning
 from .rows import MAX_LOGPROBS, Request
-from .methods import MAX_GAMMA, Method, get_method
+from .methods import MAX_GAMMA, METHODS, Method, get_method
 from .eagle import DraftHead
 from .grammar import Grammar, compiler_for
 from .models import registry
@@ -112,27 +112,8 @@ def request_for(plan: Plan, prompt_ids: list[int]) -> Request:
                    logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs, grammar=plan.grammar)
 
 
-# Methods that can draft with an EAGLE feature head (the head drafts one token distribution per step).
-# Methods an EAGLE head drafts for: every token-wise rule on the batched engine whose drafter needs only the
-# draft's distributions. The others, and why a head cannot serve them, are in _HEAD_REFUSALS.
-EAGLE_METHODS = frozenset({"sd", "lossy", "lossy-greedy", "fly", "hybrid", "cascade", "token-cascade", "bild",
-                           "adaedl", "svip", "mtad", "sprinter", "specdec++"})
-
-
-# Methods a head can run but whose registry default is the independent draft: the shipped verifier and stop
-# head were trained on that draft's states.
-_INDEPENDENT_BY_DEFAULT = frozenset({"sprinter", "specdec++"})
-
-
-_HEAD_REFUSALS = {
-    "seq-cascade": "it lets the draft write a whole response alone, and a head cannot decode without the target",
-    "oracle-diff": "it runs the draft alone at every step, and a head cannot decode without the target",
-    "mtjd": "it decodes with the target alone",
-    "sv": "SV's companion reads the draft's unwarped distributions, which the head drafter does not expose",
-    "adaptive-verify": "the SV selectors are built for independent drafts",
-    "smartspec": "the SV selectors are built for independent drafts",
-    "staged": "staged drafting runs the draft model and a companion",
-}
+# Methods an EAGLE head drafts for: every method with a draft whose declaration gives no reason a head cannot.
+EAGLE_METHODS = frozenset(m.name for m in METHODS.values() if m.needs_draft and not m.head_refusal)
 
 
 def check_options(
@@ -214,7 +195,8 @@ def default_draft(target: Any, method: str) -> str | None:
     """The registry's best ready draft for `target` and `method` (None for other targets): the EAGLE
     head for methods that can draft with one, the independent draft model for the others."""
     name = _registry_name(target)
-    eagle_ok = method in EAGLE_METHODS and method not in _INDEPENDENT_BY_DEFAULT
+    spec = METHODS.get(method)
+    eagle_ok = method in EAGLE_METHODS and not (spec is not None and spec.independent_by_default)
     return registry.default_draft_for(name, eagle_ok=eagle_ok) if name else None
 
 
@@ -252,7 +234,8 @@ def _eagle_refused(method: str, target: Any) -> str:
     name = _registry_name(target)
     independent = registry.default_draft_for(name, eagle_ok=False) if name else None
     hint = f" (for {name}: {independent})" if independent else ""
-    why = _HEAD_REFUSALS.get(method, "it needs an independent draft model")
+    why = METHODS[method].head_refusal if method in METHODS and METHODS[method].head_refusal else \
+        "it needs an independent draft model"
     return (f"an EAGLE draft head cannot draft for {method!r}: {why}; give an independent draft model{hint} "
             f"(a head drafts for {', '.join(sorted(EAGLE_METHODS))})")
 

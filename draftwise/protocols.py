@@ -5,7 +5,7 @@ returns a `RowsDraft`) and the select phase (`VerifySelector`; `VerifyAll` verif
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -57,6 +57,16 @@ class RowsDrafter(Protocol):
     def release(self, live: int) -> None: ...
 
     def observe(self, row: int, start: int, states: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class ScoringDrafter(RowsDrafter, Protocol):
+    """A drafter a rule with `bonus_from_pi` needs (the cascades): it also scores the token after a context."""
+
+    def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[Any]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unwarped, warped) [rows, vocab] distributions of the token after each row's context; NaN rows where it
+        cannot score (the engine then takes the target's distribution)."""
 
 
 class VerifySelector(Protocol):

@@ -321,7 +321,7 @@ def test_head_bonus_distribution_equals_a_cache_free_rollout_and_drafting_goes_o
 def test_a_head_is_refused_with_the_reason_where_it_cannot_draft():
     target = _target()
     head = _head(target, torch.arange(64))
-    for method, reason in (("oracle-diff", "draft alone"), ("seq-cascade", "whole response"),
+    for method, reason in (("oracle-diff", "each decode alone"), ("seq-cascade", "whole response"),
                            ("staged", "companion"), ("sv", "unwarped distributions")):
         with pytest.raises(DraftwiseError, match=reason):
             draftwise.generate(target, [1, 2, 3], draft=head, method=method, temperature=0, max_new_tokens=4)
