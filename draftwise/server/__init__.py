@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from ..errors import DraftwiseError
-from .app import ServerConfig, Service, create_app
+from .app import create_app
+from .service import ServerConfig, Service
 
 __all__ = ["ServerConfig", "Service", "ThreadedServer", "bind", "create_app", "serve"]
 
