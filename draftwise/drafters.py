@@ -137,12 +137,9 @@ class ModelRowsDrafter:
             return empty_draft(n, self.vocab_size, self.runner.device)
         device = self.runner.device
         policy = self.policy
-        lengths = self.runner.lengths
         # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
         # nothing until its cache has caught up, so its prompt never stalls the other rows' step
-        behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
-        feed, counts = pad_rows([r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)])
-        limits = [0 if late else limit for late, limit in zip(behind, limits)]
+        feed, counts, limits = self.pending_feed(rows, limits)
         at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
         configs = [r.request.sampling for r in rows]
         greedy = [c.greedy for c in configs]
@@ -186,6 +183,14 @@ class ModelRowsDrafter:
             torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
             torch.stack(verdicts, 1)[:, :k] if verdicts else None,
         )
+
+    def pending_feed(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Each row's tokens not yet in its cache, at most CATCH_UP (right-padded [rows, width] and counts), and the
+        rows' drafting limits: 0 for a row admitted with a long prompt that is still catching up."""
+        lengths = self.runner.lengths
+        behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
+        feed, counts = pad_rows([r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)])
+        return feed, counts, [0 if late else limit for late, limit in zip(behind, limits)]
 
     def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
                           ) -> tuple[torch.Tensor, torch.Tensor]:

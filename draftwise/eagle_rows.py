@@ -116,6 +116,12 @@ class EagleRowsDrafter:
             self.runner.trim_row(b, 0)
         return predicted, limits
 
+    def begin(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Beam search's first step (mtad.BeamRowsDrafter): catch up, then the head's state scores the first token.
+        Returns the logits [rows, vocab], the states [rows, H] and the rows' drafting limits."""
+        state, limits = self.catch_up(rows, limits)
+        return self.full_logits(state), state, limits
+
     @torch.inference_mode()
     def beam_step(self, tokens: torch.Tensor, states: torch.Tensor, begin: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One beam step on rows begin .. begin + m - 1 of the head's cache: each reads its state and its token

@@ -50,7 +50,7 @@ import torch
 
 from .acceptance import Rule, StepDistributions
 from .batched import warp_rows
-from .drafters import CATCH_UP, ModelRowsDrafter
+from .drafters import ModelRowsDrafter
 from .protocols import RowsDraft, empty_draft, pad_rows
 from .errors import DraftwiseError
 from .sampling import SamplingConfig, unwarped
@@ -87,12 +87,9 @@ class ModelBeams(ModelRowsDrafter):
         for b, row in enumerate(rows):  # a row holding its whole sequence feeds its last token again
             if lengths[b] >= len(row.sequence):
                 self.runner.trim_row(b, len(row.sequence) - 1)
-        pending = [r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)]
-        behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
-        feed, counts = pad_rows(pending)
+        feed, counts, limits = self.pending_feed(rows, limits)
         at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
-        logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]
-        return logits, None, [0 if late else limit for late, limit in zip(behind, limits)]
+        return self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1], None, limits
 
     def beam_step(self, tokens: torch.Tensor, states: Any, begin: int) -> tuple[torch.Tensor, None]:
         ids = tokens.to(self.runner.device)[:, None]
@@ -105,7 +102,7 @@ class BeamRowsDrafter:
 
     def __init__(self, base: Any, vocab_size: int, num_beams: int) -> None:
         check_beams(num_beams)
-        self.base = base  # ModelBeams or an EagleRowsDrafter: admit / rewind / move_row / release / observe
+        self.base = base  # ModelBeams or an EagleRowsDrafter: begin / beam_step, admit / rewind / move_row / release
         self.vocab_size = vocab_size
         self.num_beams = num_beams
         self.wants_features = base.wants_features
@@ -139,11 +136,7 @@ class BeamRowsDrafter:
         n, beams, vocab = len(rows), self.num_beams, self.vocab_size
         if max(limits, default=0) == 0:
             return empty_draft(n, vocab, self.device)
-        if isinstance(self.base, ModelBeams):
-            logits, state, limits = self.base.begin(rows, limits)
-        else:  # an EAGLE head: catch up on the target's features, then its state scores the first token
-            state, limits = self.base.catch_up(rows, limits)
-            logits = self.base.full_logits(state)
+        logits, state, limits = self.base.begin(rows, limits)
         width = max(limits, default=0)
         if width == 0:
             return empty_draft(n, vocab, self.device)
