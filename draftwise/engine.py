@@ -194,19 +194,21 @@ class Engine:
         target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
 
         drafted = draft.counts
+        greedy_host = [row.request.sampling.greedy for row in rows]  # per row, read once a step
+        greedy = torch.tensor(greedy_host, device=target_probs.device)
         if self.rule.cuts_draft and k:  # MTAD: the rule keeps a prefix of each draft; the target's token follows it
-            greedy = self._greedy(rows).to(target_probs.device)
             draft = draft.prefix(self.rule.prefix(self._step_distributions(draft, target_probs, target_logits,
                                                                            greedy), greedy))
             k = draft.width
-        pi = self._pi(draft, target_probs, target_logits, rows) if k else target_probs[:, :0]  # accept
+        # accept: pi = rule(draft, target) at the drafted positions, one rule call with per-row greedy flags
+        pi = self.rule(self._step_distributions(draft, target_probs, target_logits, greedy)) if k \
+            else target_probs[:, :0]
         bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
         if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
-            bonus = self._bonus_maker(rows, draft, target_probs, target_logits)
+            bonus = self._bonus_maker(rows, draft, target_probs, target_logits, greedy)
 
         outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
-                                          [row.generator for row in rows],
-                                          [row.request.sampling.greedy for row in rows])
+                                          [row.generator for row in rows], greedy_host)
         self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
@@ -248,16 +250,6 @@ class Engine:
         return self.results()
 
     # ---- phases ----
-
-    def _pi(self, draft: RowsDraft, target_probs: torch.Tensor, target_logits: torch.Tensor,
-            rows: Sequence[Row]) -> torch.Tensor:
-        """pi = rule(draft, target) at the drafted positions: [rows, k, vocab], one rule call with per-row greedy
-        flags."""
-        return self.rule(self._step_distributions(draft, target_probs, target_logits, self._greedy(rows)))
-
-    @staticmethod
-    def _greedy(rows: Sequence[Row]) -> torch.Tensor:
-        return torch.tensor([row.request.sampling.greedy for row in rows])
 
     @staticmethod
     def _step_distributions(draft: RowsDraft, target_probs: torch.Tensor, target_logits: torch.Tensor,
@@ -317,16 +309,16 @@ class Engine:
         return logits
 
     def _bonus_maker(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
-                     target_logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+                     target_logits: torch.Tensor, greedy: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The sampler calls this with the rows that need a bonus; the draft's extra forward runs only then."""
         def bonus(needed: torch.Tensor) -> torch.Tensor:
             if not bool(needed.any()):
                 return target_probs
-            return self._bonus_from_pi(rows, draft, target_probs, target_logits, needed.tolist())
+            return self._bonus_from_pi(rows, draft, target_probs, target_logits, greedy, needed.tolist())
         return bonus
 
     def _bonus_from_pi(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
-                       target_logits: torch.Tensor, needed: Sequence[bool]) -> torch.Tensor:
+                       target_logits: torch.Tensor, greedy: torch.Tensor, needed: Sequence[bool]) -> torch.Tensor:
         """target_probs with row b's position counts[b] replaced by rule.bonus(q, p) there: [rows, k + 1, vocab].
 
         Only the rows that need a bonus (every drafted token accepted) read the draft past their drafts: a row with
@@ -345,7 +337,7 @@ class Engine:
         at = torch.tensor(draft.counts, device=target_probs.device)
         p_raw, p_warped = unwarped(target_logits[index, at]), target_probs[index, at]  # [rows, vocab]
         out = target_probs.clone()
-        mixed = self.rule.bonus(q_raw, q_warped, p_raw, p_warped, self._greedy(rows).to(out.device))
+        mixed = self.rule.bonus(q_raw, q_warped, p_raw, p_warped, greedy)
         unknown = torch.isnan(q_raw).any(-1)  # the drafter cannot score that position: the target's distribution
         out[index, at] = torch.where(unknown[:, None], p_warped, mixed)
         return out
