@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .acceptance import StepDistributions, TargetRule
+from .acceptance import ExactRule, StepDistributions, TargetRule
 from .batched import speculative_sample_rows, warp_rows
 from .errors import DraftwiseError
 from .grammar import compiler_for, mask_logits
@@ -44,6 +44,7 @@ from .sampling import make_generator
 from .drafters import PREFILL_CHUNK, PREFILL_TOKENS
 from .protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
 from .rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
+from .tree import TreeBudget, accept_tree, depths, verify_mask
 
 
 PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
@@ -59,6 +60,7 @@ class Engine:
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
         max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
         selector: VerifySelector | None = None, prefill_share: float | None = None, prefixes: Any = None,
+        tree_nodes: int = 0,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
@@ -74,6 +76,13 @@ class Engine:
         self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
         self.method = method
         self.selector = selector or VerifyAll()
+        # token trees: the drafter's node budget per row, at most tree_nodes, chosen each step from the measured
+        # verification cost at the batch size (tree.TreeBudget); 0: the drafter's drafts are chains
+        self.tree_budget = TreeBudget(tree_nodes) if tree_nodes else None
+        if tree_nodes and (self.selector.discards or not isinstance(rule, ExactRule)):
+            raise DraftwiseError("token trees are verified with exact multi-candidate sampling: they need the exact "
+                                 "rule and no select phase")
+        self.draft_width = max(gamma, tree_nodes)  # drafted tokens a step may feed per row
         if drafter.wants_features:
             target.feature_layers = tuple(drafter.feature_layers)  # EAGLE-3 reads several layers
         self.stream_text = stream_text  # False: text only at the end (and for stop strings), no per-step decoding
@@ -157,8 +166,12 @@ class Engine:
         limits = self.selector.limits(rows, limits)
         drafter_calls = self.drafter.calls
 
+        if self.tree_budget is not None:  # each row's node budget at this batch size
+            self.drafter.tree_nodes = self.tree_budget.nodes(len(rows))
         draft = self.drafter.propose(rows, limits)  # draft
         proposed = draft.counts
+        if draft.parents is not None:  # token trees: their own verification and acceptance
+            return self._tree_step(rows, draft, proposed, drafter_calls, started)
         if draft.width:  # select: the prefix of each draft to verify
             chosen = self.selector.select(rows, draft)
             if list(chosen) != list(draft.counts):
@@ -168,23 +181,7 @@ class Engine:
             draft = self._grammar_drafts(rows, grammars, draft)
         k = draft.width
         counts = [1 + c for c in draft.counts]  # verify: the pending token and the drafts
-        last = torch.tensor([row.sequence[-1] for row in rows], dtype=torch.long, device=draft.tokens.device)
-        feed = torch.cat([last[:, None], draft.tokens], 1)  # [rows, 1 + k]
-        plan = self._prompt_plan(self._prompt_budget(), PREFILL_CHUNK) if self.prefilling else []
-        if plan:  # prompt chunks of the rows prefilling, in the same forward (rows after the live ones)
-            pieces = [list(row.request.prompt_ids[row.fed: row.fed + n]) for row, n in zip(self.prefilling, plan)]
-            chunks, chunk_counts = pad_rows(pieces)
-            width = max(feed.shape[1], chunks.shape[1])
-            feed = torch.cat([F.pad(feed, (0, width - feed.shape[1])),
-                              F.pad(chunks.to(feed.device), (0, width - chunks.shape[1]))])
-            at = torch.arange(k + 1, device=feed.device).expand(feed.shape[0], -1)
-            verified = self.target.forward_rows(feed, counts + chunk_counts, logits_at=at,
-                                                hidden=self.drafter.wants_features, prompt=sum(counts))
-            self._fed(plan, verified.hidden[len(rows):] if self.drafter.wants_features else None)
-            verified = RowsOutput(verified.logits[: len(rows)],
-                                  verified.hidden[: len(rows)] if verified.hidden is not None else None)
-        else:
-            verified = self.target.forward_rows(feed, counts, hidden=self.drafter.wants_features)
+        verified, plan = self._verify(rows, draft, counts)
         if self.drafter.wants_features:
             for b, row in enumerate(rows):
                 self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, : counts[b]])
@@ -219,29 +216,114 @@ class Engine:
         for b, row in enumerate(rows):
             accepted = outcome.num_accepted[b]
             committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
-            committed = cut_at_eos(committed, row.request.eos_token_ids)
-            kept = self._commit(row, committed, now)  # may cut further, at a stop string
-            if row.grammar is not None and not row.grammar.commit(kept) and row.finish_reason is None:
-                row.finish_reason = "grammar"  # the grammar engine failed (a parser limit): the answer ends here
-            if row.request.logprobs is not None:  # position j's logits came before committed token j
-                row.logprobs += token_logprobs(verified.logits[b], kept, row.request.logprobs)
+            verifier = sum(verdicts_host[b][: draft.counts[b]]) if verdicts_host is not None else 0
+            event, kept = self._conclude(b, row, committed, verified.logits[b], now, drafter_calls, verifier)
             # record: nothing past an EOS or a stop string counts as accepted
             row.counters.record(drafted[b], min(accepted, len(kept)))
             row.counters.target_tokens += counts[b]
             row.counters.proposed += proposed[b]
-            row.counters.draft_calls += drafter_calls
-            if verdicts_host is not None:
-                row.counters.verifier_accepted += sum(verdicts_host[b][: draft.counts[b]])
-            events.append(self._event(row, kept))
+            events.append(event)
             # rewind: the row keeps everything but its newest token
             self.target.trim_row(b, len(row.sequence) - 1)
             self.drafter.rewind(b, len(row.sequence) - 1)
             if row.finish_reason is not None:
                 done.append(b)
+        self._end_step(done, started, plan)
+        return events
+
+    def _verify(self, rows: Sequence[Row], draft: RowsDraft, counts: list[int], tree: bool = False
+                ) -> tuple[RowsOutput, list[int]]:
+        """The verification forward: each row's pending token and its drafts (`counts[b]` tokens), with a share of
+        the prefilling rows' prompt chunks after them. Returns the live rows' output and the prompt plan."""
+        k = draft.width
+        last = torch.tensor([row.sequence[-1] for row in rows], dtype=torch.long, device=draft.tokens.device)
+        feed = torch.cat([last[:, None], draft.tokens], 1)  # [rows, 1 + k]
+        plan = self._prompt_plan(self._prompt_budget(), PREFILL_CHUNK) if self.prefilling else []
+        wants = self.drafter.wants_features
+        chunk_counts: list[int] = []
+        if plan:  # prompt chunks of the rows prefilling, in the same forward (rows after the live ones)
+            pieces = [list(row.request.prompt_ids[row.fed: row.fed + n]) for row, n in zip(self.prefilling, plan)]
+            chunks, chunk_counts = pad_rows(pieces)
+            width = max(feed.shape[1], chunks.shape[1])
+            feed = torch.cat([F.pad(feed, (0, width - feed.shape[1])),
+                              F.pad(chunks.to(feed.device), (0, width - chunks.shape[1]))])
+        mask = None
+        if tree:
+            starts = self.target.lengths[: len(rows) + len(chunk_counts)]
+            mask = verify_mask(draft.parents, starts, feed.shape[1], feed.device, extra=chunk_counts)
+        begun = time.perf_counter()
+        if plan:
+            at = torch.arange(k + 1, device=feed.device).expand(feed.shape[0], -1)
+            verified = self.target.forward_rows(feed, counts + chunk_counts, logits_at=at, hidden=wants,
+                                                prompt=sum(counts), tree=mask)
+            self._fed(plan, verified.hidden[len(rows):] if wants else None)
+            verified = RowsOutput(verified.logits[: len(rows)],
+                                  verified.hidden[: len(rows)] if verified.hidden is not None else None)
+        else:
+            verified = self.target.forward_rows(feed, counts, hidden=wants, tree=mask)
+            if self.tree_budget is not None:
+                self.tree_budget.observe(sum(counts), time.perf_counter() - begun)
+        return verified, plan
+
+    def _conclude(self, b: int, row: Row, committed: list[int], logits: torch.Tensor, now: float,
+                  drafter_calls: int, verifier: int) -> tuple[Event, list[int]]:
+        """Commit a row's tokens of this step (cut at EOS), its log-probabilities (logits[j] came before committed
+        token j) and counters; returns its event and the tokens kept."""
+        committed = cut_at_eos(committed, row.request.eos_token_ids)
+        kept = self._commit(row, committed, now)  # may cut further, at a stop string
+        if row.grammar is not None and not row.grammar.commit(kept) and row.finish_reason is None:
+            row.finish_reason = "grammar"  # the grammar engine failed (a parser limit): the answer ends here
+        if row.request.logprobs is not None:
+            row.logprobs += token_logprobs(logits, kept, row.request.logprobs)
+        row.counters.draft_calls += drafter_calls
+        row.counters.verifier_accepted += verifier
+        return self._event(row, kept), kept
+
+    def _end_step(self, done: list[int], started: float, plan: list[int]) -> None:
         for b in reversed(done):  # highest first: moving the last row never touches a pending index
             self._free(b)
         self._timed(time.perf_counter() - started, sum(plan))
         self._start_decoding()
+
+    def _tree_step(self, rows: Sequence[Row], draft: RowsDraft, proposed: list[int], drafter_calls: int,
+                   started: float) -> list[Event]:
+        """Verify and accept token trees (tree.py): one forward over every row's tree, multi-candidate
+        speculative sampling, then the accepted path's keys and values move to contiguous positions."""
+        if any(row.grammar is not None for row in rows):
+            raise DraftwiseError("token trees cannot follow a grammar; use a chain draft (tree_nodes=0)")
+        k = draft.width
+        counts = [1 + c for c in draft.counts]
+        starts = self.target.lengths[: len(rows)]
+        verified, plan = self._verify(rows, draft, counts, tree=True)
+        target_logits = self._processed(rows, draft, verified.logits)  # [rows, k + 1, vocab]
+        target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
+        tokens_host = draft.tokens.tolist() if k else [[] for _ in rows]
+        tokens_host = [t[:c] for t, c in zip(tokens_host, draft.counts)]
+        outcome = accept_tree(draft.parents, tokens_host, target_probs, [row.generator for row in rows],
+                              [row.request.sampling.greedy for row in rows])
+        drafter_calls = self.drafter.calls - drafter_calls
+        events, done = [], []
+        now = time.perf_counter()
+        for b, row in enumerate(rows):
+            path = outcome.paths[b]
+            slots = [0] + [i + 1 for i in path]
+            start = starts[b]
+            if self.drafter.wants_features:  # the target's features of the pending token and the accepted path
+                self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, slots])
+            committed = [tokens_host[b][i] for i in path] + [outcome.next_tokens[b]]
+            event, kept = self._conclude(b, row, committed, verified.logits[b, slots], now, drafter_calls, 0)
+            parents = draft.parents[b]
+            row.counters.record_tree(len(parents), max(depths(parents), default=0), min(len(path), len(kept)))
+            row.counters.target_tokens += counts[b]
+            row.counters.proposed += proposed[b]
+            events.append(event)
+            # the accepted path's keys and values follow the pending token; everything else is dropped
+            self.target.cache.compact(b, start + 1, [start + s for s in slots[1:]])
+            self.target.trim_row(b, len(row.sequence) - 1)
+            self.drafter.rewind(b, len(row.sequence) - 1)
+            if row.finish_reason is not None:
+                done.append(b)
+        self._end_step(done, started, plan)
         return events
 
     def run(self) -> dict[int, Result]:
@@ -280,9 +362,10 @@ class Engine:
     def _processed(self, rows: Sequence[Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
         """The target's logits after each request's repetition penalty and min_new_tokens: [rows, k + 1, vocab].
 
-        Position j of row b follows the row's sequence plus its first j drafted tokens, so the penalty at
-        j counts those drafts as already generated, exactly as one-token-at-a-time decoding would. The
-        speculative sampler then targets the processed distribution, so lossless methods stay exact."""
+        Position j of row b follows the row's sequence plus the drafted tokens before it (a chain's first j; a
+        tree node's ancestors and itself), so the penalty there counts those drafts as already generated, exactly
+        as one-token-at-a-time decoding would. The speculative sampler then targets the processed distribution,
+        so lossless methods stay exact."""
         penalised = [b for b, row in enumerate(rows) if row.request.repetition_penalty != 1.0]
         short = [b for b, row in enumerate(rows)
                  if len(row.token_ids) < row.request.min_new_tokens and row.request.eos_token_ids]
@@ -290,13 +373,14 @@ class Engine:
             return logits
         logits = logits.clone()
         width = logits.shape[1]
+        drafted = draft.tokens.tolist() if draft.width else [[] for _ in rows]
         for b in penalised:
             seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             seen[torch.tensor(rows[b].sequence, device=logits.device)] = True
             present = seen.expand(width, -1).clone()  # [k + 1, vocab]
-            for j in range(1, width):
-                if j - 1 < draft.counts[b]:
-                    present[j:, draft.tokens[b, j - 1]] = True
+            for j, history in enumerate(_slot_histories(draft, b, drafted[b])):
+                if history:
+                    present[j, torch.tensor(history, device=logits.device)] = True
             penalty = rows[b].request.repetition_penalty
             row = logits[b]
             logits[b] = torch.where(present, torch.where(row < 0, row * penalty, row / penalty), row)
@@ -304,8 +388,13 @@ class Engine:
             request = rows[b].request
             eos = torch.tensor(sorted(request.eos_token_ids), device=logits.device)
             eos = eos[eos < logits.shape[-1]]
-            missing = request.min_new_tokens - len(rows[b].token_ids)  # positions 0 .. missing - 1 lose EOS
-            logits[b, :missing, eos] = float("-inf")
+            missing = request.min_new_tokens - len(rows[b].token_ids)  # positions at depth < missing lose EOS
+            if draft.parents is None:
+                logits[b, :missing, eos] = float("-inf")
+            else:
+                slot_depths = [0] + depths(draft.parents[b])
+                early = torch.tensor([j for j, d in enumerate(slot_depths) if d < missing], device=logits.device)
+                logits[b, early[:, None], eos[None, :]] = float("-inf")
         return logits
 
     def _bonus_maker(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
@@ -393,7 +482,7 @@ class Engine:
                 # the buffers are [rows allocated, capacity]: capacity follows the longest row (plus a draft
                 # window), rows grow by doubling; admit only what keeps that within budget
                 longest = max(len(r.request.prompt_ids) + r.request.max_new_tokens
-                              for r in [*held, candidate]) + self.gamma + 1
+                              for r in [*held, candidate]) + self.draft_width + 1
                 if self.target.cache.slots_after(len(held) + 1, longest) > self.kv_budget_tokens:
                     break
             row = self.waiting.pop(0)
@@ -568,6 +657,18 @@ class Engine:
             row.id, list(row.token_ids), row.text, reason, stats,
             list(row.logprobs) if row.request.logprobs is not None else None,
             list(row.prompt_logprobs) if row.request.prompt_logprobs is not None else None)
+
+
+def _slot_histories(draft: RowsDraft, b: int, tokens: list[int]) -> list[list[int]]:
+    """Row b's drafted tokens each verified position follows: a chain's position j, its first j; a tree's slot
+    1 + i, node i's ancestors and itself (slot 0, the pending token, none)."""
+    n = draft.counts[b]
+    if draft.parents is None:
+        return [tokens[:j] for j in range(n + 1)]
+    paths: list[list[int]] = []
+    for i, p in enumerate(draft.parents[b]):
+        paths.append((paths[p] if p >= 0 else []) + [tokens[i]])
+    return [[]] + paths
 
 
 def _renormalised(probs: torch.Tensor) -> torch.Tensor:

@@ -22,21 +22,26 @@ class RowsDraft:
     companion_probs: torch.Tensor | None = None  # [rows, k + 1, vocab] a companion's warped distributions (SV)
     companion_raw: torch.Tensor | None = None  # [rows, k + 1, vocab] the same, unwarped
     joint: torch.Tensor | None = None  # [rows, k] log q(x_1..x_j) of a beam drafter (MTAD)
+    # token trees (tree.py): per row, each node's parent (-1: the pending token), parents before children; the
+    # nodes are deterministic candidates (`probs` then has no vocabulary columns). None: each row's draft is a chain
+    parents: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def width(self) -> int:
         return int(self.tokens.shape[1])
 
     def prefix(self, counts: Sequence[int]) -> "RowsDraft":
-        """The draft cut to its first counts[b] tokens per row (the select phase's choice)."""
+        """The draft cut to its first counts[b] tokens per row (the select phase's choice; of a tree, its first
+        counts[b] nodes, which hold their own ancestors)."""
         counts = [min(int(c), d) for c, d in zip(counts, self.counts)]
         k = max(counts, default=0)
 
         def cut(t: torch.Tensor | None, width: int = k) -> torch.Tensor | None:
             return None if t is None else t[:, :width]
 
+        parents = None if self.parents is None else tuple(row[:c] for row, c in zip(self.parents, counts))
         return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.draft_raw), cut(self.verdicts),
-                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint))
+                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint), parents)
 
 
 class RowsDrafter(Protocol):

@@ -102,6 +102,16 @@ class RowCounters:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    def record_tree(self, nodes: int, depth: int, num_accepted: int) -> None:
+        """A token tree's step: `nodes` candidates verified over `depth` positions, `num_accepted` kept."""
+        self.steps += 1
+        self.drafted += nodes
+        self.accepted += num_accepted
+        for i in range(min(depth, len(self.drafted_per_position))):
+            self.drafted_per_position[i] += 1
+        for i in range(min(num_accepted, len(self.accepted_per_position))):
+            self.accepted_per_position[i] += 1
+
 
 class Detokenizer:
     """Incremental detokenisation: each push decodes a short window, never the whole output.

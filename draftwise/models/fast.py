@@ -255,11 +255,12 @@ class FastModel:
 
     def forward(self, cache, *, ids: torch.Tensor | None, embeds: torch.Tensor | None, counts: list[int],
                 positions: torch.Tensor, mask: torch.Tensor | None, features: tuple[int, ...] = (),
-                wide: bool | int = False) -> tuple[torch.Tensor, list[torch.Tensor], "Packing"]:
+                wide: bool | int = False, tree: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], "Packing"]:
         """Run the decoder over rows (cache.begin_forward already called). Returns the final normed states of
         the real tokens, packed [tokens, hidden], the packed inputs of the `features` layers, and the packing.
         wide: a prompt feed; quantised projections may use their wide-feed kernel (`Int4Linear`); an int n: the
-        packed tokens from n on are prompt tokens."""
+        packed tokens from n on are prompt tokens. tree: the mask is a token tree's (`runner.TreeMask`): even a
+        single query reads it, since not every key before it is its ancestor."""
         source = ids if ids is not None else embeds
         rows, width = source.shape[:2]
         pack = Packing.of(counts, width, source.device)
@@ -288,7 +289,7 @@ class FastModel:
                 offsets = [0]
                 for c in counts[:-1]:
                     offsets.append(offsets[-1] + c)
-                masks = [None if (c == 1 and cache.window is None) else mask[b: b + 1, :, :c, :n]
+                masks = [None if (c == 1 and cache.window is None and not tree) else mask[b: b + 1, :, :c, :n]
                          for b, (c, n) in enumerate(zip(counts, row_kv))]
                 per_row = list(zip(offsets, counts, starts, row_kv, masks))
         for index, layer in enumerate(self.layers):

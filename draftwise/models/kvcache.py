@@ -138,6 +138,30 @@ class PositionCache(Cache):
         return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
             ~visible, torch.finfo(dtype).min)
 
+    def tree_mask(self, positions: torch.Tensor, region_start, visible: torch.Tensor) -> torch.Tensor:
+        """[rows, 1, width, kv] bool: the causal mask (`attention_mask`) with each row's tree region
+        `region_start[b] ..` replaced by `visible` [rows, width, R] (a query sees its ancestors there, and
+        nothing of the region past R)."""
+        causal = self.attention_mask(positions, torch.bool, additive=False)[:, 0]  # [rows, width, kv]
+        rows, width, kv = causal.shape
+        span = visible.shape[-1]
+        start = torch.as_tensor(list(region_start), dtype=torch.long, device=positions.device)
+        rel = torch.arange(kv, device=positions.device)[None] - start[:, None]  # [rows, kv]
+        picked = visible.to(positions.device).gather(2, rel.clamp(0, max(span - 1, 0))[:, None].expand(rows, width, kv))
+        picked &= (rel < span)[:, None]
+        return torch.where((rel >= 0)[:, None], picked, causal)[:, None]
+
+    @torch.inference_mode()
+    def compact(self, row: int, dest: int, sources: list[int]) -> None:
+        """Row `row`'s positions `sources` (ascending, each >= dest + its index) move to `dest ..` in order (a
+        tree's accepted path becomes contiguous); nothing else moves. The row's length is left to `trim`."""
+        if not sources or sources == list(range(dest, dest + len(sources))):
+            return
+        index = torch.tensor(sources, dtype=torch.long)
+        for store in (self.keys, self.values):
+            for buf in store:
+                buf[row, :, dest: dest + len(sources)] = buf[row, :, index.to(buf.device)]
+
     def commit(self, counts: list[int]) -> None:
         """Advance the rows of the finished forward by the tokens they really fed."""
         assert self._step is not None

@@ -54,6 +54,20 @@ def _cpu_gqa(device: torch.device) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
+class TreeMask:
+    """A forward whose fed tokens form token trees (tree drafting and its verification).
+
+    Fed token j of row b sits at cache slot `lengths[b] + j` as usual, but its position id is `positions[b, j]`
+    (the row's length plus its depth) and it sees the slots before `region_start[b]` (the committed prefix) and,
+    of the slots `region_start[b] .. region_start[b] + R - 1`, those with `visible[b, j, slot - region_start[b]]`
+    (its ancestors and itself); nothing after them."""
+
+    positions: torch.Tensor  # [rows, width] int64 position ids
+    region_start: Sequence[int]  # [rows] first slot of each row's tree region
+    visible: torch.Tensor  # [rows, width, R] bool
+
+
+@dataclass(frozen=True)
 class RowsOutput:
     logits: torch.Tensor  # [rows, width, vocab]: position j of row i is its j-th fed token (padding: garbage)
     hidden: torch.Tensor | None  # [rows, width, hidden] last-layer states of the fed tokens, when asked
@@ -130,7 +144,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_rows(
         self, tokens: torch.Tensor, counts: Sequence[int], *, begin: int = 0, logits_at: torch.Tensor | None = None,
-        hidden: bool = False, prompt: bool | int = False,
+        hidden: bool = False, prompt: bool | int = False, tree: TreeMask | None = None,
     ) -> RowsOutput:
         """Feed `counts[i]` tokens (row i of `tokens`, right-padded) to cache row `begin + i`.
 
@@ -139,7 +153,8 @@ class ModelRunner:
         `hidden`, the last-layer states of every fed position [rows, width, hidden].
         prompt: the tokens are prompt tokens (a prefill), which a quantised fast forward may run with its
         wide-feed kernel (see `fast.Int4Linear`); every request's prompt is fed this way, alone or batched. An
-        int n: the fed tokens after the first n (counted over rows, in order) are prompt tokens."""
+        int n: the fed tokens after the first n (counted over rows, in order) are prompt tokens.
+        tree: the fed tokens are token trees (`TreeMask`): their position ids and what each may see."""
         assert tokens.ndim == 2 and tokens.shape[0] == len(counts), (tokens.shape, len(counts))
         counts = [int(c) for c in counts]
         if min(counts) < 1:
@@ -147,9 +162,10 @@ class ModelRunner:
         ids = tokens.to(device=self.device, dtype=torch.long)
         rows, width = ids.shape
         packed = self.packing and sum(counts) <= (1.0 - PACK_MIN_SAVING) * rows * width
-        with self._writing(counts, begin, ids.shape[1], self.model.dtype) as (positions, mask):
+        with self._writing(counts, begin, ids.shape[1], self.model.dtype, tree) as (positions, mask):
             if self.fast is not None:
-                logits, states = self._fast(ids, None, counts, positions, mask, logits_at, hidden, prompt)
+                logits, states = self._fast(ids, None, counts, positions, mask, logits_at, hidden, prompt,
+                                            tree=tree is not None)
             elif packed:
                 logits, states = self._packed(ids, counts, positions, mask, logits_at, hidden)
             elif self._split:
@@ -228,8 +244,8 @@ class ModelRunner:
         return logits, states
 
     def _fast(self, ids: torch.Tensor | None, embeds: torch.Tensor | None, counts: list[int], positions: torch.Tensor,
-              mask: torch.Tensor | None, logits_at: torch.Tensor | None, hidden: bool, prompt: bool | int = False
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              mask: torch.Tensor | None, logits_at: torch.Tensor | None, hidden: bool, prompt: bool | int = False,
+              tree: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The fast forward (`models.fast`): logits where asked (None for `embeds` feeds) and, with `hidden`,
         the states of every fed position [rows, width, (features +) hidden]."""
         rows = len(counts)
@@ -237,7 +253,7 @@ class ModelRunner:
         features = self.feature_layers if hidden and ids is not None else ()  # forward_states: the last layer only
         final, captured, pack = self.fast.forward(self.cache, ids=ids, embeds=embeds, counts=counts, positions=positions,
                                                   mask=mask, features=features,
-                                                  wide=prompt)
+                                                  wide=prompt, tree=tree)
         logits = None
         if ids is not None:
             if logits_at is None:
@@ -275,30 +291,33 @@ class ModelRunner:
         captured.extend(found[i] for i in self.feature_layers)
 
     @torch.inference_mode()
-    def forward_states(self, embeds: torch.Tensor, counts: Sequence[int], *, begin: int = 0) -> torch.Tensor:
+    def forward_states(self, embeds: torch.Tensor, counts: Sequence[int], *, begin: int = 0,
+                       tree: TreeMask | None = None) -> torch.Tensor:
         """A base-model forward from input embeddings (feature-level draft heads): embeds [rows, width, hidden]
         -> last hidden states [rows, width, hidden], written to rows `begin ..` like `forward_rows`."""
         counts = [int(c) for c in counts]
-        with self._writing(counts, begin, embeds.shape[1], embeds.dtype) as (positions, mask):
+        with self._writing(counts, begin, embeds.shape[1], embeds.dtype, tree) as (positions, mask):
             if self.fast is not None:
-                return self._fast(None, embeds, counts, positions, mask, None, True)[1]
+                return self._fast(None, embeds, counts, positions, mask, None, True, tree=tree is not None)[1]
             return self.model.base_model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask,
                                          past_key_values=self.cache, use_cache=True).last_hidden_state
 
     @contextlib.contextmanager
-    def _writing(self, counts: list[int], begin: int, width: int, dtype: torch.dtype
+    def _writing(self, counts: list[int], begin: int, width: int, dtype: torch.dtype, tree: TreeMask | None = None
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """One forward over rows `begin ..`: yields (position_ids, mask); commits the rows' new lengths
         when the forward succeeds, leaves them as they were when it raises."""
+        if tree is not None and self._window is not None:
+            raise DraftwiseError("token trees need full attention; this model attends within a sliding window")
         positions, _ = self.cache.begin_forward(counts, begin=begin, width=width, device=self.device)
         try:
             with _cpu_gqa(self.device):
-                mask = self._mask(positions, dtype)  # from the true positions
+                mask = self._mask(positions, dtype, tree)  # from the true positions
                 # The model sees padded slots at their row's last real position (and never past the
                 # window): a padded slot's output is discarded, but a position id past the model's
                 # table would crash (learned positions) or rescale RoPE for the batch (dynamic RoPE).
                 last = positions[:, :1] + torch.tensor(counts, device=self.device)[:, None] - 1  # [rows, 1]
-                model_positions = torch.minimum(positions, last)
+                model_positions = torch.minimum(positions, last) if tree is None else tree.positions.to(self.device)
                 if self._max_position:
                     model_positions = model_positions.clamp(max=self._max_position - 1)
                 yield model_positions, mask
@@ -309,9 +328,15 @@ class ModelRunner:
         self.calls += 1
         self.tokens_processed += sum(counts)
 
-    def _mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    def _mask(self, positions: torch.Tensor, dtype: torch.dtype, tree: TreeMask | None = None) -> torch.Tensor | None:
         """The 4-D mask from the row lengths; None for one unpadded row, where transformers builds the same
         causal mask itself (and SDPA runs a single query with no mask at all)."""
+        if tree is not None:
+            visible = self.cache.tree_mask(positions, tree.region_start, tree.visible)
+            if self.fast is not None or not self._additive:
+                return visible
+            return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+                ~visible, torch.finfo(dtype).min)
         if self.fast is not None:  # SDPA with a boolean mask; none for one query over a whole unwindowed row
             if self.cache.single_row() and positions.shape[1] == 1:
                 return None

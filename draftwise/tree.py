@@ -1,0 +1,353 @@
+"""Token trees: drafts that give the target several candidates per position, verified in one forward.
+
+A tree draft holds, per row, nodes in topological order: node i has a token and a parent (`-1`: the row's pending
+token, the last committed one, which the verification forward feeds first). Verification feeds the pending token
+at slot 0 and node i at slot `1 + i` of the row's cache region: slot s sits at cache position `length + s`, has
+position id `length + depth(s)`, and sees the committed prefix and its own ancestors only (`verify_mask`).
+
+Acceptance (`accept_tree`) walks from the pending token: at a node whose target distribution is p, its children
+(deterministic candidates, in the drafter's order) are tried in turn; child x is accepted with probability
+r(x), where r is p with the children rejected so far removed and renormalised; when none is accepted, the next
+token is drawn from that residual (the target's own distribution at a leaf). This is multi-candidate speculative
+sampling with one-hot proposals (SpecInfer, EAGLE): the committed token is distributed as p, whatever the tree,
+so it is exact at any temperature. At temperature 0, p is one-hot: the walk follows the target's argmax as long
+as the tree holds it.
+
+After acceptance the engine moves the accepted path's keys and values to contiguous positions
+(`PositionCache.compact`) and trims the rest.
+
+Trees are grown by `grow_trees` (EAGLE-2's dynamic tree: expand the top-k children of the best nodes of the last
+depth, rerank every candidate by its path's draft probability, keep the best N) for the draft model and the
+EAGLE head, and by the suffix tries (`suffix.SuffixTrie.speculate_tree`) for suffix decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .acceptance import ZERO_RESIDUAL
+from .errors import DraftwiseError
+from .models.runner import TreeMask
+from .protocols import RowsDraft
+from .sampling import invert_cdf
+
+TREE_TOP_K = 4  # children tried per expanded node, and nodes expanded per depth
+DEFAULT_TREE_NODES = 16  # a row's node budget when the engine has no cost measurements yet
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node (a child of the pending token has depth 1)."""
+    out: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise DraftwiseError(f"tree node {i} has parent {p}: parents must come before their children")
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def tree_draft(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]], vocab_size: int,
+               device: torch.device) -> RowsDraft:
+    """A RowsDraft of token trees (deterministic candidates: `probs` has no vocabulary columns)."""
+    counts = [len(t) for t in tokens]
+    k = max(counts, default=0)
+    host = torch.zeros(len(tokens), k, dtype=torch.long)
+    for b, row in enumerate(tokens):
+        if row:
+            host[b, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        depths(parents[b])
+    return RowsDraft(host.to(device), torch.zeros(len(tokens), k, 0, device=device), counts,
+                     parents=tuple(tuple(int(p) for p in row) for row in parents))
+
+
+def chain_parents(n: int) -> tuple[int, ...]:
+    return tuple(range(-1, n - 1))
+
+
+def slot_structure(parents: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, each slot's depth [rows, width] and ancestor-or-self matrix [rows, width, width] (slot 0: the
+    pending token, an ancestor of every node; padding slots see slot 0 and themselves)."""
+    rows = len(parents)
+    depth = np.zeros((rows, width), dtype=np.int64)
+    visible = np.zeros((rows, width, width), dtype=bool)
+    diag = np.arange(width)
+    visible[:, diag, diag] = True
+    visible[:, :, 0] = True
+    for b, row in enumerate(parents):
+        for i, p in enumerate(row):
+            s = i + 1
+            visible[b, s] |= visible[b, p + 1]
+            depth[b, s] = depth[b, p + 1] + 1
+    return depth, visible
+
+
+def verify_mask(parents: Sequence[Sequence[int]], starts: Sequence[int], width: int, device: torch.device,
+                extra: Sequence[int] = ()) -> TreeMask:
+    """The target's TreeMask for a verification forward: row b's trees (`parents[b]`, fed after its pending token
+    at cache position starts[b]), then rows `extra` (their counts) fed as plain causal chunks (prompt prefills
+    sharing the forward)."""
+    depth, visible = slot_structure(list(parents) + [()] * len(extra), width)
+    for j in range(len(extra)):  # prompt chunks: causal
+        b = len(parents) + j
+        depth[b] = np.arange(width)
+        visible[b] = np.tril(np.ones((width, width), dtype=bool))
+    start_t = torch.as_tensor(list(starts), dtype=torch.long)
+    positions = start_t[:, None] + torch.from_numpy(depth)
+    return TreeMask(positions.to(device), list(starts), torch.from_numpy(visible).to(device))
+
+
+@dataclass(frozen=True)
+class TreeAcceptance:
+    paths: list[list[int]]  # per row, the accepted nodes from the root down
+    next_tokens: list[int]  # per row, the token drawn after the path
+    final_slots: list[int]  # per row, the slot whose distribution the next token came from
+
+
+def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], target_probs: torch.Tensor,
+                generators: Sequence[torch.Generator], greedy: Sequence[bool]) -> TreeAcceptance:
+    """Multi-candidate speculative sampling over each row's tree (see the module docstring).
+
+    target_probs [rows, 1 + k, vocab]: the warped target distribution at each slot (one-hot for greedy rows).
+    Row b draws len(tokens[b]) + 1 uniforms from its own generator (none when greedy), so its outcome does not
+    depend on its batch-mates."""
+    rows = len(parents)
+    device = target_probs.device
+    k = max((len(t) for t in tokens), default=0)
+    index = torch.arange(rows, device=device)
+    if k:
+        parent_slot = torch.zeros(rows, k, dtype=torch.long)
+        token_t = torch.zeros(rows, k, dtype=torch.long)
+        for b, row in enumerate(parents):
+            n = len(row)
+            if n:
+                parent_slot[b, :n] = torch.as_tensor(row, dtype=torch.long) + 1
+                token_t[b, :n] = torch.as_tensor(list(tokens[b]), dtype=torch.long)
+        p_at = target_probs[index[:, None], parent_slot.to(device), token_t.to(device)].double().tolist()
+    else:
+        p_at = [[] for _ in range(rows)]
+    paths, finals, excluded, uniforms = [], [], [], []
+    for b in range(rows):
+        n = len(parents[b])
+        u = [0.5] * (n + 1) if greedy[b] else \
+            torch.rand(n + 1, generator=generators[b], device=generators[b].device, dtype=torch.float64).tolist()
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents[b]):
+            children.setdefault(p, []).append(i)
+        node, path, used = -1, [], 0
+        rejected: list[int] = []
+        while True:
+            mass, rejected, taken = 0.0, [], None
+            for child in children.get(node, ()):
+                token = tokens[b][child]
+                if token in rejected:
+                    continue  # a repeated sibling: the residual gives it nothing
+                # accept with probability r(x) = p(x) / (1 - mass of the rejected siblings)
+                if u[used] * (1.0 - mass) < p_at[b][child]:
+                    taken = child
+                    used += 1
+                    break
+                used += 1
+                mass += p_at[b][child]
+                rejected.append(token)
+            if taken is None:
+                break
+            path.append(taken)
+            node = taken
+        paths.append(path)
+        finals.append(node + 1)
+        excluded.append(rejected)
+        uniforms.append(u[n])
+    final_t = torch.tensor(finals, device=device)
+    probs = target_probs[index, final_t].double()  # [rows, vocab]
+    cut = [(b, t) for b, tokens_out in enumerate(excluded) for t in tokens_out]
+    if cut:
+        probs = probs.clone()
+        at_b = torch.tensor([b for b, _ in cut], device=device)
+        at_t = torch.tensor([t for _, t in cut], device=device)
+        probs[at_b, at_t] = 0.0
+        mass = probs.sum(-1, keepdim=True)
+        probs = torch.where(mass < ZERO_RESIDUAL, target_probs[index, final_t].double(), probs)
+    if all(greedy):
+        next_tokens = probs.argmax(-1)
+    else:
+        u_t = torch.tensor(uniforms, dtype=torch.float64, device=device)[:, None]
+        next_tokens = invert_cdf(probs, u_t)
+        if any(greedy):
+            next_tokens = torch.where(torch.tensor(list(greedy), device=device), probs.argmax(-1), next_tokens)
+    return TreeAcceptance(paths, next_tokens.tolist(), finals)
+
+
+# ------------------------------------------------------------------ growing trees from a drafter's distributions
+
+@dataclass
+class _Candidate:
+    token: int
+    parent: int  # index into the row's candidate list, -1 for the root
+    score: float  # log q of the path
+    depth: int
+    fed: int = -1  # region slot where the drafter was fed this node (expanded nodes only)
+
+
+def grow_trees(
+    root_logprobs: torch.Tensor, expand: Callable[[list[list[tuple[int, int, list[int], int]]]], torch.Tensor],
+    *, budgets: Sequence[int], max_depths: Sequence[int], top_k: int = TREE_TOP_K,
+    stop_tokens: frozenset[int] = frozenset(),
+) -> tuple[list[list[int]], list[list[int]]]:
+    """EAGLE-2's dynamic tree over rows.
+
+    root_logprobs [rows, vocab]: the drafter's log-probabilities of the first drafted token. Depth 1 takes the
+    top_k tokens; each further depth feeds the drafter the top_k candidates of the last depth (by path score, the
+    sum of log-probabilities along the path) and takes each one's top_k children. Finally every row keeps its
+    best budgets[b] candidates (a child's score never exceeds its parent's, so the kept set holds every kept
+    node's ancestors), in topological order.
+
+    expand(per row: [(token, region slot of its parent or -1, region slots of its ancestors, depth)] of the
+    nodes fed this depth) -> [rows, m, vocab] log-probabilities after each fed node (m = the widest row; rows
+    with fewer are padded and their padding ignored). The drafter writes the fed nodes at the next region slots,
+    in order. Returns per row (tokens, parents)."""
+    rows = root_logprobs.shape[0]
+    pools: list[list[_Candidate]] = [[] for _ in range(rows)]
+    width = max(max(budgets, default=0), 0)
+    if width == 0:
+        return [[] for _ in range(rows)], [[] for _ in range(rows)]
+    top = min(top_k, root_logprobs.shape[-1])
+    values, ids = root_logprobs.float().topk(top, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    last: list[list[int]] = [[] for _ in range(rows)]  # candidate indices added at the last depth
+    for b in range(rows):
+        if budgets[b] <= 0 or max_depths[b] <= 0:
+            continue
+        for v, t in zip(values[b], ids[b]):
+            if math.isfinite(v):
+                last[b].append(len(pools[b]))
+                pools[b].append(_Candidate(t, -1, v, 1))
+    fed_count = [0] * rows
+    depth = 1
+    while True:
+        frontier: list[list[int]] = []
+        for b in range(rows):
+            pick = [i for i in last[b] if pools[b][i].token not in stop_tokens and pools[b][i].depth < max_depths[b]]
+            pick.sort(key=lambda i: -pools[b][i].score)
+            frontier.append(pick[:top])
+        if not any(frontier):
+            break
+        request = []
+        for b in range(rows):
+            items = []
+            for i in frontier[b]:
+                c = pools[b][i]
+                ancestors, j = [], c.parent
+                while j >= 0:
+                    ancestors.append(pools[b][j].fed)
+                    j = pools[b][j].parent
+                c.fed = fed_count[b] + len(items)
+                items.append((c.token, pools[b][c.parent].fed if c.parent >= 0 else -1, ancestors[::-1], c.depth))
+            request.append(items)
+        logprobs = expand(request)  # [rows, m, vocab]
+        values, ids = logprobs.float().topk(top, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        depth += 1
+        last = [[] for _ in range(rows)]
+        for b in range(rows):
+            for m, i in enumerate(frontier[b]):
+                base = pools[b][i].score
+                for v, t in zip(values[b][m], ids[b][m]):
+                    if math.isfinite(v):
+                        last[b].append(len(pools[b]))
+                        pools[b].append(_Candidate(t, i, base + v, depth))
+            fed_count[b] += len(frontier[b])
+    tokens_out, parents_out = [], []
+    for b in range(rows):
+        pool = pools[b]
+        keep = sorted(range(len(pool)), key=lambda i: (-pool[i].score, pool[i].depth, i))[: budgets[b]]
+        kept = set(keep)
+        keep = [i for i in keep if _ancestors_kept(pool, i, kept)]
+        keep.sort(key=lambda i: (pool[i].depth, -pool[i].score, i))  # topological: by depth, best first
+        where = {i: n for n, i in enumerate(keep)}
+        tokens_out.append([pool[i].token for i in keep])
+        parents_out.append([where[pool[i].parent] if pool[i].parent >= 0 else -1 for i in keep])
+    return tokens_out, parents_out
+
+
+def _ancestors_kept(pool: list[_Candidate], i: int, kept: set[int]) -> bool:
+    j = pool[i].parent
+    while j >= 0:
+        if j not in kept:
+            return False
+        j = pool[j].parent
+    return True
+
+
+def region_mask(request: list[list[tuple[int, int, list[int], int]]], fed_before: Sequence[int],
+                region_start: Sequence[int], device: torch.device) -> tuple[torch.Tensor, list[int], TreeMask]:
+    """A drafter's feed for one `grow_trees` expansion: tokens [rows, m] (right-padded), counts, and the TreeMask
+    over each row's region (fed_before[b] region slots already written; node j of this feed goes at slot
+    fed_before[b] + j and sees its ancestors' slots and itself). Rows with nothing to feed get one dummy token
+    (the caller drops it by trimming back)."""
+    rows = len(request)
+    m = max((len(items) for items in request), default=0)
+    m = max(m, 1)
+    tokens = torch.zeros(rows, m, dtype=torch.long)
+    counts = []
+    span = max(f + m for f in fed_before)
+    visible = np.zeros((rows, m, span), dtype=bool)
+    positions = np.zeros((rows, m), dtype=np.int64)
+    for b, items in enumerate(request):
+        counts.append(max(len(items), 1))
+        for j in range(m):
+            slot = fed_before[b] + j
+            visible[b, j, slot] = True
+            positions[b, j] = region_start[b]  # padding: at the region's start
+        for j, (token, _, ancestors, depth) in enumerate(items):
+            tokens[b, j] = token
+            for a in ancestors:
+                visible[b, j, a] = True
+            positions[b, j] = region_start[b] + depth - 1
+    mask = TreeMask(torch.from_numpy(positions).to(device), list(region_start), torch.from_numpy(visible).to(device))
+    return tokens.to(device), counts, mask
+
+
+class TreeBudget:
+    """Each row's node budget at the current batch size, from the measured cost of verification forwards.
+
+    The engine reports each verification forward's time and the tokens it fed; a linear fit (time = fixed +
+    per_token x tokens, recent forwards weighted most) gives the fixed cost (reading the weights) and what a fed
+    token adds. A step's tokens are worth spending while they add at most the fixed cost: rows x (1 + nodes) <=
+    fixed / per_token, so a row's budget is that bound over the batch, at most `max_nodes` and at least
+    `min_nodes`. Until a few forwards of different widths are measured, `max_nodes` (batch 1) scaled by 1 / rows."""
+
+    def __init__(self, max_nodes: int, *, min_nodes: int = 1, decay: float = 0.97) -> None:
+        if max_nodes < 1:
+            raise DraftwiseError(f"tree_nodes must be >= 1, got {max_nodes}")
+        self.max_nodes, self.min_nodes, self.decay = max_nodes, min(min_nodes, max_nodes), decay
+        self._sums = np.zeros(5)  # weighted n, sum x, sum y, sum xx, sum xy
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self._sums *= self.decay
+        self._sums += np.array([1.0, tokens, seconds, tokens * tokens, tokens * seconds])
+
+    def fit(self) -> tuple[float, float] | None:
+        n, sx, sy, sxx, sxy = self._sums
+        if n < 4:
+            return None
+        var = sxx - sx * sx / n
+        if var <= 1e-9 * max(sxx, 1.0):
+            return None
+        slope = (sxy - sx * sy / n) / var
+        fixed = (sy - slope * sx) / n
+        if slope <= 0 or fixed <= 0:
+            return None
+        return fixed, slope
+
+    def nodes(self, rows: int) -> int:
+        fit = self.fit()
+        if fit is None:
+            budget = self.max_nodes // max(rows, 1)
+        else:
+            fixed, per_token = fit
+            budget = int(fixed / per_token / max(rows, 1)) - 1
+        return max(self.min_nodes, min(self.max_nodes, budget))
