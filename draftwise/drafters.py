@@ -117,6 +117,7 @@ class ModelRowsDrafter:
         self.policy = policy or FixedLength()
         self.keep_raw = keep_raw
         self.prefill_calls = 0
+        self.tree_nodes = 0  # > 0: propose token trees of at most this many nodes per row (the engine sets it)
 
     @property
     def calls(self) -> int:
@@ -135,6 +136,8 @@ class ModelRowsDrafter:
         n = len(rows)
         if width == 0:
             return empty_draft(n, self.vocab_size, self.runner.device)
+        if self.tree_nodes > 0:
+            return self._propose_trees(rows, limits)
         device = self.runner.device
         policy = self.policy
         # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
@@ -183,6 +186,23 @@ class ModelRowsDrafter:
             torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
             torch.stack(verdicts, 1)[:, :k] if verdicts else None,
         )
+
+    def _propose_trees(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
+        """EAGLE-2's dynamic tree from the draft model's log-probabilities (tree.grow_on), depth at most each
+        row's limit; deterministic candidates, so exact at any temperature."""
+        from .tree import grow_on, tree_draft
+
+        feed, counts, limits = self.pending_feed(rows, limits)
+        at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
+        root = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
+
+        def expand(tokens, fed_counts, mask, request):
+            return torch.log_softmax(self.runner.forward_rows(tokens, fed_counts, tree=mask).logits.float(), -1)
+
+        tokens, parents = grow_on(self.runner, torch.log_softmax(root.float(), -1), expand,
+                                  budgets=[self.tree_nodes if limit > 0 else 0 for limit in limits],
+                                  max_depths=limits, stop_tokens=frozenset(self.eos.tolist()))
+        return tree_draft(tokens, parents, self.vocab_size, self.runner.device)
 
     def pending_feed(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, list[int], list[int]]:
         """Each row's tokens not yet in its cache, at most CATCH_UP (right-padded [rows, width] and counts), and the

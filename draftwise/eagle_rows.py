@@ -50,6 +50,7 @@ class EagleRowsDrafter:
         self.cached: list[int] = []
         self.num_features: list[int] = []
         self.last_state: list[torch.Tensor | None] = []  # per row: the head's output at position cached - 1
+        self.tree_nodes = 0  # > 0: propose token trees of at most this many nodes per row (the engine sets it)
 
     @property
     def calls(self) -> int:
@@ -147,6 +148,8 @@ class EagleRowsDrafter:
         if width == 0:
             return empty_draft(n, self.vocab_size, self.device)
         predicted, limits = self.catch_up(rows, limits)
+        if self.tree_nodes > 0:
+            return self._propose_trees(predicted, limits)
         dtype = self.head.fc.weight.dtype
         configs = [r.request.sampling for r in rows]
         all_greedy = all(c.greedy for c in configs)
@@ -199,6 +202,33 @@ class EagleRowsDrafter:
         return RowsDraft(torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
                          torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
                          torch.stack(verdicts, 1)[:, :k] if verdicts else None)
+
+    def _propose_trees(self, predicted: torch.Tensor, limits: Sequence[int]) -> "RowsDraft":
+        """EAGLE-2's dynamic tree (tree.grow_on): a node's head input is its parent's predicted state and its own
+        token; deterministic candidates, so exact at any temperature."""
+        from .tree import grow_on, tree_draft
+
+        dtype = self.head.fc.weight.dtype
+        n = predicted.shape[0]
+        fed_states: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row, the state at each fed region slot
+
+        def expand(tokens, counts, mask, request):
+            m = tokens.shape[1]
+            parents = torch.zeros(n, m, predicted.shape[-1], dtype=predicted.dtype, device=self.device)
+            for b, items in enumerate(request):
+                for j, (_, parent, _, _) in enumerate(items):
+                    parents[b, j] = predicted[b] if parent < 0 else fed_states[b][parent]
+            states = self.runner.forward_states(self._embed_fuse(parents.to(dtype), tokens), counts, tree=mask)
+            for b, items in enumerate(request):
+                fed_states[b].extend(states[b, : len(items)])
+            logits = self.full_logits(states.reshape(n * m, -1)).view(n, m, -1)
+            return torch.log_softmax(logits.float(), -1)
+
+        root = torch.log_softmax(self.full_logits(predicted).float(), -1)
+        tokens, parents = grow_on(self.runner, root, expand, budgets=[self.tree_nodes if limit > 0 else 0
+                                                                      for limit in limits],
+                                  max_depths=limits, stop_tokens=frozenset(self.eos.tolist()))
+        return tree_draft(tokens, parents, self.vocab_size, self.device)
 
     def rewind(self, row: int, keep: int) -> None:
         """The row keeps `keep` positions with true features; predicted head positions are dropped."""

@@ -82,6 +82,9 @@ def with_processors(plan: Plan, repetition_penalty: float, min_new_tokens: int, 
                                    ("a grammar", grammar is not None)) if on]
     if not asked:
         return plan
+    if grammar is not None and plan.options.get("tree_nodes"):
+        raise DraftwiseError(f"{plan.method.name} with tree_nodes={plan.options['tree_nodes']} cannot apply a grammar: "
+                             "token trees are drafted without the grammar's masks (set tree_nodes=0)")
     if grammar is not None:
         if not plan.eos_token_ids:
             raise DraftwiseError("a grammar ends its answer with an end-of-sequence token: drop ignore_eos (or give "

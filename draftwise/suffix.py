@@ -27,6 +27,7 @@ import torch
 
 from .drafters import RetiringRows
 from .protocols import one_hot_draft
+from .tree import tree_draft
 from .errors import DraftwiseError
 
 
@@ -94,6 +95,50 @@ class SuffixTrie:
                 node = child
             return tokens, expected, length
         return [], 0.0, 0
+
+
+    def speculate_tree(self, context: Sequence[int], nodes: int, max_depth: int, *, factor: float, min_prob: float,
+                       min_match: int = 1) -> tuple[list[int], list[int], float]:
+        """(tokens, parents, expected accepted tokens): SuffixDecoding's speculation tree from the longest matched
+        suffix with continuations: the most probable continuations (each path's score is the product of its
+        children's empirical frequencies), best first, at most `nodes` of them and `max_depth` (at most `factor` x
+        the matched length) deep, none scoring below `min_prob`. Parents precede children; siblings are ordered
+        most frequent first."""
+        import heapq
+
+        if nodes <= 0 or max_depth <= 0:
+            return [], [], 0.0
+        longest = min(self.depth - 1, len(context))
+        for length in range(longest, min_match - 1, -1):
+            node = self.find(context[len(context) - length:])
+            if node is None or not node.children:
+                continue
+            depth_limit = min(max_depth, max(1, int(factor * length)))
+            tokens: list[int] = []
+            parents: list[int] = []
+            expected = 0.0
+            heap: list[tuple[float, int, int, int, _Node]] = []
+            serial = 0
+
+            def push(parent_node: _Node, parent: int, score: float, depth: int) -> None:
+                nonlocal serial
+                total = sum(child.count for child in parent_node.children.values())
+                for token, child in parent_node.children.items():
+                    p = score * child.count / total
+                    if p >= min_prob:
+                        heapq.heappush(heap, (-p, serial, token, parent, depth, child))
+                        serial += 1
+
+            push(node, -1, 1.0, 1)
+            while heap and len(tokens) < nodes:
+                neg, _, token, parent, depth, child = heapq.heappop(heap)
+                tokens.append(token)
+                parents.append(parent)
+                expected += -neg
+                if depth < depth_limit and child.children:
+                    push(child, len(tokens) - 1, -neg, depth + 1)
+            return tokens, parents, expected
+        return [], [], 0.0
 
 
 class RequestSuffix:
@@ -175,6 +220,7 @@ class SuffixRowsDrafter(RetiringRows):
         self.eos = eos_token_ids
         self.store = store if store is not None else GlobalSuffix(options.depth, options.global_tokens)
         self.last_scores: list[float] = []
+        self.tree_nodes = 0  # > 0: propose speculation trees of at most this many nodes per row (the engine sets it)
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
         state = RequestSuffix(self.options.depth)
@@ -205,8 +251,32 @@ class SuffixRowsDrafter(RetiringRows):
         return found, scores
 
     def propose(self, rows, limits):
+        if self.tree_nodes > 0:
+            tokens, parents, _ = self.speculate_trees(rows, limits, self.tree_nodes)
+            return tree_draft(tokens, parents, self.vocab_size, self.device)
         found, _ = self.speculate(rows, limits)
         return one_hot_draft(found, self.vocab_size, self.device)
+
+    def speculate_trees(self, rows, limits, nodes: int) -> tuple[list[list[int]], list[list[int]], list[float]]:
+        """Per row the better speculation tree (more expected tokens) of its own trie and the global one:
+        (tokens, parents, expected); nothing is drafted past an end-of-sequence token."""
+        o = self.options
+        tokens_out, parents_out, scores = [], [], []
+        for b, (row, limit) in enumerate(zip(rows, limits)):
+            state = self.rows[b]
+            state.extend(row.sequence[len(state.tokens):])
+            best: tuple[list[int], list[int], float] = ([], [], 0.0)
+            for trie in (state.trie, self.store.trie):
+                found = trie.speculate_tree(row.sequence, nodes, limit, factor=o.factor, min_prob=o.min_prob,
+                                            min_match=o.min_match)
+                if found[2] > best[2]:
+                    best = found
+            tokens, parents = _cut_after_eos(best[0], best[1], self.eos)
+            tokens_out.append(tokens)
+            parents_out.append(parents)
+            scores.append(best[2])
+        self.last_scores = scores
+        return tokens_out, parents_out, scores
 
     def rewind(self, row, keep) -> None:
         pass  # the trie follows committed tokens only
@@ -219,6 +289,47 @@ class SuffixRowsDrafter(RetiringRows):
         self.store.add(state.tokens[state.prompt_length :])
 
 
+def _hybrid_trees(hybrid: "HybridRowsDrafter", rows, limits):
+    from .tree import merge_trees
+
+    nodes = hybrid.tree_nodes
+    suffix_tokens, suffix_parents, scores = hybrid.suffix.speculate_trees(rows, limits, nodes)
+    hybrid.head.tree_nodes = nodes
+    head = hybrid.head.propose(rows, limits)
+    head_tokens = head.tokens.tolist() if head.width else [[] for _ in rows]
+    tokens_out, parents_out = [], []
+    for b in range(len(rows)):
+        trees = []
+        if suffix_tokens[b] and scores[b] >= hybrid.threshold:
+            trees.append((suffix_tokens[b], suffix_parents[b]))
+            hybrid.used_suffix += 1
+        else:
+            hybrid.used_head += int(limits[b] > 0)
+        if head.parents is not None:
+            trees.append((head_tokens[b][: head.counts[b]], head.parents[b]))
+        tokens, parents = merge_trees(trees, nodes)
+        tokens_out.append(tokens)
+        parents_out.append(parents)
+    return tokens_out, parents_out
+
+
+def _cut_after_eos(tokens: list[int], parents: list[int], eos: frozenset[int]) -> tuple[list[int], list[int]]:
+    """A tree without the descendants of its end-of-sequence nodes (nothing is drafted past EOS)."""
+    if not eos or not any(t in eos for t in tokens):
+        return tokens, parents
+    keep, where = [], {}
+    dead = set()
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        if parent in dead:
+            dead.add(i)
+            continue
+        if token in eos:
+            dead.add(i)
+        where[i] = len(keep)
+        keep.append((token, where[parent] if parent >= 0 else -1))
+    return [t for t, _ in keep], [p for _, p in keep]
+
+
 class HybridRowsDrafter:
     """Suffix speculation where it scores at least `threshold` expected tokens, an EAGLE head elsewhere."""
 
@@ -229,6 +340,7 @@ class HybridRowsDrafter:
         self.wants_features = head_drafter.wants_features
         self.used_suffix = 0
         self.used_head = 0
+        self.tree_nodes = 0  # > 0: a suffix tree (when it scores at least threshold) merged with the head's tree
 
     @property
     def calls(self) -> int:
@@ -256,9 +368,15 @@ class HybridRowsDrafter:
         self.head.release(live)
         self.suffix.release(live)
 
+    def _propose_trees(self, rows, limits):
+        tokens, parents = _hybrid_trees(self, rows, limits)
+        return tree_draft(tokens, parents, self.suffix.vocab_size, self.suffix.device)
+
     def propose(self, rows, limits):
         from .protocols import RowsDraft, empty_draft
 
+        if self.tree_nodes > 0:
+            return self._propose_trees(rows, limits)
         found, scores = self.suffix.speculate(rows, limits)
         use_suffix = [bool(f) and s >= self.threshold for f, s in zip(found, scores)]
         head_limits = [0 if u else limit for u, limit in zip(use_suffix, limits)]

@@ -145,8 +145,7 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
                 token = tokens[b][child]
                 if token in rejected:
                     continue  # a repeated sibling: the residual gives it nothing
-                # accept with probability r(x) = p(x) / (1 - mass of the rejected siblings)
-                if u[used] * (1.0 - mass) < p_at[b][child]:
+                if u[used] < residual_probability(p_at[b][child], mass):
                     taken = child
                     used += 1
                     break
@@ -162,15 +161,7 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
         excluded.append(rejected)
         uniforms.append(u[n])
     final_t = torch.tensor(finals, device=device)
-    probs = target_probs[index, final_t].double()  # [rows, vocab]
-    cut = [(b, t) for b, tokens_out in enumerate(excluded) for t in tokens_out]
-    if cut:
-        probs = probs.clone()
-        at_b = torch.tensor([b for b, _ in cut], device=device)
-        at_t = torch.tensor([t for _, t in cut], device=device)
-        probs[at_b, at_t] = 0.0
-        mass = probs.sum(-1, keepdim=True)
-        probs = torch.where(mass < ZERO_RESIDUAL, target_probs[index, final_t].double(), probs)
+    probs = without_rejected(target_probs[index, final_t].double(), excluded)  # [rows, vocab]
     if all(greedy):
         next_tokens = probs.argmax(-1)
     else:
@@ -179,6 +170,23 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
         if any(greedy):
             next_tokens = torch.where(torch.tensor(list(greedy), device=device), probs.argmax(-1), next_tokens)
     return TreeAcceptance(paths, next_tokens.tolist(), finals)
+
+
+def residual_probability(p: float, rejected_mass: float) -> float:
+    """r(x) for a candidate x: p(x) renormalised over what the rejected siblings left (1 - their mass)."""
+    left = 1.0 - rejected_mass
+    return p / left if left > 0 else 0.0
+
+
+def without_rejected(probs: torch.Tensor, excluded: Sequence[Sequence[int]]) -> torch.Tensor:
+    """probs [rows, vocab] with row b's rejected candidates `excluded[b]` at zero (unnormalised; the sampler
+    scales by the total), or the distribution itself where almost no mass is left."""
+    cut = [(b, t) for b, tokens in enumerate(excluded) for t in tokens]
+    if not cut:
+        return probs
+    out = probs.clone()
+    out[torch.tensor([b for b, _ in cut], device=probs.device), torch.tensor([t for _, t in cut], device=probs.device)] = 0.0
+    return torch.where(out.sum(-1, keepdim=True) < ZERO_RESIDUAL, probs, out)
 
 
 # ------------------------------------------------------------------ growing trees from a drafter's distributions
@@ -349,5 +357,56 @@ class TreeBudget:
             budget = self.max_nodes // max(rows, 1)
         else:
             fixed, per_token = fit
-            budget = int(fixed / per_token / max(rows, 1)) - 1
+            budget = int(fixed / per_token / max(rows, 1) + 1e-6) - 1
         return max(self.min_nodes, min(self.max_nodes, budget))
+
+
+def grow_on(runner, root_logprobs: torch.Tensor,
+            feed: Callable[[torch.Tensor, list[int], TreeMask, list[list[tuple[int, int, list[int], int]]]],
+                           torch.Tensor],
+            *, budgets: Sequence[int], max_depths: Sequence[int], top_k: int = TREE_TOP_K,
+            stop_tokens: frozenset[int] = frozenset()) -> tuple[list[list[int]], list[list[int]]]:
+    """`grow_trees` over a drafter's own cache (rows 0 .. n - 1 of `runner`): each expansion feeds the frontier
+    nodes after the row's committed length, each seeing its ancestors; afterwards the rows are trimmed back, so
+    the drafter's cache holds committed tokens only. feed(tokens [rows, m], counts, mask, request) runs the
+    forward and returns log-probabilities [rows, m, vocab]."""
+    rows = root_logprobs.shape[0]
+    region_start = list(runner.lengths[:rows])
+    fed = [0] * rows
+
+    def expand(request):
+        tokens, counts, mask = region_mask(request, fed, region_start, root_logprobs.device)
+        logprobs = feed(tokens, counts, mask, request)
+        for b, items in enumerate(request):
+            fed[b] += len(items)
+            runner.trim_row(b, region_start[b] + fed[b])  # a row that fed nothing fed one dummy token
+        return logprobs
+
+    try:
+        return grow_trees(root_logprobs, expand, budgets=budgets, max_depths=max_depths, top_k=top_k,
+                          stop_tokens=stop_tokens)
+    finally:
+        for b in range(rows):
+            runner.trim_row(b, min(region_start[b], runner.lengths[b]))
+
+
+def merge_trees(trees: Sequence[tuple[Sequence[int], Sequence[int]]], budget: int) -> tuple[list[int], list[int]]:
+    """One tree from several (tokens, parents), earlier trees first: a node whose path is already there joins it,
+    a new one is added while the budget allows (then its subtree may follow). Parents stay before children."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    where: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for tree_tokens, tree_parents in trees:
+        mapped: list[int | None] = []
+        for token, parent in zip(tree_tokens, tree_parents):
+            at = -1 if parent < 0 else mapped[parent]
+            if at is None:  # its parent did not fit
+                mapped.append(None)
+                continue
+            node = where.get((at, token))
+            if node is None and len(tokens) < budget:
+                node = where[(at, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(at)
+            mapped.append(node)
+    return tokens, parents
