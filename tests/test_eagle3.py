@@ -96,7 +96,7 @@ def test_training_time_test_equals_a_cache_free_rollout_with_teacher_tokens():
     seq = [random.Random(1).randrange(64) for _ in range(14)]
     feats = _features(target, seq)
     feats[-1] = 0  # the shards' layout: the last token was never fed
-    batch = _batch([Example(torch.tensor(seq), feats.half().float(), 4, "x")], 3, 32)
+    batch = _batch([Example(torch.tensor(seq), 4, "x", loaded=feats.half().float())], 3, 32)
     batch["aux"] = _features(target, seq)[:-1, : head.feature_size][None]  # full precision for the comparison
     with torch.no_grad():
         logits = ttt_forward(head, batch, 3)

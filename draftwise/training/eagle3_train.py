@@ -33,7 +33,7 @@ from ..eagle3 import Eagle3Head
 from ..errors import DraftwiseError
 from .loop import cosine_lr, train_loop
 from ..eagle3 import eagle3_layers
-from .shards import read_shards
+from .shards import ShardSequence, read_shards
 
 
 @dataclass(frozen=True)
@@ -62,19 +62,28 @@ class Eagle3TrainConfig:
 @dataclass
 class Example:
     tokens: torch.Tensor  # [T] int64
-    features: torch.Tensor  # [T, 4H] fp16
     answer_start: int
     category: str
+    sequence: ShardSequence | None = None  # where the features are read from, a batch at a time
+    loaded: torch.Tensor | None = None  # [T, 4H] fp16, when held in memory
+
+    @property
+    def features(self) -> torch.Tensor:
+        if self.loaded is not None:
+            return self.loaded
+        return self.sequence.feature_rows(int(self.tokens.shape[0]))
 
 
 def load_examples(data: str, layers, max_len: int, limit: int = 0) -> list[Example]:
+    """Every usable sequence's tokens; features stay in the shard files and are read per batch (3M tokens of
+    EAGLE-3 features are ~14 GB)."""
     out: list[Example] = []
     for directory in [d for d in data.split(",") if d]:
-        for s in read_shards(directory, layers=layers):
+        for s in read_shards(directory, layers=layers, features=False):
             T = min(int(s.tokens.shape[0]), max_len)
             if T - s.answer_start < 2:  # fewer than two answer tokens inside the window: nothing to learn
                 continue
-            out.append(Example(s.tokens[:T].clone(), s.features[:T].clone(), s.answer_start, s.category))
+            out.append(Example(s.tokens[:T].clone(), s.answer_start, s.category, s))
             if limit and len(out) >= limit:
                 return out
     if not out:

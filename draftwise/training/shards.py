@@ -134,19 +134,35 @@ def done_keys(directory: Path) -> set[tuple[str, str]]:
 
 @dataclass
 class ShardSequence:
-    """One sequence read back: tokens [T] int64, features [T, F] fp16 (None when read without them), answer_start."""
+    """One sequence read back: tokens [T] int64, features [T, F] fp16 (None when read without them, or read lazily:
+    `feature_rows`), answer_start."""
 
     tokens: torch.Tensor
     features: torch.Tensor | None
     answer_start: int
     category: str
     uid: str
+    where: tuple[str, int] | None = None  # (shard path, first row): where `feature_rows` reads from
+
+    def feature_rows(self, n: int | None = None) -> torch.Tensor:
+        """The first n feature rows [n, F] fp16, read now from the shard file (only those rows) when the sequence
+        was read without its features."""
+        n = int(self.tokens.shape[0]) if n is None else n
+        if self.features is not None:
+            return self.features[:n]
+        if self.where is None:
+            raise DraftwiseError(f"{self.uid}: read without features and without its shard's location")
+        path, start = self.where
+        with safe_open(path, framework="pt") as f:
+            return f.get_slice("features")[start: start + n]
 
 
 def read_shards(
     directory: Path | str, *, layers: Sequence[int] | None = None, features: bool = True,
 ) -> Iterator[ShardSequence]:
-    """Every sequence of the shards in `directory`; `features=False` reads only the tokens (features is None)."""
+    """Every sequence of the shards in `directory`; `features=False` reads only the tokens (features is None; a
+    sequence's `feature_rows` reads them later, from the file, a few at a time: a training set larger than
+    memory)."""
     paths = shard_paths(Path(directory))
     if not paths:
         raise DraftwiseError(f"no feature shards ({SHARD_GLOB}) in {directory}: run `draftwise train-data --features`")
@@ -161,8 +177,8 @@ def read_shards(
             feats = f.get_tensor("features") if features else None
         for i in range(len(prompt_lens)):
             a, b = offsets[i], offsets[i + 1]
-            yield ShardSequence(tokens[a:b], None if feats is None else feats[a:b], prompt_lens[i],
-                                meta["categories"][i], meta["uids"][i])
+            yield ShardSequence(tokens[a:b].clone(), None if feats is None else feats[a:b], prompt_lens[i],
+                                meta["categories"][i], meta["uids"][i], (str(path), a))
 
 
 def generate_shards(
