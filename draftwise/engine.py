@@ -217,12 +217,12 @@ class Engine:
             accepted = outcome.num_accepted[b]
             committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
             verifier = sum(verdicts_host[b][: draft.counts[b]]) if verdicts_host is not None else 0
-            event, kept = self._conclude(b, row, committed, verified.logits[b], now, drafter_calls, verifier)
+            kept = self._conclude(b, row, committed, verified.logits[b], now, drafter_calls, verifier)
             # record: nothing past an EOS or a stop string counts as accepted
             row.counters.record(drafted[b], min(accepted, len(kept)))
             row.counters.target_tokens += counts[b]
             row.counters.proposed += proposed[b]
-            events.append(event)
+            events.append(self._event(row, kept))
             # rewind: the row keeps everything but its newest token
             self.target.trim_row(b, len(row.sequence) - 1)
             self.drafter.rewind(b, len(row.sequence) - 1)
@@ -266,9 +266,10 @@ class Engine:
         return verified, plan
 
     def _conclude(self, b: int, row: Row, committed: list[int], logits: torch.Tensor, now: float,
-                  drafter_calls: int, verifier: int) -> tuple[Event, list[int]]:
+                  drafter_calls: int, verifier: int) -> list[int]:
         """Commit a row's tokens of this step (cut at EOS), its log-probabilities (logits[j] came before committed
-        token j) and counters; returns its event and the tokens kept."""
+        token j) and counters; returns the tokens kept. The caller records the step's acceptance, then makes the
+        row's event (a finished row's event carries its final counters)."""
         committed = cut_at_eos(committed, row.request.eos_token_ids)
         kept = self._commit(row, committed, now)  # may cut further, at a stop string
         if row.grammar is not None and not row.grammar.commit(kept) and row.finish_reason is None:
@@ -277,7 +278,7 @@ class Engine:
             row.logprobs += token_logprobs(logits, kept, row.request.logprobs)
         row.counters.draft_calls += drafter_calls
         row.counters.verifier_accepted += verifier
-        return self._event(row, kept), kept
+        return kept
 
     def _end_step(self, done: list[int], started: float, plan: list[int]) -> None:
         for b in reversed(done):  # highest first: moving the last row never touches a pending index
@@ -311,12 +312,12 @@ class Engine:
             if self.drafter.wants_features:  # the target's features of the pending token and the accepted path
                 self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, slots])
             committed = [tokens_host[b][i] for i in path] + [outcome.next_tokens[b]]
-            event, kept = self._conclude(b, row, committed, verified.logits[b, slots], now, drafter_calls, 0)
+            kept = self._conclude(b, row, committed, verified.logits[b, slots], now, drafter_calls, 0)
             parents = draft.parents[b]
             row.counters.record_tree(len(parents), max(depths(parents), default=0), min(len(path), len(kept)))
             row.counters.target_tokens += counts[b]
             row.counters.proposed += proposed[b]
-            events.append(event)
+            events.append(self._event(row, kept))
             # the accepted path's keys and values follow the pending token; everything else is dropped
             self.target.cache.compact(b, start + 1, [start + s for s in slots[1:]])
             self.target.trim_row(b, len(row.sequence) - 1)
