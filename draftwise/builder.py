@@ -45,7 +45,8 @@ def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, 
                   gamma=gamma, tokenizer=plan.target.tokenizer, max_batch_size=max_batch_size, method=spec.name,
                   stream_text=stream_text, selector=_selector(plan, gamma),
                   prefixes=PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None,
-                  tree_nodes=int(plan.options.get("tree_nodes", 0)))
+                  tree_nodes=int(plan.options.get("tree_nodes", 0)),
+                  tree_adaptive=bool(plan.options.get("tree_adaptive", 1)))
 
 
 def _drafter(plan: Plan, rule: Any) -> Any:

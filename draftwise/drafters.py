@@ -118,6 +118,7 @@ class ModelRowsDrafter:
         self.keep_raw = keep_raw
         self.prefill_calls = 0
         self.tree_nodes = 0  # > 0: propose token trees of at most this many nodes per row (the engine sets it)
+        self.tree_min_prob = 0.0  # grow no tree node whose path probability is below this (the engine sets it)
 
     @property
     def calls(self) -> int:
@@ -199,10 +200,11 @@ class ModelRowsDrafter:
         def expand(tokens, fed_counts, mask, request):
             return torch.log_softmax(self.runner.forward_rows(tokens, fed_counts, tree=mask).logits.float(), -1)
 
-        tokens, parents = grow_on(self.runner, torch.log_softmax(root.float(), -1), expand,
-                                  budgets=[self.tree_nodes if limit > 0 else 0 for limit in limits],
-                                  max_depths=limits, stop_tokens=frozenset(self.eos.tolist()))
-        return tree_draft(tokens, parents, self.vocab_size, self.runner.device)
+        tokens, parents, scores = grow_on(self.runner, torch.log_softmax(root.float(), -1), expand,
+                                          budgets=[self.tree_nodes if limit > 0 else 0 for limit in limits],
+                                          max_depths=limits, stop_tokens=frozenset(self.eos.tolist()),
+                                          min_probs=[self.tree_min_prob] * len(rows))
+        return tree_draft(tokens, parents, self.vocab_size, self.runner.device, scores)
 
     def pending_feed(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, list[int], list[int]]:
         """Each row's tokens not yet in its cache, at most CATCH_UP (right-padded [rows, width] and counts), and the

@@ -51,6 +51,7 @@ class EagleRowsDrafter:
         self.num_features: list[int] = []
         self.last_state: list[torch.Tensor | None] = []  # per row: the head's output at position cached - 1
         self.tree_nodes = 0  # > 0: propose token trees of at most this many nodes per row (the engine sets it)
+        self.tree_min_prob = 0.0  # grow no tree node whose path probability is below this (the engine sets it)
 
     @property
     def calls(self) -> int:
@@ -205,7 +206,8 @@ class EagleRowsDrafter:
 
     def _propose_trees(self, predicted: torch.Tensor, limits: Sequence[int]) -> "RowsDraft":
         """EAGLE-2's dynamic tree (tree.grow_on): a node's head input is its parent's predicted state and its own
-        token; deterministic candidates, so exact at any temperature."""
+        token; deterministic candidates, so exact at any temperature. The tree grows over the draft vocabulary
+        (the head gives nothing else any probability); its token ids map to the target's at the end."""
         from .tree import grow_on, tree_draft
 
         dtype = self.head.fc.weight.dtype
@@ -221,14 +223,16 @@ class EagleRowsDrafter:
             states = self.runner.forward_states(self._embed_fuse(parents.to(dtype), tokens), counts, tree=mask)
             for b, items in enumerate(request):
                 fed_states[b].extend(states[b, : len(items)])
-            logits = self.full_logits(states.reshape(n * m, -1)).view(n, m, -1)
-            return torch.log_softmax(logits.float(), -1)
+            return draft_logprobs(states.reshape(n * m, -1)).view(n, m, -1)
 
-        root = torch.log_softmax(self.full_logits(predicted).float(), -1)
-        tokens, parents = grow_on(self.runner, root, expand, budgets=[self.tree_nodes if limit > 0 else 0
-                                                                      for limit in limits],
-                                  max_depths=limits, stop_tokens=frozenset(self.eos.tolist()))
-        return tree_draft(tokens, parents, self.vocab_size, self.device)
+        def draft_logprobs(states: torch.Tensor) -> torch.Tensor:  # [m, usable draft vocabulary]
+            return torch.log_softmax(self.head.logits(states)[:, self.usable].float(), -1)
+
+        tokens, parents, scores = grow_on(self.runner, draft_logprobs(predicted), expand,
+                                          budgets=[self.tree_nodes if limit > 0 else 0 for limit in limits],
+                                          max_depths=limits, stop_tokens=frozenset(self.eos.tolist()),
+                                          min_probs=[self.tree_min_prob] * n, token_ids=self.usable_ids.tolist())
+        return tree_draft(tokens, parents, self.vocab_size, self.device, scores)
 
     def rewind(self, row: int, keep: int) -> None:
         """The row keeps `keep` positions with true features; predicted head positions are dropped."""

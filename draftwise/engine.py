@@ -60,7 +60,7 @@ class Engine:
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
         max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
         selector: VerifySelector | None = None, prefill_share: float | None = None, prefixes: Any = None,
-        tree_nodes: int = 0,
+        tree_nodes: int = 0, tree_adaptive: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
@@ -77,8 +77,9 @@ class Engine:
         self.method = method
         self.selector = selector or VerifyAll()
         # token trees: the drafter's node budget per row, at most tree_nodes, chosen each step from the measured
-        # verification cost at the batch size (tree.TreeBudget); 0: the drafter's drafts are chains
-        self.tree_budget = TreeBudget(tree_nodes) if tree_nodes else None
+        # verification cost at the batch size (tree.TreeBudget; not adaptive: always the best tree_nodes); 0: the
+        # drafter's drafts are chains
+        self.tree_budget = TreeBudget(tree_nodes, adaptive=tree_adaptive) if tree_nodes else None
         if tree_nodes and (self.selector.discards or not isinstance(rule, ExactRule)):
             raise DraftwiseError("token trees are verified with exact multi-candidate sampling: they need the exact "
                                  "rule and no select phase")
@@ -166,11 +167,19 @@ class Engine:
         limits = self.selector.limits(rows, limits)
         drafter_calls = self.drafter.calls
 
-        if self.tree_budget is not None:  # each row's node budget at this batch size
-            self.drafter.tree_nodes = self.tree_budget.nodes(len(rows))
+        if self.tree_budget is not None:  # each row's node budget at this batch size, and the least path
+            # probability worth growing (tree.TreeBudget)
+            self.drafter.tree_nodes = self.tree_budget.growth(len(rows))
+            self.drafter.tree_min_prob = self.tree_budget.min_prob(len(rows))
         draft = self.drafter.propose(rows, limits)  # draft
         proposed = draft.counts
         if draft.parents is not None:  # token trees: their own verification and acceptance
+            if self.tree_budget is not None:
+                self.tree_budget.observe_draft(time.perf_counter() - started)
+                if draft.scores is not None:  # each row's tree cut where its nodes stop paying
+                    kept = self.tree_budget.cut(draft.scores)
+                    if kept != list(draft.counts):
+                        draft = draft.prefix(kept)
             return self._tree_step(rows, draft, proposed, drafter_calls, started)
         if draft.width:  # select: the prefix of each draft to verify
             chosen = self.selector.select(rows, draft)
@@ -262,6 +271,8 @@ class Engine:
         else:
             verified = self.target.forward_rows(feed, counts, hidden=wants, tree=mask)
             if self.tree_budget is not None:
+                if verified.logits.is_cuda:  # the forward's time, not its launch
+                    torch.cuda.synchronize(verified.logits.device)
                 self.tree_budget.observe(sum(counts), time.perf_counter() - begun)
         return verified, plan
 

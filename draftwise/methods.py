@@ -167,11 +167,16 @@ MAX_TREE_NODES = 64
 _TREE = Option("tree_nodes", 0, int, "token trees: at most this many drafted nodes per row, verified in one forward "
                "(0: a chain of gamma tokens; the engine takes fewer at large batches, from the measured verification "
                "cost); gamma bounds the depth", high=MAX_TREE_NODES)
+_TREE_ADAPTIVE = Option("tree_adaptive", 1, int, "token trees: 1 verifies only the nodes that pay for their "
+                        "verification (the measured cost against each node's draft probability), 0 always the best "
+                        "tree_nodes (the same trees on every machine)", high=1)
 
 
 def _sd_rule(options: dict[str, Any]) -> TargetRule:
     if options.get("tree_nodes", 0) < 0:
         raise DraftwiseError(f"tree_nodes must be >= 0 (0: a chain), got {options['tree_nodes']}")
+    if options.get("tree_adaptive", 1) not in (0, 1):
+        raise DraftwiseError(f"tree_adaptive must be 0 or 1, got {options['tree_adaptive']}")
     if not (options["confidence"] == -1.0 or 0.0 <= options["confidence"] <= 1.0):
         raise DraftwiseError(f"confidence must be in [0, 1], or -1 for the head's own value; got {options['confidence']!r}")
     return ExactRule()
@@ -321,7 +326,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "sd", "speculative decoding with a draft model and gamma draft tokens (exact)",
-            drafter="model", make_rule=_sd_rule, options=(_CONFIDENCE, _TREE), reference="Leviathan et al. 2023",
+            drafter="model", make_rule=_sd_rule, options=(_CONFIDENCE, _TREE, _TREE_ADAPTIVE), reference="Leviathan et al. 2023",
         ),
         Method(
             "lossy", "lossy speculative sampling: accept with min(1, p/((1-alpha) q)), recover from norm(max(0, p/beta - q))",
@@ -345,14 +350,14 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "suffix", "suffix-tree drafting over the prompt, the output so far and earlier outputs (exact)",
-            drafter="suffix", make_rule=_suffix_rule, options=(*_SUFFIX_OPTIONS, _TREE),
+            drafter="suffix", make_rule=_suffix_rule, options=(*_SUFFIX_OPTIONS, _TREE, _TREE_ADAPTIVE),
             reference="Oliaro et al. 2024 (SuffixDecoding)",
         ),
         Method(
             "hybrid", "suffix drafting where its speculation scores high, the draft (an EAGLE head) elsewhere (exact)",
             drafter="hybrid", make_rule=_suffix_rule,
             options=(Option("threshold", 3.0, float, "expected accepted tokens a suffix speculation needs to be used"),
-                     _CONFIDENCE, *_SUFFIX_OPTIONS, _TREE),
+                     _CONFIDENCE, *_SUFFIX_OPTIONS, _TREE, _TREE_ADAPTIVE),
             reference="Oliaro et al. 2024 §4 (hybrid with a model drafter)",
         ),
         Method(

@@ -25,6 +25,9 @@ class RowsDraft:
     # token trees (tree.py): per row, each node's parent (-1: the pending token), parents before children; the
     # nodes are deterministic candidates (`probs` then has no vocabulary columns). None: each row's draft is a chain
     parents: tuple[tuple[int, ...], ...] | None = None
+    # per row, each tree node's path probability under the drafter (best first: any prefix is the best tree of its
+    # size); the engine's TreeBudget cuts each row's tree where a node no longer pays for its verification
+    scores: tuple[tuple[float, ...], ...] | None = None
 
     @property
     def width(self) -> int:
@@ -40,8 +43,10 @@ class RowsDraft:
             return None if t is None else t[:, :width]
 
         parents = None if self.parents is None else tuple(row[:c] for row, c in zip(self.parents, counts))
+        scores = None if self.scores is None else tuple(row[:c] for row, c in zip(self.scores, counts))
         return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.draft_raw), cut(self.verdicts),
-                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint), parents)
+                         cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint), parents,
+                         scores)
 
 
 class RowsDrafter(Protocol):

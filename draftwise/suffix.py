@@ -98,16 +98,16 @@ class SuffixTrie:
 
 
     def speculate_tree(self, context: Sequence[int], nodes: int, max_depth: int, *, factor: float, min_prob: float,
-                       min_match: int = 1) -> tuple[list[int], list[int], float]:
-        """(tokens, parents, expected accepted tokens): SuffixDecoding's speculation tree from the longest matched
-        suffix with continuations: the most probable continuations (each path's score is the product of its
-        children's empirical frequencies), best first, at most `nodes` of them and `max_depth` (at most `factor` x
-        the matched length) deep, none scoring below `min_prob`. Parents precede children; siblings are ordered
-        most frequent first."""
+                       min_match: int = 1) -> tuple[list[int], list[int], float, list[float]]:
+        """(tokens, parents, expected accepted tokens, path scores): SuffixDecoding's speculation tree from the
+        longest matched suffix with continuations: the most probable continuations (each path's score is the
+        product of its children's empirical frequencies), best first, at most `nodes` of them and `max_depth` (at
+        most `factor` x the matched length) deep, none scoring below `min_prob`. Parents precede children; siblings
+        are ordered most frequent first."""
         import heapq
 
         if nodes <= 0 or max_depth <= 0:
-            return [], [], 0.0
+            return [], [], 0.0, []
         longest = min(self.depth - 1, len(context))
         for length in range(longest, min_match - 1, -1):
             node = self.find(context[len(context) - length:])
@@ -116,6 +116,7 @@ class SuffixTrie:
             depth_limit = min(max_depth, max(1, int(factor * length)))
             tokens: list[int] = []
             parents: list[int] = []
+            scores: list[float] = []
             expected = 0.0
             heap: list[tuple[float, int, int, int, _Node]] = []
             serial = 0
@@ -134,11 +135,12 @@ class SuffixTrie:
                 neg, _, token, parent, depth, child = heapq.heappop(heap)
                 tokens.append(token)
                 parents.append(parent)
+                scores.append(-neg)
                 expected += -neg
                 if depth < depth_limit and child.children:
                     push(child, len(tokens) - 1, -neg, depth + 1)
-            return tokens, parents, expected
-        return [], [], 0.0
+            return tokens, parents, expected, scores
+        return [], [], 0.0, []
 
 
 class RequestSuffix:
@@ -221,6 +223,7 @@ class SuffixRowsDrafter(RetiringRows):
         self.store = store if store is not None else GlobalSuffix(options.depth, options.global_tokens)
         self.last_scores: list[float] = []
         self.tree_nodes = 0  # > 0: propose speculation trees of at most this many nodes per row (the engine sets it)
+        self.tree_min_prob = 0.0  # no tree node whose path score is below this (the engine sets it)
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
         state = RequestSuffix(self.options.depth)
@@ -252,31 +255,34 @@ class SuffixRowsDrafter(RetiringRows):
 
     def propose(self, rows, limits):
         if self.tree_nodes > 0:
-            tokens, parents, _ = self.speculate_trees(rows, limits, self.tree_nodes)
-            return tree_draft(tokens, parents, self.vocab_size, self.device)
+            tokens, parents, _, scores = self.speculate_trees(rows, limits, self.tree_nodes, self.tree_min_prob)
+            return tree_draft(tokens, parents, self.vocab_size, self.device, scores)
         found, _ = self.speculate(rows, limits)
         return one_hot_draft(found, self.vocab_size, self.device)
 
-    def speculate_trees(self, rows, limits, nodes: int) -> tuple[list[list[int]], list[list[int]], list[float]]:
+    def speculate_trees(self, rows, limits, nodes: int, min_prob: float = 0.0
+                        ) -> tuple[list[list[int]], list[list[int]], list[float], list[list[float]]]:
         """Per row the better speculation tree (more expected tokens) of its own trie and the global one:
-        (tokens, parents, expected); nothing is drafted past an end-of-sequence token."""
+        (tokens, parents, expected, path scores best first); no node scores below the option's min_prob nor
+        `min_prob`, and nothing is drafted past an end-of-sequence token."""
         o = self.options
-        tokens_out, parents_out, scores = [], [], []
+        tokens_out, parents_out, expected_out, scores_out = [], [], [], []
         for b, (row, limit) in enumerate(zip(rows, limits)):
             state = self.rows[b]
             state.extend(row.sequence[len(state.tokens):])
-            best: tuple[list[int], list[int], float] = ([], [], 0.0)
+            best: tuple[list[int], list[int], float, list[float]] = ([], [], 0.0, [])
             for trie in (state.trie, self.store.trie):
-                found = trie.speculate_tree(row.sequence, nodes, limit, factor=o.factor, min_prob=o.min_prob,
-                                            min_match=o.min_match)
+                found = trie.speculate_tree(row.sequence, nodes, limit, factor=o.factor,
+                                            min_prob=max(o.min_prob, min_prob), min_match=o.min_match)
                 if found[2] > best[2]:
                     best = found
-            tokens, parents = _cut_after_eos(best[0], best[1], self.eos)
+            tokens, parents, scores = _cut_after_eos(best[0], best[1], best[3], self.eos)
             tokens_out.append(tokens)
             parents_out.append(parents)
-            scores.append(best[2])
-        self.last_scores = scores
-        return tokens_out, parents_out, scores
+            expected_out.append(best[2])
+            scores_out.append(scores)
+        self.last_scores = expected_out
+        return tokens_out, parents_out, expected_out, scores_out
 
     def rewind(self, row, keep) -> None:
         pass  # the trie follows committed tokens only
@@ -290,33 +296,40 @@ class SuffixRowsDrafter(RetiringRows):
 
 
 def _hybrid_trees(hybrid: "HybridRowsDrafter", rows, limits):
+    """Per row the suffix tree (where it expects at least the threshold) and the head's tree, merged best first:
+    (tokens, parents, path scores)."""
     from .tree import merge_trees
 
     nodes = hybrid.tree_nodes
-    suffix_tokens, suffix_parents, scores = hybrid.suffix.speculate_trees(rows, limits, nodes)
+    suffix_tokens, suffix_parents, expected, suffix_scores = hybrid.suffix.speculate_trees(
+        rows, limits, nodes, hybrid.tree_min_prob)
     hybrid.head.tree_nodes = nodes
+    hybrid.head.tree_min_prob = hybrid.tree_min_prob
     head = hybrid.head.propose(rows, limits)
     head_tokens = head.tokens.tolist() if head.width else [[] for _ in rows]
-    tokens_out, parents_out = [], []
+    tokens_out, parents_out, scores_out = [], [], []
     for b in range(len(rows)):
         trees = []
-        if suffix_tokens[b] and scores[b] >= hybrid.threshold:
-            trees.append((suffix_tokens[b], suffix_parents[b]))
+        if suffix_tokens[b] and expected[b] >= hybrid.threshold:
+            trees.append((suffix_tokens[b], suffix_parents[b], suffix_scores[b]))
             hybrid.used_suffix += 1
         else:
             hybrid.used_head += int(limits[b] > 0)
-        if head.parents is not None:
-            trees.append((head_tokens[b][: head.counts[b]], head.parents[b]))
-        tokens, parents = merge_trees(trees, nodes)
+        if head.parents is not None and head.counts[b]:
+            c = head.counts[b]
+            trees.append((head_tokens[b][:c], head.parents[b], head.scores[b] if head.scores else [0.0] * c))
+        tokens, parents, scores = merge_trees(trees, nodes)
         tokens_out.append(tokens)
         parents_out.append(parents)
-    return tokens_out, parents_out
+        scores_out.append(scores)
+    return tokens_out, parents_out, scores_out
 
 
-def _cut_after_eos(tokens: list[int], parents: list[int], eos: frozenset[int]) -> tuple[list[int], list[int]]:
+def _cut_after_eos(tokens: list[int], parents: list[int], scores: list[float], eos: frozenset[int]
+                   ) -> tuple[list[int], list[int], list[float]]:
     """A tree without the descendants of its end-of-sequence nodes (nothing is drafted past EOS)."""
     if not eos or not any(t in eos for t in tokens):
-        return tokens, parents
+        return tokens, parents, scores
     keep, where = [], {}
     dead = set()
     for i, (token, parent) in enumerate(zip(tokens, parents)):
@@ -326,8 +339,8 @@ def _cut_after_eos(tokens: list[int], parents: list[int], eos: frozenset[int]) -
         if token in eos:
             dead.add(i)
         where[i] = len(keep)
-        keep.append((token, where[parent] if parent >= 0 else -1))
-    return [t for t, _ in keep], [p for _, p in keep]
+        keep.append((token, where[parent] if parent >= 0 else -1, scores[i]))
+    return [t for t, _, _ in keep], [p for _, p, _ in keep], [s for _, _, s in keep]
 
 
 class HybridRowsDrafter:
@@ -341,6 +354,7 @@ class HybridRowsDrafter:
         self.used_suffix = 0
         self.used_head = 0
         self.tree_nodes = 0  # > 0: a suffix tree (when it scores at least threshold) merged with the head's tree
+        self.tree_min_prob = 0.0  # grow no tree node whose path probability is below this (the engine sets it)
 
     @property
     def calls(self) -> int:
@@ -369,8 +383,8 @@ class HybridRowsDrafter:
         self.suffix.release(live)
 
     def _propose_trees(self, rows, limits):
-        tokens, parents = _hybrid_trees(self, rows, limits)
-        return tree_draft(tokens, parents, self.suffix.vocab_size, self.suffix.device)
+        tokens, parents, scores = _hybrid_trees(self, rows, limits)
+        return tree_draft(tokens, parents, self.suffix.vocab_size, self.suffix.device, scores)
 
     def propose(self, rows, limits):
         from .protocols import RowsDraft, empty_draft

@@ -51,8 +51,9 @@ def depths(parents: Sequence[int]) -> list[int]:
 
 
 def tree_draft(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]], vocab_size: int,
-               device: torch.device) -> RowsDraft:
-    """A RowsDraft of token trees (deterministic candidates: `probs` has no vocabulary columns)."""
+               device: torch.device, scores: Sequence[Sequence[float]] | None = None) -> RowsDraft:
+    """A RowsDraft of token trees (deterministic candidates: `probs` has no vocabulary columns); `scores`, when
+    given, are the nodes' path probabilities, best first (RowsDraft.scores)."""
     counts = [len(t) for t in tokens]
     k = max(counts, default=0)
     host = torch.zeros(len(tokens), k, dtype=torch.long)
@@ -61,7 +62,8 @@ def tree_draft(tokens: Sequence[Sequence[int]], parents: Sequence[Sequence[int]]
             host[b, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
         depths(parents[b])
     return RowsDraft(host.to(device), torch.zeros(len(tokens), k, 0, device=device), counts,
-                     parents=tuple(tuple(int(p) for p in row) for row in parents))
+                     parents=tuple(tuple(int(p) for p in row) for row in parents),
+                     scores=None if scores is None else tuple(tuple(float(x) for x in row) for row in scores))
 
 
 def chain_parents(n: int) -> tuple[int, ...]:
@@ -203,34 +205,39 @@ class _Candidate:
 def grow_trees(
     root_logprobs: torch.Tensor, expand: Callable[[list[list[tuple[int, int, list[int], int]]]], torch.Tensor],
     *, budgets: Sequence[int], max_depths: Sequence[int], top_k: int = TREE_TOP_K,
-    stop_tokens: frozenset[int] = frozenset(),
-) -> tuple[list[list[int]], list[list[int]]]:
+    stop_tokens: frozenset[int] = frozenset(), min_probs: Sequence[float] | None = None,
+    token_ids: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
     """EAGLE-2's dynamic tree over rows.
 
     root_logprobs [rows, vocab]: the drafter's log-probabilities of the first drafted token. Depth 1 takes the
     top_k tokens; each further depth feeds the drafter the top_k candidates of the last depth (by path score, the
     sum of log-probabilities along the path) and takes each one's top_k children. Finally every row keeps its
     best budgets[b] candidates (a child's score never exceeds its parent's, so the kept set holds every kept
-    node's ancestors), in topological order.
+    node's ancestors), best first: an order in which parents precede children, so any prefix of a row's nodes is
+    the best tree of that size. A candidate whose path probability is below min_probs[b] is never kept nor
+    expanded (the engine's TreeBudget: such a node cannot pay for its verification), so an unsure drafter
+    stops growing early. `token_ids`, when given, maps the log-probabilities' columns to token ids (a drafter with
+    its own smaller vocabulary); tokens everywhere else (expand's requests, stop_tokens, the result) are ids.
 
     expand(per row: [(token, region slot of its parent or -1, region slots of its ancestors, depth)] of the
     nodes fed this depth) -> [rows, m, vocab] log-probabilities after each fed node (m = the widest row; rows
     with fewer are padded and their padding ignored). The drafter writes the fed nodes at the next region slots,
-    in order. Returns per row (tokens, parents)."""
+    in order. Returns per row (tokens, parents, path probabilities)."""
     rows = root_logprobs.shape[0]
     pools: list[list[_Candidate]] = [[] for _ in range(rows)]
     width = max(max(budgets, default=0), 0)
     if width == 0:
-        return [[] for _ in range(rows)], [[] for _ in range(rows)]
+        return [[] for _ in range(rows)], [[] for _ in range(rows)], [[] for _ in range(rows)]
+    floor = [math.log(p) if p > 0 else -math.inf for p in (min_probs or [0.0] * rows)]
     top = min(top_k, root_logprobs.shape[-1])
-    values, ids = root_logprobs.float().topk(top, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    values, ids = _top(root_logprobs, top, token_ids)
     last: list[list[int]] = [[] for _ in range(rows)]  # candidate indices added at the last depth
     for b in range(rows):
         if budgets[b] <= 0 or max_depths[b] <= 0:
             continue
         for v, t in zip(values[b], ids[b]):
-            if math.isfinite(v):
+            if math.isfinite(v) and v >= floor[b]:
                 last[b].append(len(pools[b]))
                 pools[b].append(_Candidate(t, -1, v, 1))
     fed_count = [0] * rows
@@ -255,30 +262,43 @@ def grow_trees(
                 c.fed = fed_count[b] + len(items)
                 items.append((c.token, pools[b][c.parent].fed if c.parent >= 0 else -1, ancestors[::-1], c.depth))
             request.append(items)
-        logprobs = expand(request)  # [rows, m, vocab]
-        values, ids = logprobs.float().topk(top, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+        values, ids = _top(expand(request), top, token_ids)  # expand: [rows, m, vocab]
         depth += 1
         last = [[] for _ in range(rows)]
         for b in range(rows):
             for m, i in enumerate(frontier[b]):
                 base = pools[b][i].score
                 for v, t in zip(values[b][m], ids[b][m]):
-                    if math.isfinite(v):
+                    v = min(v, 0.0)  # a rounding above 0 must not rank a child above its parent
+                    if math.isfinite(v) and base + v >= floor[b]:
                         last[b].append(len(pools[b]))
                         pools[b].append(_Candidate(t, i, base + v, depth))
             fed_count[b] += len(frontier[b])
-    tokens_out, parents_out = [], []
+    tokens_out, parents_out, probs_out = [], [], []
     for b in range(rows):
         pool = pools[b]
+        # best first; a tie puts the shallower node first (a child ties its parent only where q = 1)
         keep = sorted(range(len(pool)), key=lambda i: (-pool[i].score, pool[i].depth, i))[: budgets[b]]
         kept = set(keep)
         keep = [i for i in keep if _ancestors_kept(pool, i, kept)]
-        keep.sort(key=lambda i: (pool[i].depth, -pool[i].score, i))  # topological: by depth, best first
         where = {i: n for n, i in enumerate(keep)}
         tokens_out.append([pool[i].token for i in keep])
         parents_out.append([where[pool[i].parent] if pool[i].parent >= 0 else -1 for i in keep])
-    return tokens_out, parents_out
+        probs_out.append([math.exp(pool[i].score) for i in keep])
+    return tokens_out, parents_out, probs_out
+
+
+def _top(logprobs: torch.Tensor, k: int, token_ids: Sequence[int] | None) -> tuple[list, list]:
+    """The k best (log-probabilities, token ids) along the last dimension, as nested lists."""
+    values, ids = logprobs.float().topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    if token_ids is not None:
+        ids = _map_ids(ids, token_ids)
+    return values, ids
+
+
+def _map_ids(ids, token_ids: Sequence[int]):
+    return [_map_ids(x, token_ids) for x in ids] if isinstance(ids, list) else token_ids[ids]
 
 
 def _ancestors_kept(pool: list[_Candidate], i: int, kept: set[int]) -> bool:
@@ -324,19 +344,34 @@ class TreeBudget:
 
     The engine reports each verification forward's time and the tokens it fed; a linear fit (time = fixed +
     per_token x tokens, recent forwards weighted most) gives the fixed cost (reading the weights) and what a fed
-    token adds. A step's tokens are worth spending while they add at most the fixed cost: rows x (1 + nodes) <=
-    fixed / per_token, so a row's budget is that bound over the batch, at most `max_nodes` and at least
-    `min_nodes`. Until a few forwards of different widths are measured, `max_nodes` (batch 1) scaled by 1 / rows."""
+    token adds.
 
-    def __init__(self, max_nodes: int, *, min_nodes: int = 1, decay: float = 0.97) -> None:
+    Trees are cut by value (RowsDraft.scores, every tree drafter's path probabilities): taking a node's path
+    probability as its chance of being accepted, a node is verified while it raises the step's expected tokens
+    per second (`cut`), and the drafter grows no node below the probability that could never pay (`min_prob`),
+    so an unsure drafter stops early. A tree without scores would get a fixed budget: a step's tokens are worth
+    spending while they add at most the fixed cost, rows x (1 + nodes) <= fixed / per_token (`nodes`). Every
+    budget is at most `max_nodes` a row. Until forwards of a few widths are measured, the budget takes turns at
+    `max_nodes`, half and a quarter of it (over the rows), so the fit has widths to fit. Not `adaptive`: every row
+    grows and verifies its best `max_nodes` nodes, whatever the timings (the same trees on every machine)."""
+
+    def __init__(self, max_nodes: int, *, min_nodes: int = 1, decay: float = 0.97, adaptive: bool = True) -> None:
         if max_nodes < 1:
             raise DraftwiseError(f"tree_nodes must be >= 1, got {max_nodes}")
         self.max_nodes, self.min_nodes, self.decay = max_nodes, min(min_nodes, max_nodes), decay
+        self.adaptive = adaptive
         self._sums = np.zeros(5)  # weighted n, sum x, sum y, sum xx, sum xy
+        self._draft = 0.0  # drafting seconds a step (an exponential average)
+        self._probes = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
+        """One verification forward: `tokens` fed (every row's), in `seconds`."""
         self._sums *= self.decay
         self._sums += np.array([1.0, tokens, seconds, tokens * tokens, tokens * seconds])
+
+    def observe_draft(self, seconds: float) -> None:
+        """One step's drafting time (every row's tree)."""
+        self._draft = seconds if self._draft == 0.0 else 0.8 * self._draft + 0.2 * seconds
 
     def fit(self) -> tuple[float, float] | None:
         n, sx, sy, sxx, sxy = self._sums
@@ -352,20 +387,63 @@ class TreeBudget:
         return fixed, slope
 
     def nodes(self, rows: int) -> int:
+        """A row's node budget for a tree without path probabilities (and a drafter's growth budget before a fit)."""
         fit = self.fit()
-        if fit is None:
-            budget = self.max_nodes // max(rows, 1)
+        if fit is None:  # widths in turn, so the fit has some to fit
+            self._probes += 1
+            budget = (self.max_nodes >> (self._probes % 3)) // max(rows, 1)
         else:
             fixed, per_token = fit
             budget = int(fixed / per_token / max(rows, 1) + 1e-6) - 1
         return max(self.min_nodes, min(self.max_nodes, budget))
+
+    def growth(self, rows: int) -> int:
+        """A row's growth budget for a drafter whose trees `cut` trims: `max_nodes` once the cost is fitted."""
+        return self.max_nodes if not self.adaptive or self.fit() is not None else self.nodes(rows)
+
+    def min_prob(self, rows: int) -> float:
+        """The path probability below which a node cannot pay for itself at this batch size. With no drafts a
+        step commits `rows` tokens in fixed + draft + per_token x rows seconds; a node adds per_token seconds
+        and p expected tokens, which raises the rate only if p > per_token x rows / that time (and the best
+        trees' rate is higher still, so `cut` is stricter). 0 before a fit."""
+        fit = self.fit() if self.adaptive else None
+        if fit is None:
+            return 0.0
+        fixed, per_token = fit
+        return per_token * rows / (fixed + self._draft + per_token * rows)
+
+    def cut(self, scores: Sequence[Sequence[float]]) -> list[int]:
+        """How many of each row's nodes (best first, path probabilities `scores`) to verify: over every row,
+        the most probable node next joins while its probability p, as its expected accepted tokens, beats the
+        step's rate so far: p / per_token > expected tokens / seconds (each row commits 1 + the sum of its
+        nodes' p, in fixed + draft + per_token x fed tokens). Each row's first nodes, so each keeps a tree.
+        Before a fit, or not adaptive, every node (at most max_nodes)."""
+        fit = self.fit() if self.adaptive else None
+        if fit is None:
+            return [min(len(row), self.max_nodes) for row in scores]
+        fixed, per_token = fit
+        rows = len(scores)
+        value, cost = float(rows), fixed + self._draft + per_token * rows
+        counts = [0] * rows
+        ranked = sorted(((p, b, i) for b, row in enumerate(scores) for i, p in enumerate(row)),
+                        key=lambda item: (-item[0], item[2], item[1]))
+        for p, b, i in ranked:
+            if p * cost <= per_token * value:
+                break
+            if i != counts[b] or i >= self.max_nodes:  # a row's nodes join in order (its probabilities never rise)
+                continue
+            counts[b] += 1
+            value += p
+            cost += per_token
+        return counts
 
 
 def grow_on(runner, root_logprobs: torch.Tensor,
             feed: Callable[[torch.Tensor, list[int], TreeMask, list[list[tuple[int, int, list[int], int]]]],
                            torch.Tensor],
             *, budgets: Sequence[int], max_depths: Sequence[int], top_k: int = TREE_TOP_K,
-            stop_tokens: frozenset[int] = frozenset()) -> tuple[list[list[int]], list[list[int]]]:
+            stop_tokens: frozenset[int] = frozenset(), min_probs: Sequence[float] | None = None,
+            token_ids: Sequence[int] | None = None) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
     """`grow_trees` over a drafter's own cache (rows 0 .. n - 1 of `runner`): each expansion feeds the frontier
     nodes after the row's committed length, each seeing its ancestors; afterwards the rows are trimmed back, so
     the drafter's cache holds committed tokens only. feed(tokens [rows, m], counts, mask, request) runs the
@@ -384,29 +462,36 @@ def grow_on(runner, root_logprobs: torch.Tensor,
 
     try:
         return grow_trees(root_logprobs, expand, budgets=budgets, max_depths=max_depths, top_k=top_k,
-                          stop_tokens=stop_tokens)
+                          stop_tokens=stop_tokens, min_probs=min_probs, token_ids=token_ids)
     finally:
         for b in range(rows):
             runner.trim_row(b, min(region_start[b], runner.lengths[b]))
 
 
-def merge_trees(trees: Sequence[tuple[Sequence[int], Sequence[int]]], budget: int) -> tuple[list[int], list[int]]:
-    """One tree from several (tokens, parents), earlier trees first: a node whose path is already there joins it,
-    a new one is added while the budget allows (then its subtree may follow). Parents stay before children."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    where: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for tree_tokens, tree_parents in trees:
-        mapped: list[int | None] = []
-        for token, parent in zip(tree_tokens, tree_parents):
-            at = -1 if parent < 0 else mapped[parent]
-            if at is None:  # its parent did not fit
-                mapped.append(None)
-                continue
-            node = where.get((at, token))
-            if node is None and len(tokens) < budget:
-                node = where[(at, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(at)
-            mapped.append(node)
-    return tokens, parents
+def merge_trees(trees: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]], budget: int
+                ) -> tuple[list[int], list[int], list[float]]:
+    """One tree from several (tokens, parents, path scores): a node whose path is in several trees is one node
+    with the best of its scores; the union is ordered best first (a tie puts the shallower node first, so parents
+    precede children) and cut to `budget` nodes, which keeps every kept node's ancestors (a path's score never
+    exceeds its parent's in any tree, so neither does the best of them)."""
+    keys: list[tuple[tuple[int, ...], float]] = []  # (path, score) per union node
+    where: dict[tuple[int, ...], int] = {}
+    for tree_tokens, tree_parents, tree_scores in trees:
+        paths: list[tuple[int, ...]] = []
+        scored: list[float] = []
+        for token, parent, score in zip(tree_tokens, tree_parents, tree_scores):
+            path = (paths[parent] if parent >= 0 else ()) + (int(token),)
+            score = float(score) if parent < 0 else min(float(score), scored[parent])  # never above its parent
+            paths.append(path)
+            scored.append(score)
+            at = where.get(path)
+            if at is None:
+                where[path] = len(keys)
+                keys.append((path, float(score)))
+            elif score > keys[at][1]:
+                keys[at] = (path, float(score))
+    order = sorted(range(len(keys)), key=lambda i: (-keys[i][1], len(keys[i][0]), i))[: max(budget, 0)]
+    index = {keys[i][0]: n for n, i in enumerate(order)}
+    tokens = [keys[i][0][-1] for i in order]
+    parents = [index[keys[i][0][:-1]] if len(keys[i][0]) > 1 else -1 for i in order]
+    return tokens, parents, [keys[i][1] for i in order]

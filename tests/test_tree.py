@@ -106,20 +106,51 @@ def test_slot_structure_and_depths():
         depths([0])
 
 
-def test_merge_trees_joins_shared_paths_within_the_budget():
-    tokens, parents = merge_trees([([5, 6, 7], [-1, 0, 1]), ([5, 8, 6, 9], [-1, 0, -1, 2])], 5)
-    assert tokens == [5, 6, 7, 8, 6] and parents == [-1, 0, 1, 0, -1]
-    tokens, parents = merge_trees([([5, 6, 7], [-1, 0, 1]), ([5, 8, 6, 9], [-1, 0, -1, 2])], 3)
-    assert tokens == [5, 6, 7] and parents == [-1, 0, 1]
+def test_merge_trees_joins_shared_paths_best_first_within_the_budget():
+    a = ([5, 6, 7], [-1, 0, 1], [0.9, 0.5, 0.2])
+    b = ([5, 8, 6, 9], [-1, 0, -1, 2], [0.6, 0.3, 0.4, 0.35])
+    tokens, parents, scores = merge_trees([a, b], 10)
+    # union: 5 (0.9, the best of 0.9 and 0.6), 5-6 (0.5), 6 (0.4), 6-9 (0.35), 5-8 (0.3), 5-6-7 (0.2)
+    assert tokens == [5, 6, 6, 9, 8, 7] and parents == [-1, 0, -1, 2, 0, 1]
+    assert scores == [0.9, 0.5, 0.4, 0.35, 0.3, 0.2]
+    tokens, parents, scores = merge_trees([a, b], 3)  # a prefix of the best-first order: ancestors kept
+    assert tokens == [5, 6, 6] and parents == [-1, 0, -1]
+    depths(merge_trees([b, a], 4)[1])  # parents precede children whichever tree comes first
 
 
-def test_tree_budget_fits_the_verification_cost():
+def test_tree_budget_fits_the_verification_cost_and_cuts_by_value():
     budget = TreeBudget(32)
-    assert budget.nodes(1) == 32 and budget.nodes(4) == 8  # no measurement yet: max_nodes / rows
+    # no measurement yet: widths in turn (max_nodes, a quarter, half, ...) over the rows, and no cut
+    assert [budget.nodes(1) for _ in range(3)] == [16, 8, 32] and budget.nodes(4) == 4
+    assert budget.min_prob(1) == 0.0 and budget.cut([[0.9, 0.01], [0.2]]) == [2, 1]
     for tokens in (1, 4, 9, 17, 33, 2, 50):
         budget.observe(tokens, 0.010 + 0.0005 * tokens)  # fixed 10 ms, 0.5 ms a token: 20 tokens a forward
     assert budget.fit() == pytest.approx((0.010, 0.0005), rel=1e-6)
     assert budget.nodes(1) == 19 and budget.nodes(4) == 4 and budget.nodes(16) == 1
+    assert budget.growth(1) == 32
+    # no drafting time: a lone row commits 1 token in 10.5 ms; a node pays above 0.5 / 10.5
+    assert budget.min_prob(1) == pytest.approx(0.0005 / 0.0105)
+    budget.observe_draft(0.0045)  # drafting adds 4.5 ms a step
+    assert budget.min_prob(1) == pytest.approx(0.0005 / 0.015)
+    # rate: (1 + 0.9) / 15.5 ms = 0.1226 / ms; 0.5 ms x that = 0.061 > 0.05: the 0.05 node does not join
+    assert budget.cut([[0.9, 0.05]]) == [1]
+    # across rows: best first while p > 0.5 ms x the rate; a row's nodes join in order
+    rows = [[0.95, 0.9, 0.3, 0.06], [0.8, 0.7, 0.2]]
+    counts = budget.cut(rows)
+    value, cost = 2.0, 0.015 + 0.0005 * 2
+    for p in sorted((p for row, c in zip(rows, counts) for p in row[:c]), reverse=True):
+        assert p * cost > 0.0005 * value
+        value, cost = value + p, cost + 0.0005
+    left = [row[c] for row, c in zip(rows, counts) if c < len(row)]
+    assert all(p * cost <= 0.0005 * value for p in left) and counts == [3, 3]
+    fixed = TreeBudget(4, adaptive=False)  # the same trees whatever the timings
+    for tokens in (1, 4, 9, 17, 33):
+        fixed.observe(tokens, 0.010 + 0.0005 * tokens)
+    assert fixed.growth(16) == 4 and fixed.min_prob(16) == 0.0 and fixed.cut([[0.9, 0.01], [0.2] * 6]) == [2, 4]
+    small = TreeBudget(2)
+    for tokens in (1, 4, 9, 17, 33):
+        small.observe(tokens, 0.010 + 0.0005 * tokens)
+    assert small.cut([[0.9, 0.8, 0.7]]) == [2]
 
 
 # ----------------------------------------------------------------------------- drafters against cache-free rollouts
@@ -259,11 +290,12 @@ def test_suffix_trees_follow_the_counts_best_first():
 
     trie = SuffixTrie(8)
     trie.add([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 5])
-    tokens, parents, expected = trie.speculate_tree([9, 1], 6, 3, factor=4.0, min_prob=0.0, min_match=1)
+    tokens, parents, expected, scores = trie.speculate_tree([9, 1], 6, 3, factor=4.0, min_prob=0.0, min_match=1)
     # after "1": 2 (3 of 4), 5 (1 of 4); after "1 2": 3 (2 of 3), 4 (1 of 3); after "1 2 3": 1; after "1 2 4": 1.
     # Path scores 0.75, 0.5, 0.5, 0.25, 0.25, 0.25, best first (ties: the earlier found)
     assert tokens == [2, 3, 1, 5, 4, 1] and parents == [-1, 0, 1, -1, 0, 4]
     assert expected == pytest.approx(2.5)
+    assert scores == pytest.approx([0.75, 0.5, 0.5, 0.25, 0.25, 0.25])
     assert trie.speculate_tree([9, 1], 6, 3, factor=4.0, min_prob=0.3, min_match=1)[0] == [2, 3, 1]
     assert trie.speculate_tree([9, 1], 2, 1, factor=4.0, min_prob=0.0, min_match=1)[0] == [2, 5]
 
@@ -281,17 +313,21 @@ def test_accept_tree_greedy_follows_the_argmax_as_far_as_the_tree_holds_it():
 def _tree_joint_case(method, vocab, length, **extra):
     target, draft = target_and_draft(vocab)
     prompt = (SD_PROMPTS if method == "sd" else LOOKUP_PROMPTS)[vocab]
+    # fixed trees (tree_adaptive=0): the trees' shapes, and so the controls' power, do not follow the timings
     kwargs = dict(target=target, prompt=prompt, method=method, gamma=3, max_new_tokens=length + 1,
-                  temperature=WARPED.temperature, top_k=WARPED.top_k, top_p=WARPED.top_p, tree_nodes=6)
+                  temperature=WARPED.temperature, top_k=WARPED.top_k, top_p=WARPED.top_p, tree_nodes=6,
+                  tree_adaptive=0)
     if method in ("sd", "hybrid"):
         kwargs["draft"] = draft
     kwargs.update(extra)
     return kwargs, exact_joint(target, prompt, WARPED, length)
 
 
-@pytest.mark.parametrize("method,vocab,length", [("sd", 6, 3), ("sd", 12, 2), ("suffix", 6, 3), ("hybrid", 6, 2)])
-def test_tree_methods_reproduce_the_target_joint_distribution(method, vocab, length):
-    kwargs, expected = _tree_joint_case(method, vocab, length)
+@pytest.mark.parametrize("method,vocab,length,adaptive", [("sd", 6, 3, 0), ("sd", 12, 2, 0), ("suffix", 6, 3, 0),
+                                                           ("hybrid", 6, 2, 0), ("sd", 6, 3, 1)])
+def test_tree_methods_reproduce_the_target_joint_distribution(method, vocab, length, adaptive):
+    """Fixed trees, and trees the budget cuts by value (any ancestor-closed subtree keeps the sampling exact)."""
+    kwargs, expected = _tree_joint_case(method, vocab, length, tree_adaptive=adaptive)
     counts, totals = sample_joint(N_TREE, length, vocab, **kwargs)
     assert 0 < totals["accepted"] < totals["steps"] * 3  # trees were accepted and rejected
     p_value = pooled_chisquare(counts, expected)
@@ -378,6 +414,8 @@ def test_tree_nodes_is_bounded():
     target = tiny_llama(0)
     with pytest.raises(DraftwiseError, match="tree_nodes"):
         draftwise.generate(target, [1, 2], method="suffix", tree_nodes=1000)
+    with pytest.raises(DraftwiseError, match="tree_adaptive"):
+        draftwise.generate(target, [1, 2], method="suffix", tree_nodes=4, tree_adaptive=2)
 
 
 def test_tree_steps_record_nodes_and_depths(pair):
