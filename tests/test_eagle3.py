@@ -230,6 +230,47 @@ def test_generate_shards_captures_the_features_a_cache_free_forward_gives_and_re
         next(read_shards(out, layers=(1, 2, 3)))
 
 
+def test_answer_chunks_resume_and_their_features_equal_a_cache_free_forward(tmp_path):
+    """The durable half of the data (token ids only): answers resume by (uid, tag), a stray temporary file is
+    ignored, and the features made from them in one prefill equal the cache-free forward's (and the shards
+    captured while decoding)."""
+    from draftwise.training.answers import (chunk_paths, features_from_answers, generate_answers_chunks,
+                                            read_answers)
+    from draftwise.training.shards import generate_shards, read_shards
+
+    target = _target()
+    loaded = _loaded(target)
+    encode = lambda text: loaded.tokenizer(text)["input_ids"]  # noqa: E731
+    prompts = [_Prompt(f"p{i}", t) for i, t in enumerate(
+        ["the cat sat", "a small draft model", "once upon a time there", "the target verifies", "speculative",
+         "the dog sat on the log and"])]
+    out = tmp_path / "answers"
+    kw = dict(max_new_tokens=9, batch_size=3, temperature=0.0, tag="greedy", encode=encode)
+    first = generate_answers_chunks(loaded, prompts[:4], out, chunk_size=3, **kw)
+    assert first["sequences"] == 4 and len(chunk_paths(out)) == 2
+    (out / ".answers-greedy-00009.npz.x").write_bytes(b"half a chunk")  # an interrupted write is not a chunk
+    second = generate_answers_chunks(loaded, prompts, out, chunk_size=3, **kw)
+    assert second["sequences"] == 2 and second["skipped"] == 4
+    answers = list(read_answers(out))
+    assert sorted(a.uid for a in answers) == sorted(p.uid for p in prompts)
+    assert list(read_answers(out, tags=["t1"])) == []
+    feats = features_from_answers(loaded, answers, tmp_path / "f", layers=LAYERS, shard_size=4, batch_tokens=40)
+    assert feats["sequences"] == 6 and features_from_answers(loaded, answers, tmp_path / "f",
+                                                               layers=LAYERS)["skipped"] == 6
+    generate_shards(loaded, prompts, tmp_path / "decoded", layers=LAYERS, shard_size=8, **kw)
+    decoded = {s.uid: s for s in read_shards(tmp_path / "decoded", layers=LAYERS)}
+    for s in read_shards(tmp_path / "f", layers=LAYERS):
+        expected = _features(target, s.tokens.tolist())
+        torch.testing.assert_close(s.features[:-1].float(), expected[:-1], atol=2e-2, rtol=1e-2)
+        assert float(s.features[-1].abs().sum()) == 0.0
+        assert torch.equal(s.tokens, decoded[s.uid].tokens) and s.answer_start == decoded[s.uid].answer_start
+        torch.testing.assert_close(s.features.float(), decoded[s.uid].features.float(), atol=2e-2, rtol=1e-2)
+    bad = out / "answers-greedy-00099.npz"
+    bad.write_bytes(b"not numpy")
+    with pytest.raises(DraftwiseError, match="answers-greedy-00099"):
+        list(read_answers(out))
+
+
 def test_eagle3_training_lowers_the_loss_resumes_and_drafts_exactly(tmp_path):
     from draftwise.training.eagle3_train import Eagle3TrainConfig, train_eagle3
     from draftwise.training.shards import generate_shards

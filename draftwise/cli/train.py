@@ -13,6 +13,27 @@ from ..sampling import SamplingConfig
 from .common import floats
 
 
+def _features_from(args: argparse.Namespace, out) -> int:
+    """`train-data --features-from DIR --out SHARDS`: feature shards for stored answers, one prefill pass."""
+    from tqdm import tqdm
+
+    from ..bench.report import write_json
+    from ..training.answers import features_from_answers, read_answers
+
+    tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
+    answers = [a for d in args.features_from.split(",") if d.strip() for a in read_answers(d.strip(), tags=tags)]
+    if not answers:
+        raise DraftwiseError(f"--features-from {args.features_from}: no answers" + (f" tagged {tags}" if tags else ""))
+    target = load_model(args.target, dtype=args.dtype)
+    with tqdm(total=len(answers), desc="features", unit="answer", file=sys.stderr, mininterval=10) as bar:
+        report = features_from_answers(target, answers, out, shard_size=args.shard_size,
+                                       progress=lambda n: bar.update(n - bar.n))
+    report.update(target=args.target, answers=args.features_from, tags=tags)
+    write_json(report, out / "features-report.json")
+    print(f"{report['sequences']} sequences' features in {report['seconds']:.0f} s; {report['skipped']} already done")
+    return 0
+
+
 def add_train_verifier(sub: argparse._SubParsersAction) -> None:
     from ..training.verifier import VerifierDataConfig, VerifierTrainConfig
 
@@ -107,6 +128,13 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--features", action="store_true",
                    help="batched engine with the target's features captured while it generates (EAGLE-3 training "
                    "data): --out is a directory of atomic safetensors shards")
+    p.add_argument("--answers", action="store_true",
+                   help="keep the answers only (token ids, about 2 bytes a token, small enough to commit): --out is a "
+                   "directory of compressed chunks; `--features-from` makes feature shards from them in one prefill")
+    p.add_argument("--features-from", default=None, metavar="DIR",
+                   help="feature shards (--out, a directory) for the answers in DIR (comma-separated for several), "
+                   "computed in one prefill pass; no decoding")
+    p.add_argument("--tags", default=None, help="--features-from: only answers with these tags (comma-separated)")
     p.add_argument("--num-fortunes", type=int, default=3000)
     p.add_argument("--num-magpie", type=int, default=2000,
                    help="prompts the target synthesises from its user-turn prefix (source `magpie`; kept in "
@@ -145,8 +173,12 @@ def run_train_data(args: argparse.Namespace) -> int:
         if getattr(args, name) < (1 if name in ("batch_size", "shard_size") else 0):
             raise DraftwiseError(f"--{name.replace('_', '-')} must be {'>= 1' if name in ('batch_size', 'shard_size') else '>= 0'}")
     out = Path(args.out)
-    if args.features and out.exists() and not out.is_dir():
-        raise DraftwiseError(f"--out {out}: with --features this is a directory of shards, and a file is there")
+    if (args.features or args.answers or args.features_from) and out.exists() and not out.is_dir():
+        raise DraftwiseError(f"--out {out}: this is a directory of shards or chunks, and a file is there")
+    if args.features + args.answers + bool(args.features_from) > 1:
+        raise DraftwiseError("--features, --answers and --features-from are different runs: give one of them")
+    if args.features_from:
+        return _features_from(args, out)
     try:
         prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes if "fortunes" in sources else 0,
                                             seed=args.seed) if p.source in sources]
@@ -157,7 +189,7 @@ def run_train_data(args: argparse.Namespace) -> int:
         args.max_new_tokens = 0
     target = load_model(args.target, dtype=args.dtype)
     if "magpie" in sources and args.num_magpie:
-        store = out / "magpie.jsonl" if args.features else out.with_name(out.name + ".magpie.jsonl")
+        store = out / "magpie.jsonl" if args.features or args.answers else out.with_name(out.name + ".magpie.jsonl")
         store.parent.mkdir(parents=True, exist_ok=True)
         with tqdm(total=args.num_magpie, desc="magpie prompts", unit="prompt", file=sys.stderr, mininterval=10) as bar:
             prompts += synthesise_prompts(target, args.num_magpie, store, batch_size=args.batch_size, seed=args.seed,
@@ -165,8 +197,9 @@ def run_train_data(args: argparse.Namespace) -> int:
     random.Random(args.seed).shuffle(prompts)  # every category early: a cut-short run still covers them all
     if args.limit:
         prompts = prompts[: args.limit]
-    if args.features:
+    if args.features or args.answers:
         from ..bench.report import write_json
+        from ..training.answers import generate_answers_chunks
         from ..training.shards import generate_shards
 
         log_path = out / "progress.jsonl"
@@ -181,11 +214,14 @@ def run_train_data(args: argparse.Namespace) -> int:
                 f.write(json.dumps({"tag": tag, **record}) + "\n")
 
         with tqdm(total=len(prompts), desc="answers", unit="prompt", file=sys.stderr, mininterval=10) as bar:
-            report = generate_shards(target, prompts, out, max_new_tokens=args.max_new_tokens,
-                                     batch_size=args.batch_size, temperature=args.temperature, tag=tag,
-                                     seed=args.seed, shard_size=args.shard_size,
-                                     deadline=time.monotonic() + 60 * args.minutes if args.minutes else None,
-                                     progress=lambda n, tokens: bar.update(n - bar.n), log=log)
+            common = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                          temperature=args.temperature, tag=tag, seed=args.seed, log=log,
+                          deadline=time.monotonic() + 60 * args.minutes if args.minutes else None,
+                          progress=lambda n, tokens: bar.update(n - bar.n))
+            if args.answers:
+                report = generate_answers_chunks(target, prompts, out, chunk_size=args.shard_size, **common)
+            else:
+                report = generate_shards(target, prompts, out, shard_size=args.shard_size, **common)
         report.update(tag=tag, target=args.target, batch_size=args.batch_size, torch_threads=__import__("torch").get_num_threads())
         write_json(report, out / f"train-data-report-{tag}.json")
         print(f"{report['sequences']} sequences, {report['answer_tokens']} answer tokens in {report['seconds']:.0f} s "

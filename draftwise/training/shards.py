@@ -217,7 +217,7 @@ def generate_shards(
     for p in todo:
         ids = encode(p.text) if encode is not None else encode_chat(target.tokenizer, p.text)
         by_id[engine.submit(Request(prompt_ids=tuple(ids), sampling=sampling, max_new_tokens=max_new_tokens,
-                                    eos_token_ids=eos, seed=seed + _stable(p.uid)))] = p
+                                    eos_token_ids=eos, seed=seed + stable_seed(p.uid)))] = p
     next_index = len(shard_paths(out))
     pending: list[Sequence_] = []
     started = time.perf_counter()
@@ -278,7 +278,7 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _stable(uid: str) -> int:
+def stable_seed(uid: str) -> int:
     """A seed offset from a uid that does not change between runs (Python's hash() does)."""
     value = 0
     for ch in uid.encode():

@@ -1,0 +1,247 @@
+"""The target's answers, kept small and durable: the expensive half of a draft's training data.
+
+Writing answers is decoding (hours on a CPU); the target's features for them are one prefill pass over the
+finished sequences (minutes). So `generate_answers_chunks` keeps only token ids, in compressed chunk files
+small enough to commit (about 2 bytes a token), and `features_from_answers` turns any set of chunks into the
+feature shards of `training/shards.py` whenever a head is to be trained. A run that is cut off loses at most
+the answers in flight; re-running skips every (uid, tag) already in a chunk.
+
+A chunk is one `answers-<tag>-NNNNN.npz` (numpy, compressed), written to a temporary name and renamed:
+- `tokens` uint16 (int32 for vocabularies over 65,536) [N]: the sequences (prompt then answer) back to back;
+- `offsets` int64 [n + 1]: sequence i is tokens[offsets[i]:offsets[i+1]];
+- `prompt_lens` int32 [n];
+- `meta`: JSON (uids, sources, categories, finish reasons, tag, target, temperature, max_new_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..atomic import atomic_path
+from ..errors import DraftwiseError
+
+CHUNK_GLOB = "answers-*.npz"
+
+
+@dataclass(frozen=True)
+class Answer:
+    uid: str
+    source: str
+    category: str
+    tag: str
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    finish_reason: str = ""
+
+
+def write_chunk(path: Path, answers: Sequence[Answer], meta: dict[str, Any]) -> None:
+    """`answers` to `path`, atomically."""
+    tokens: list[int] = []
+    offsets = [0]
+    for a in answers:
+        tokens.extend(a.prompt_ids)
+        tokens.extend(a.answer_ids)
+        offsets.append(len(tokens))
+    dtype = np.uint16 if not tokens or max(tokens) < 2**16 else np.int32
+    info = dict(meta, uids=[a.uid for a in answers], sources=[a.source for a in answers],
+                categories=[a.category for a in answers], tags=[a.tag for a in answers],
+                finish_reasons=[a.finish_reason for a in answers])
+    with atomic_path(path, suffix=".npz") as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, tokens=np.asarray(tokens, dtype=dtype), offsets=np.asarray(offsets, np.int64),
+                                prompt_lens=np.asarray([len(a.prompt_ids) for a in answers], np.int32),
+                                meta=np.frombuffer(json.dumps(info).encode(), dtype=np.uint8))
+
+
+def chunk_paths(directory: Path | str) -> list[Path]:
+    return sorted(Path(directory).glob(CHUNK_GLOB))
+
+
+def read_chunk(path: Path) -> tuple[dict[str, Any], list[Answer]]:
+    """A chunk's metadata and answers; a damaged file is a one-line error naming it."""
+    try:
+        with np.load(path) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+            tokens, offsets, prompt_lens = z["tokens"].astype(np.int64), z["offsets"], z["prompt_lens"]
+    except (OSError, ValueError, KeyError) as e:
+        raise DraftwiseError(f"{path}: not a readable answers chunk ({type(e).__name__}: {e})") from None
+    answers = []
+    for i, uid in enumerate(meta["uids"]):
+        seq = tokens[offsets[i]: offsets[i + 1]].tolist()
+        cut = int(prompt_lens[i])
+        answers.append(Answer(uid, meta["sources"][i], meta["categories"][i], meta["tags"][i], seq[:cut], seq[cut:],
+                              meta.get("finish_reasons", [""] * len(meta["uids"]))[i]))
+    return meta, answers
+
+
+def read_answers(directory: Path | str, *, tags: Sequence[str] | None = None) -> Iterator[Answer]:
+    """Every answer of the chunks in `directory` (only those tagged one of `tags`, when given)."""
+    paths = chunk_paths(directory)
+    if not paths:
+        raise DraftwiseError(f"no answer chunks ({CHUNK_GLOB}) in {directory}: run `draftwise train-data --answers`")
+    for path in paths:
+        for answer in read_chunk(path)[1]:
+            if tags is None or answer.tag in tags:
+                yield answer
+
+
+def done_keys(directory: Path | str) -> set[tuple[str, str]]:
+    keys: set[tuple[str, str]] = set()
+    for path in chunk_paths(directory):
+        meta = read_chunk(path)[0]
+        keys.update(zip(meta["uids"], meta["tags"]))
+    return keys
+
+
+def generate_answers_chunks(
+    target: Any, prompts: Sequence[Any], out: Path, *, max_new_tokens: int, batch_size: int, temperature: float,
+    tag: str, seed: int = 0, chunk_size: int = 256, encode: Callable[[str], list[int]] | None = None,
+    deadline: float | None = None, progress: Callable[[int, int], None] | None = None,
+    log: Callable[[dict], None] | None = None,
+) -> dict[str, Any]:
+    """Answer `prompts` (objects with uid, source, category, text) with the batched engine (plain target decoding,
+    continuous batching) into answer chunks. Re-running skips what earlier runs wrote. `deadline` (a
+    `time.monotonic()` value): stop there, keeping every finished answer (in-flight ones are redone next run)."""
+    from ..acceptance import ExactRule
+    from ..drafters import NoRowsDrafter
+    from ..engine import Engine
+    from ..models.runner import ModelRunner
+    from ..rows import Request
+    from ..sampling import SamplingConfig
+    from .shards import stable_seed, encode_chat
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = done_keys(out)
+    todo = [p for p in prompts if (p.uid, tag) not in done]
+    runner = ModelRunner(target.model, vocab_size=target.vocab_size, rows=0)
+    engine = Engine(runner, NoRowsDrafter(target.vocab_size, runner.device), ExactRule(), gamma=0,
+                    max_batch_size=batch_size, method="ar", stream_text=False)
+    sampling = SamplingConfig(temperature=temperature) if temperature > 0 else SamplingConfig(temperature=0.0)
+    eos = frozenset(target.eos_token_ids)
+    meta = {"target": getattr(target, "name", ""), "temperature": temperature, "max_new_tokens": max_new_tokens,
+            "weights": getattr(target, "weights", "")}
+    by_id: dict[int, tuple[Any, list[int]]] = {}
+    for p in todo:
+        ids = encode(p.text) if encode is not None else encode_chat(target.tokenizer, p.text)
+        request = Request(prompt_ids=tuple(ids), sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                          seed=seed + stable_seed(p.uid))
+        by_id[engine.submit(request)] = (p, ids)
+    next_index = len(chunk_paths(out))
+    pending: list[Answer] = []
+    started = time.perf_counter()
+    answer_tokens = written = 0
+
+    def flush() -> None:
+        nonlocal next_index, pending
+        while (out / f"answers-{tag}-{next_index:05d}.npz").exists():
+            next_index += 1
+        write_chunk(out / f"answers-{tag}-{next_index:05d}.npz", pending, meta)
+        next_index += 1
+        pending = []
+        if log is not None:
+            elapsed = time.perf_counter() - started
+            log({"sequences": written, "answer_tokens": answer_tokens, "seconds": round(elapsed, 1),
+                 "answer_tokens_per_hour": round(answer_tokens / max(elapsed, 1e-9) * 3600)})
+
+    try:
+        while engine.has_work:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            for event in engine.step():
+                if not event.finished:
+                    continue
+                result = engine.result(event.request_id)
+                p, ids = by_id.pop(event.request_id)
+                pending.append(Answer(p.uid, p.source, p.category, tag, list(ids), list(result.token_ids),
+                                      result.finish_reason or ""))
+                answer_tokens += len(result.token_ids)
+                written += 1
+                if progress is not None:
+                    progress(written, answer_tokens)
+                if len(pending) >= chunk_size:
+                    flush()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what finished, then stop
+        if pending:
+            flush()
+        raise
+    if pending:
+        flush()
+    elapsed = time.perf_counter() - started
+    return {"sequences": written, "answer_tokens": answer_tokens, "seconds": elapsed,
+            "answer_tokens_per_hour": answer_tokens / max(elapsed, 1e-9) * 3600, "skipped": len(prompts) - len(todo)}
+
+
+def features_from_answers(
+    target: Any, answers: Sequence[Answer], out: Path, *, layers: Sequence[int] | None = None,
+    shard_size: int = 64, batch_tokens: int = 4096, progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """The feature shards (training/shards.py) of `answers`: one prefill forward over each finished sequence with
+    the inputs of `layers` and the final normed state captured, as the target computes a prompt. The last
+    token's row is zero (it was never fed to produce a next token). Re-running skips the (uid, tag) already in a
+    shard."""
+    from ..eagle3 import eagle3_layers
+    from ..models.runner import ModelRunner
+    from .shards import Sequence_, done_keys as shard_done, shard_paths, write_shard
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = tuple(layers) if layers is not None else eagle3_layers(target.model.config.num_hidden_layers)
+    done = shard_done(out)
+    todo = [a for a in answers if (a.uid, a.tag) not in done]
+    meta = {"target": getattr(target, "name", ""), "layers": list(layers), "hidden": target.model.config.hidden_size,
+            "from": "answers"}
+    next_index = len(shard_paths(out))
+    pending: list[Sequence_] = []
+    made = 0
+
+    def flush() -> None:
+        nonlocal next_index, pending
+        while (out / f"shard-{next_index:05d}.safetensors").exists():
+            next_index += 1
+        write_shard(out / f"shard-{next_index:05d}.safetensors", pending, meta)
+        next_index += 1
+        pending = []
+
+    started = time.perf_counter()
+    i = 0
+    while i < len(todo):  # batches of about batch_tokens fed tokens, longest sequence decides the width
+        batch = [todo[i]]
+        width = len(todo[i].prompt_ids) + len(todo[i].answer_ids) - 1
+        while i + len(batch) < len(todo):
+            nxt = todo[i + len(batch)]
+            w = max(width, len(nxt.prompt_ids) + len(nxt.answer_ids) - 1)
+            if w * (len(batch) + 1) > batch_tokens:
+                break
+            batch.append(nxt)
+            width = w
+        i += len(batch)
+        fed = [a.prompt_ids + a.answer_ids[:-1] if a.answer_ids else a.prompt_ids[:-1] for a in batch]
+        counts = [max(len(f), 1) for f in fed]
+        tokens = torch.zeros(len(batch), max(counts), dtype=torch.long)
+        for b, f in enumerate(fed):
+            tokens[b, : len(f)] = torch.tensor(f[: counts[b]] or [0])
+        runner = ModelRunner(target.model, vocab_size=target.vocab_size, rows=len(batch))
+        runner.feature_layers = layers
+        states = runner.forward_rows(tokens, counts, hidden=True, prompt=True,
+                                     logits_at=torch.zeros(len(batch), 1, dtype=torch.long)).hidden
+        for b, a in enumerate(batch):
+            total = len(a.prompt_ids) + len(a.answer_ids)
+            full = torch.zeros(total, states.shape[-1], dtype=torch.float16)
+            full[: len(fed[b])] = states[b, : len(fed[b])].to(torch.float16).cpu()
+            pending.append(Sequence_(a.uid, a.source, a.category, a.tag, a.prompt_ids, a.answer_ids, full))
+            made += 1
+            if len(pending) >= shard_size:
+                flush()
+        if progress is not None:
+            progress(made)
+    if pending:
+        flush()
+    return {"sequences": made, "skipped": len(answers) - len(todo), "seconds": time.perf_counter() - started}
