@@ -234,6 +234,11 @@ def run_train_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_batch_order(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--random-batches", dest="group_by_length", action="store_false",
+                   help="draw batches at random (default: batches of similar lengths, which pad less)")
+
+
 def add_distill(sub: argparse._SubParsersAction) -> None:
     from ..training.distill import DistillConfig
 
@@ -264,6 +269,7 @@ def add_distill(sub: argparse._SubParsersAction) -> None:
                    "weights); about 10x faster on CPUs with AMX")
     p.add_argument("--minutes", type=float, default=None, help="model: train one chunk of this many minutes, then "
                    "checkpoint and export (re-run to go on)")
+    _add_batch_order(p)
 
 
 def add_train_eagle3(sub: argparse._SubParsersAction) -> None:
@@ -289,6 +295,7 @@ def add_train_eagle3(sub: argparse._SubParsersAction) -> None:
                    "and export (re-run to go on)")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    _add_batch_order(p)
 
 
 def run_train_eagle3(args: argparse.Namespace) -> int:

@@ -51,6 +51,7 @@ class DistillConfig:
     save_dtype: str = "fp16"
     val_fraction: float = 0.05
     bf16: bool = False  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX
+    group_by_length: bool = True  # batches of similar lengths (less padding)
     output_vocab: int = 0  # > 0: also write output-vocab.json, the most frequent tokens of the data (runtime cut)
 
 
@@ -205,6 +206,7 @@ def distill(
         step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
         config={k: v for k, v in asdict(config).items() if k != "output_vocab"},  # an export choice, not training's
         seed=config.seed, progress=progress, stop_at=stop_at, deadline=time.monotonic() + 60 * minutes if minutes else None,
+        lengths=[len(train[i][0]) for i in range(len(train))] if config.group_by_length else None,
     )
     stopped_early = step < config.steps  # an interrupted run still exports what it has (and can resume)
     report = {"steps": step, "stopped_early": stopped_early, "train_examples": len(train), "val_examples": len(val),

@@ -57,6 +57,7 @@ class Eagle3TrainConfig:
     max_examples: int = 0  # 0: every sequence in the shards
     shared_lm_head: bool = True  # the target's LM-head rows, frozen (False: the head trains its own, stored)
     bf16: bool = True  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX
+    group_by_length: bool = True  # batches of similar lengths (less padding: every position costs the same)
 
 
 @dataclass
@@ -252,6 +253,7 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
         total_steps=config.steps, lr=lambda s: cosine_lr(s, peak=config.lr, warmup=config.warmup, total=config.steps),
         step_fn=step_fn, checkpoint=out / "checkpoint.pt", checkpoint_every=config.checkpoint_every,
         config=asdict(config), seed=config.seed, progress=progress, stop_at=stop_at, deadline=deadline,
+        lengths=[int(e.tokens.shape[0]) for e in train] if config.group_by_length else None,
     )
     head.eval()
     validation = evaluate(head, target_rows, val, config)

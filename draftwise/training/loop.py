@@ -1,5 +1,5 @@
-"""The training loop both draft recipes share: shuffled batches, warm-up + cosine learning rate,
-gradient clipping, atomic checkpoints and exact resume."""
+"""The training loop both draft recipes share: shuffled batches (optionally grouped by length), warm-up + cosine
+learning rate, gradient clipping, atomic checkpoints and exact resume."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -21,6 +21,32 @@ def cosine_lr(step: int, *, peak: float, warmup: int, total: int) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+GROUP_WINDOW = 64  # batches per window sorted by length: grouped batches stay a random draw of the data
+
+
+def epoch_order(rng: random.Random, num_examples: int, batch_size: int,
+                lengths: Sequence[int] | None = None) -> list[int]:
+    """One epoch's example order, consumed `batch_size` at a time. With `lengths`, each batch holds examples of
+    similar length, so padding to the batch's longest wastes little: the shuffled examples are sorted by length
+    within windows of GROUP_WINDOW batches, cut into batches, and the batches shuffled (a window's remainder goes
+    to a last, partial batch). Every example still appears exactly once per epoch."""
+    order = list(range(num_examples))
+    rng.shuffle(order)
+    if lengths is None:
+        return order
+    span = GROUP_WINDOW * batch_size
+    batches: list[list[int]] = []
+    rest: list[int] = []
+    for start in range(0, num_examples, span):
+        window = sorted(order[start:start + span], key=lambda i: lengths[i])
+        whole = len(window) - len(window) % batch_size
+        batches += [window[i:i + batch_size] for i in range(0, whole, batch_size)]
+        rest += window[whole:]
+    rng.shuffle(batches)
+    rest.sort(key=lambda i: lengths[i])
+    return [i for batch in batches for i in batch] + rest
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -47,11 +73,13 @@ def train_loop(
     progress: Callable[[int, dict], None] | None = None,
     stop_at: int | None = None,
     deadline: float | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> int:
     """Run (or resume) training to `total_steps` (or `stop_at`, or until `time.monotonic()` passes
     `deadline`: a chunk of a longer schedule); returns the step reached.
 
-    step_fn(indices) -> (loss, stats) for a batch of example indices. The checkpoint holds
+    step_fn(indices) -> (loss, stats) for a batch of example indices; `lengths` (each example's padded cost)
+    groups batches by length (`epoch_order`). The checkpoint holds
     model, optimizer, step and the data-order generator; it is refused if `config` differs.
     After every checkpoint the epoch order restarts from the saved generator, so a resumed
     run sees exactly the batches an uninterrupted one would.
@@ -74,9 +102,7 @@ def train_loop(
     with _stop_on_signal() as stop:
         while step < end:
             if len(order) < batch_size:
-                fresh = list(range(num_examples))
-                order_rng.shuffle(fresh)
-                order += fresh
+                order += epoch_order(order_rng, num_examples, batch_size, lengths)
             picked, order = order[:batch_size], order[batch_size:]
             for group in optimizer.param_groups:
                 group["lr"] = lr(step)
