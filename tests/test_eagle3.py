@@ -117,6 +117,39 @@ def test_training_time_test_equals_a_cache_free_rollout_with_teacher_tokens():
                 torch.testing.assert_close(head.logits(logits[k][0, i]), head.logits(pre), atol=1e-4, rtol=1e-4)
 
 
+def test_training_losses_equal_the_per_step_teacher_computed_from_scratch():
+    """The teacher's distribution is computed once per batch and shared by the steps; the loss and the agreement
+    must equal a per-step computation from the final states (two sequences of different lengths)."""
+    import torch.nn.functional as F
+
+    from draftwise.training.eagle3_train import Example, _batch, ttt_forward, ttt_losses
+
+    target = _target()
+    vocab_ids = torch.arange(0, 64, 2)
+    head = _head(target, vocab_ids, scale=1.0)
+    rng = random.Random(4)
+    seqs = [[rng.randrange(64) for _ in range(n)] for n in (14, 9)]
+    examples = []
+    for seq in seqs:
+        feats = _features(target, seq)
+        feats[-1] = 0
+        examples.append(Example(torch.tensor(seq), 3, "x", loaded=feats))
+    batch = _batch(examples, 3, 32)
+    rows = target.get_output_embeddings().weight.detach()[vocab_ids]
+    with torch.no_grad():
+        total, stats = ttt_losses(head, rows, batch, 3, 0.8)
+        W = batch["aux"].shape[1]
+        expected = 0.0
+        for k, pre in enumerate(ttt_forward(head, batch, 3)):
+            at = batch["valid"][:, k : k + W].nonzero(as_tuple=True)
+            logits = head.logits(pre[at])
+            teacher_logits = batch["final"][:, k : k + W][at] @ rows.T
+            loss = -(torch.softmax(teacher_logits, -1) * F.log_softmax(logits, -1)).sum(-1).mean()
+            expected += 0.8 ** k * float(loss)
+            assert stats[f"acc{k}"] == pytest.approx(float((logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()))
+    assert float(total) == pytest.approx(expected, rel=1e-5)
+
+
 def test_row_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_acceptance():
     from draftwise.eagle_rows import EagleRowsDrafter
 

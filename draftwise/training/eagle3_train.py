@@ -184,6 +184,18 @@ def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], steps: int) ->
     return out
 
 
+def teacher_targets(final: torch.Tensor, valid: torch.Tensor, target_rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary and its argmax at every scored grid position, computed
+    once: step k at head position j reads grid position j + k, so the steps share these rows. Returns (probs [M, Vd],
+    argmax [M], index [B, W + steps]: the row of each valid grid position, -1 elsewhere)."""
+    at = valid.nonzero(as_tuple=True)
+    logits = (final[at] @ target_rows.T).float()  # [M, Vd]
+    index = torch.full(valid.shape, -1, dtype=torch.long)
+    index[at] = torch.arange(at[0].numel())
+    return torch.softmax(logits, dim=-1), logits.argmax(-1), index
+
+
 def ttt_losses(head: Eagle3Head, target_rows: torch.Tensor, batch: dict[str, torch.Tensor], steps: int,
                decay: float, *, bf16: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted training-time-test loss over a batch, and per-step loss and top-1 agreement."""
@@ -193,19 +205,19 @@ def ttt_losses(head: Eagle3Head, target_rows: torch.Tensor, batch: dict[str, tor
     stats: dict[str, float] = {}
     # bf16 matmuls (AMX / tensor cores) with fp32 master weights; the loss itself in fp32
     with torch.autocast(device_type=head.fc.weight.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.no_grad():
+            teacher_probs, teacher_top, index = teacher_targets(final, valid, target_rows)
         states = ttt_forward(head, batch, steps)
         for k, pre in enumerate(states):
             at = valid[:, k : k + W].nonzero(as_tuple=True)  # answer positions only: the rest carry no loss
             if at[0].numel() == 0:
                 continue
             logits = head.logits(pre[at]).float()  # [N, Vd]
-            with torch.no_grad():
-                teacher_logits = final[:, k : k + W][at] @ target_rows.T  # [N, Vd]
-                teacher = torch.softmax(teacher_logits.float(), dim=-1)
-            loss = -(teacher * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+            rows = index[at[0], at[1] + k]
+            loss = -(teacher_probs[rows] * F.log_softmax(logits, dim=-1)).sum(-1).mean()
             total = total + (decay ** k) * loss
             with torch.no_grad():
-                stats[f"acc{k}"] = float((logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean())
+                stats[f"acc{k}"] = float((logits.argmax(-1) == teacher_top[rows]).float().mean())
                 stats[f"loss{k}"] = float(loss)
     stats["loss"] = float(total.detach())
     return total, stats
