@@ -215,5 +215,7 @@ def distill(
         report["output_vocab"] = _write_output_vocab(out, config.output_vocab, train, val, target_config)
     save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.save_dtype]
     model.to(save_dtype).save_pretrained(out)
-    (out / "distill-report.json").write_text(json.dumps({"config": asdict(config), **report}, indent=2))
+    from ..atomic import write_text
+
+    write_text(out / "distill-report.json", json.dumps({"config": asdict(config), **report}, indent=2))
     return report

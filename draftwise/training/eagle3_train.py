@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..eagle3 import Eagle3Head
 from ..errors import DraftwiseError
+from ..atomic import write_text
 from .loop import cosine_lr, train_loop
 from ..eagle3 import eagle3_layers
 from .shards import ShardSequence, read_shards
@@ -274,9 +275,7 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
               "draft_vocab_coverage": coverage(val or train, vocab_ids),
               "train_seconds_this_chunk": time.perf_counter() - started, "validation": validation}
     head.save(out / "head")
-    tmp = out / "distill-report.json.tmp"
-    tmp.write_text(json.dumps({"config": asdict(config), **report}, indent=2))
-    tmp.replace(out / "distill-report.json")
+    write_text(out / "distill-report.json", json.dumps({"config": asdict(config), **report}, indent=2))
     return report
 
 
