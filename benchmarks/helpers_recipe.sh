@@ -34,7 +34,7 @@ EOF
     done
 }
 
-head() {  # $1: shard directories, $2: output directory
+train_head() {  # $1: shard directories, $2: output directory
     until_finished "$2/distill-report.json" "$PY" -m draftwise train-eagle3 --target smollm2-135m --data "$1" \
         --out "$2" --threads 2 --steps "$HEAD_STEPS" --warmup 50 --lr 1e-3 --batch-size 8 --ttt-steps 5 \
         --draft-vocab 8192 --checkpoint-every 50
@@ -52,8 +52,8 @@ for stage in $STAGES; do
     case $stage in
         features-t0) features greedy "$WORK/features-t0" ;;
         features-t1) features t1 "$WORK/features-t1" ;;
-        head-t0) head "$WORK/features-t0" "$WORK/head-t0" ;;
-        head-t1) head "$WORK/features-t1,$WORK/features-t0" "$WORK/head-t1" ;;
+        head-t0) train_head "$WORK/features-t0" "$WORK/head-t0" ;;
+        head-t1) train_head "$WORK/features-t1,$WORK/features-t0" "$WORK/head-t1" ;;
         draft) draft "$WORK/draft" --hidden-size 160 --num-layers 2 --num-heads 4 --intermediate-size 480 ;;
         companion) draft "$WORK/companion" --hidden-size 96 --num-layers 2 --num-heads 3 --intermediate-size 288 ;;
         *) echo "unknown stage $stage" >&2; exit 2 ;;

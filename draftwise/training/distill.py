@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ..atomic import write_text
 from ..errors import DraftwiseError
 from .data import read_answers
 from .loop import cosine_lr, train_loop
@@ -206,7 +207,7 @@ def distill(
         step_fn=step_fn, checkpoint=checkpoint_path, checkpoint_every=config.checkpoint_every,
         config={k: v for k, v in asdict(config).items() if k != "output_vocab"},  # an export choice, not training's
         seed=config.seed, progress=progress, stop_at=stop_at, deadline=time.monotonic() + 60 * minutes if minutes else None,
-        lengths=[len(train[i][0]) for i in range(len(train))] if config.group_by_length else None,
+        lengths=[len(ids) for ids, _ in train] if config.group_by_length else None,
     )
     stopped_early = step < config.steps  # an interrupted run still exports what it has (and can resume)
     report = {"steps": step, "stopped_early": stopped_early, "train_examples": len(train), "val_examples": len(val),
@@ -215,7 +216,5 @@ def distill(
         report["output_vocab"] = _write_output_vocab(out, config.output_vocab, train, val, target_config)
     save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.save_dtype]
     model.to(save_dtype).save_pretrained(out)
-    from ..atomic import write_text
-
     write_text(out / "distill-report.json", json.dumps({"config": asdict(config), **report}, indent=2))
     return report
