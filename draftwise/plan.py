@@ -194,13 +194,14 @@ def _registry_name(target: Any) -> str | None:
     return name if name in registry.names() else None
 
 
-def default_draft(target: Any, method: str) -> str | None:
-    """The registry's best ready draft for `target` and `method` (None for other targets): the EAGLE
-    head for methods that can draft with one, the independent draft model for the others."""
+def default_draft(target: Any, method: str, temperature: float = 0.0) -> str | None:
+    """The registry's best ready draft for `target`, `method` and the sampling `temperature` (None for other
+    targets): the EAGLE head for methods that can draft with one (at T > 0 the head trained on sampled answers,
+    where the registry ships one), the independent draft model for the others."""
     name = _registry_name(target)
     spec = METHODS.get(method)
     eagle_ok = method in EAGLE_METHODS and not (spec is not None and spec.independent_by_default)
-    return registry.default_draft_for(name, eagle_ok=eagle_ok) if name else None
+    return registry.default_draft_for(name, eagle_ok=eagle_ok, temperature=temperature) if name else None
 
 
 def _no_draft_message(method: str, target: Any) -> str:
@@ -265,7 +266,7 @@ def make_plan(
     if not spec.needs_draft:
         draft = None  # check_options warned
     elif draft is None:
-        draft = default_draft(target, spec.name)
+        draft = default_draft(target, spec.name, sampling.temperature)
     target_model = load_model(target)
     draft_model = _load_draft(draft, target_model) if draft is not None else None
     if isinstance(draft_model, DraftHead):

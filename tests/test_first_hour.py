@@ -11,6 +11,7 @@ import json
 import os
 import stat
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,6 +105,25 @@ def test_default_draft_depends_on_the_method(dirs):
     assert default_draft(TARGET, "sprinter") == DRAFT  # a verifier reads a draft model's states: the independent draft
     assert default_draft(dirs["target"], "sd") is None  # not a registry target
     g = draftwise.generate(TARGET, "the cat", method="mtad", **GREEDY)
+    assert g.stats["draft_calls"] > 0
+
+
+def test_a_head_trained_on_sampled_answers_drafts_at_temperature_above_0(dirs, monkeypatch):
+    from draftwise.models import registry
+    from draftwise.plan import default_draft
+
+    sampled = EAGLE + "-t1"
+    state = {"now": "not trained yet"}
+    monkeypatch.setitem(registry._ENTRIES, sampled, registry.RegistryEntry(
+        name=sampled, role="eagle", description="tiny head for T > 0", resolve=lambda: Path(dirs["eagle"]),
+        cached=lambda: state["now"]))
+    monkeypatch.setitem(registry._SAMPLED_HEADS, TARGET, sampled)
+    assert default_draft(TARGET, "sd", 1.0) == EAGLE  # not ready: the greedy head
+    state["now"] = "ready"
+    assert default_draft(TARGET, "sd", 1.0) == sampled and default_draft(TARGET, "mtad", 0.7) == sampled
+    assert default_draft(TARGET, "sd", 0.0) == EAGLE and default_draft(TARGET, "sd") == EAGLE
+    assert default_draft(TARGET, "sprinter", 1.0) == DRAFT  # no head for methods that need a draft model
+    g = draftwise.generate(TARGET, "the cat", method="sd", temperature=1.0, seed=0, max_new_tokens=8)
     assert g.stats["draft_calls"] > 0
 
 

@@ -245,7 +245,7 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
         except DraftwiseError as error:
             raise DraftwiseError(f"method {label}: {error}") from None
         if spec.needs_draft and draft is None:
-            draft = default_draft(config.target, name)
+            draft = default_draft(config.target, name, config.temperature)
         if draft is not None and is_eagle_spec(draft) and name not in EAGLE_METHODS:  # noqa: SIM102
             raise DraftwiseError(f"method {label}: an EAGLE draft head cannot draft for it; give an independent "
                                  f"draft model{hint}")

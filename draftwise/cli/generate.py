@@ -180,7 +180,7 @@ def run_generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target = load_model(args.target, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
     prompts = as_chat(prompts, target, args)
-    draft_spec = (args.draft or default_draft(target, spec.name)) if spec.needs_draft else None
+    draft_spec = (args.draft or default_draft(target, spec.name, args.temperature)) if spec.needs_draft else None
     # The one resolver the API uses too: a draft model or an EAGLE head, loaded once for every prompt.
     draft = load_draft(draft_spec, target, device=args.device, dtype=args.dtype) if draft_spec else None
     if len(prompts) == 1 and not args.json:

@@ -66,9 +66,13 @@ def default_independent_draft(target: str) -> str | None:
     return None
 
 
-def default_draft_for(target: str, *, eagle_ok: bool) -> str | None:
+def default_draft_for(target: str, *, eagle_ok: bool, temperature: float = 0.0) -> str | None:
     """The registry's best ready draft for a registry target and a method: the EAGLE head where the
-    method can draft with one (`eagle_ok`), else the independent draft model. None if there is none."""
+    method can draft with one (`eagle_ok`), else the independent draft model. None if there is none.
+    At a temperature > 0, the head trained on sampled answers comes first where the registry has one ready."""
+    sampled = _SAMPLED_HEADS.get(target)
+    if eagle_ok and temperature > 0 and sampled and _ENTRIES[sampled].cached() == "ready":
+        return sampled
     for name in _DEFAULT_DRAFTS.get(target, ()):
         if (eagle_ok or _ENTRIES[name].role != "eagle") and _ENTRIES[name].cached() == "ready":
             return name
@@ -81,6 +85,7 @@ def listed_drafts(target: str) -> tuple[str, ...]:
 
 
 _DEFAULT_DRAFTS: dict[str, tuple[str, ...]] = {}
+_SAMPLED_HEADS: dict[str, str] = {}  # target -> its head trained on sampled (T=1) answers, for temperature > 0
 _COMPANIONS: dict[str, str] = {}  # target -> its companion (Speculative Verification, staged SD)
 
 
