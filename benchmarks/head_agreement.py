@@ -60,9 +60,21 @@ def main() -> int:
             for name, head in heads.items():
                 examples = load_examples(shards, tuple(head.config.feature_layers), 640)
                 rows = reference.model.get_output_embeddings().weight.detach().float()[head.vocab_ids]
-                stats = evaluate(head, rows, examples, Eagle3TrainConfig(data=shards, out=""))
+                config = Eagle3TrainConfig(data=shards, out="")
+                stats = evaluate(head, rows, examples, config)
                 results.setdefault(name, {})[split] = {k: round(v, 4) for k, v in stats.items() if k.startswith("acc")}
                 print(f"{split:5s} {name}: {results[name][split]}", flush=True)
+                # per category, with the mean prompt length: which kinds of prompt the head fails on
+                by_category = {}
+                for category in sorted({e.category for e in examples}):
+                    group = [e for e in examples if e.category == category]
+                    acc = evaluate(head, rows, group, config)
+                    by_category[category] = {"answers": len(group), "acc0": round(acc["acc0"], 4),
+                                             "mean_prompt_tokens": round(sum(e.answer_start for e in group)
+                                                                         / len(group), 1)}
+                results[name][f"{split}_by_category"] = by_category
+                print("      " + ", ".join(f"{c} {v['acc0']:.3f} ({v['answers']}, {v['mean_prompt_tokens']:.0f} tok)"
+                                           for c, v in by_category.items()), flush=True)
     write_json({"config": vars(args), "machine": machine_description(target.model.device), "agreement": results}, args.json)
     return 0
 
