@@ -40,6 +40,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto", help="the target's format for the answers and features")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="positions per answer read (prompt included): Spec-Bench's RAG prompts run past 640")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -58,7 +60,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as shards:
             features_from_answers(target, answers, shards)
             for name, head in heads.items():
-                examples = load_examples(shards, tuple(head.config.feature_layers), 640)
+                examples = load_examples(shards, tuple(head.config.feature_layers), args.max_len)
                 rows = reference.model.get_output_embeddings().weight.detach().float()[head.vocab_ids]
                 config = Eagle3TrainConfig(data=shards, out="")
                 stats = evaluate(head, rows, examples, config)

@@ -65,6 +65,40 @@ def test_training_prompts_never_include_evaluation_prompts():
     assert not eval_texts & {p.text for p in prompts}
 
 
+def test_german_and_docstring_sources_ask_spec_bench_shaped_tasks_with_stable_ids(tmp_path, monkeypatch):
+    from draftwise.training import data
+
+    german = tmp_path / "de"
+    german.mkdir()
+    (german / "sprueche").write_text("Wer zuletzt lacht, lacht am besten.\n%\nKurz.\n%\nDer Weg ist das Ziel, "
+                                     "sagte der Wanderer.\n%\n", encoding="utf-8")
+    (german / "sprueche.dat").write_bytes(b"\x00\x01")
+    monkeypatch.setattr(data, "GERMAN_FORTUNE_DIR", german)
+    package = tmp_path / "pkg"
+    (package / "tests").mkdir(parents=True)
+    long_doc = " ".join(["Frobnicate the widget."] * 40)
+    (package / "mod.py").write_text(f'"""{long_doc}"""\ndef f():\n    """short"""\n'
+                                    f'class C:\n    """{long_doc} Again."""\n', encoding="utf-8")
+    (package / "tests" / "test_mod.py").write_text(f'"""{long_doc} Test."""\n', encoding="utf-8")
+    (package / "broken.py").write_text("def (:\n", encoding="utf-8")
+    assert data.read_docstrings([package]) == [long_doc, long_doc + " Again."]  # not tests/, not "short"
+    monkeypatch.setattr(data, "read_docstrings", lambda: [long_doc, long_doc + " Again."])
+    prompts = [p for p in data.build_prompts(num_fortunes=0, num_german=5, num_docs=5) if p.source in ("german", "docs")]
+    by_source = {s: [p for p in prompts if p.source == s] for s in ("german", "docs")}
+    assert sorted(p.text for p in by_source["german"]) == [  # "Kurz." is under 20 characters
+        "Translate German to English: Der Weg ist das Ziel, sagte der Wanderer.",
+        "Translate German to English: Wer zuletzt lacht, lacht am besten."]
+    assert {p.category for p in by_source["german"]} == {"translation"}
+    assert [p.category for p in by_source["docs"]] == ["summarization", "rag"]
+    assert all(long_doc in p.text for p in by_source["docs"])
+    again = data.build_prompts(num_fortunes=0, num_german=1, num_docs=1)  # an id names its text, not its rank
+    uids = {p.uid: p.text for p in prompts}
+    assert all(uids[p.uid] == p.text for p in again if p.source in ("german", "docs"))
+    monkeypatch.setattr(data, "GERMAN_FORTUNE_DIR", tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="fortunes-de"):
+        data.build_prompts(num_fortunes=0, num_german=1)
+
+
 def test_round_robin_covers_every_task():
     chosen = load_prompts(num_prompts=12)
     tasks = {"mt_bench" if p.category in expand_categories(["mt_bench"]) else p.category for p in chosen}

