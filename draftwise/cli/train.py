@@ -15,8 +15,9 @@ from .common import floats
 SOURCES = ("spec-bench", "human-eval", "fortunes", "german", "docs", "magpie")  # train-data --sources
 
 
-def _features_from(args: argparse.Namespace, out) -> int:
-    """`train-data --features-from DIR --out SHARDS`: feature shards for stored answers, one prefill pass."""
+def _features_from(args: argparse.Namespace, out, sources: set[str] | None) -> int:
+    """`train-data --features-from DIR --out SHARDS`: feature shards for stored answers (to prompts of `sources`
+    when given), one prefill pass."""
     from tqdm import tqdm
 
     from ..bench.report import write_json
@@ -24,10 +25,10 @@ def _features_from(args: argparse.Namespace, out) -> int:
 
     tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
     answers = [a for d in args.features_from.split(",") if d.strip()
-               for a in read_answers(d.strip(), tags=tags, sources=args.sources)]
+               for a in read_answers(d.strip(), tags=tags, sources=sources)]
     if not answers:
         raise DraftwiseError(f"--features-from {args.features_from}: no answers" + (f" tagged {tags}" if tags else "")
-                             + (f" from {sorted(args.sources)}" if args.sources else ""))
+                             + (f" from {sorted(sources)}" if sources else ""))
     target = load_model(args.target, dtype=args.dtype)
     with tqdm(total=len(answers), desc="features", unit="answer", file=sys.stderr, mininterval=10) as bar:
         report = features_from_answers(target, answers, out, shard_size=args.shard_size,
@@ -143,7 +144,8 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-german", type=int, default=3000,
                    help="German fortunes asked as German-to-English translation (source `german`; `fortunes-de`)")
     p.add_argument("--num-docs", type=int, default=2000,
-                   help="Python standard-library docstrings asked as summaries and passage questions (source `docs`)")
+                   help="docstrings of Python's standard library and installed packages, asked as summaries and "
+                   "passage questions (source `docs`)")
     p.add_argument("--num-magpie", type=int, default=2000,
                    help="prompts the target synthesises from its user-turn prefix (source `magpie`; kept in "
                    "OUT/magpie.jsonl, or OUT.magpie.jsonl)")
@@ -173,13 +175,9 @@ def run_train_data(args: argparse.Namespace) -> int:
 
     from ..training.data import build_prompts, generate_answers, synthesise_prompts
 
-    given_sources = args.sources is not None
     sources = {x.strip() for x in (args.sources or "spec-bench,human-eval,fortunes").split(",") if x.strip()}
-    unknown = sources - set(SOURCES)
-    if unknown or not sources:
-        raise DraftwiseError(f"--sources: unknown source(s) {sorted(unknown)}; choose from "
-                             + ", ".join(SOURCES))
-    args.sources = sources if given_sources else None
+    if not sources or sources - set(SOURCES):
+        raise DraftwiseError(f"--sources {args.sources!r}: choose one or more of " + ", ".join(SOURCES))
     for name in ("num_fortunes", "num_german", "num_docs", "num_magpie", "max_new_tokens", "batch_size", "shard_size", "limit"):
         if getattr(args, name) < (1 if name in ("batch_size", "shard_size") else 0):
             raise DraftwiseError(f"--{name.replace('_', '-')} must be {'>= 1' if name in ('batch_size', 'shard_size') else '>= 0'}")
@@ -189,7 +187,7 @@ def run_train_data(args: argparse.Namespace) -> int:
     if args.features + args.answers + bool(args.features_from) > 1:
         raise DraftwiseError("--features, --answers and --features-from are different runs: give one of them")
     if args.features_from:
-        return _features_from(args, out)
+        return _features_from(args, out, sources if args.sources is not None else None)
     try:
         prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes if "fortunes" in sources else 0,
                                             num_german=args.num_german if "german" in sources else 0,

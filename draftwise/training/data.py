@@ -97,13 +97,10 @@ def read_docstrings(roots: Sequence[Path] | None = None, *, min_chars: int = 600
     if roots is None:
         paths = sysconfig.get_paths()
         roots = [Path(paths["stdlib"]), Path(paths["purelib"])]
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3"}  # folders below a root
     texts, seen = [], set()
-    files = []
-    for root in roots:
-        for path in sorted(Path(root).rglob("*.py")):
-            if not set(path.relative_to(root).parts[:-1]) & {"test", "tests", "idlelib", "site-packages", "lib2to3"}:
-                files.append(path)
-    for path in files:
+    for path in (p for root in roots for p in sorted(Path(root).rglob("*.py"))
+                 if not set(p.relative_to(root).parts[:-1]) & skip):
         try:
             with warnings.catch_warnings():  # old escape sequences in some packages' sources
                 warnings.simplefilter("ignore")
