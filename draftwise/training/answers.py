@@ -129,7 +129,7 @@ def generate_answers_chunks(
     sampling = SamplingConfig(temperature=temperature) if temperature > 0 else SamplingConfig(temperature=0.0)
     eos = frozenset(target.eos_token_ids)
     meta = {"target": getattr(target, "name", ""), "temperature": temperature, "max_new_tokens": max_new_tokens,
-            "weights": getattr(target, "weights", "")}
+            "weights": getattr(target, "weights", ""), "device": str(runner.device)}
     by_id: dict[int, tuple[Any, list[int]]] = {}
     for p in todo:
         ids = encode(p.text) if encode is not None else encode_chat(target.tokenizer, p.text)

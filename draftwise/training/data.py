@@ -168,6 +168,34 @@ def build_prompts(*, num_fortunes: int = 3000, num_german: int = 0, num_docs: in
     return prompts
 
 
+def write_prompt_mix(path: Path | str, prompts: Sequence[TrainPrompt]) -> None:
+    """The prompts as JSONL (uid, source, category, text), atomically: a mix built here, answered elsewhere."""
+    write_text(Path(path), "".join(json.dumps({"uid": p.uid, "source": p.source, "category": p.category,
+                                               "text": p.text}) + "\n" for p in prompts))
+
+
+def read_prompt_mix(path: Path | str) -> list[TrainPrompt]:
+    """A `write_prompt_mix` file; a missing file or a bad line is a one-line error naming it."""
+    from ..errors import DraftwiseError
+
+    prompts = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise DraftwiseError(f"--prompts {path}: {e.strerror or e}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompts.append(TrainPrompt(str(row["uid"]), str(row["source"]), str(row["category"]), str(row["text"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DraftwiseError(f"--prompts {path}, line {n}: not a prompt record ({type(e).__name__}: {e})") from None
+    if not prompts:
+        raise DraftwiseError(f"--prompts {path}: no prompts")
+    return prompts
+
+
 def read_answers(path: Path) -> Iterator[dict]:
     if not path.exists():
         return

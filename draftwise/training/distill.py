@@ -133,10 +133,11 @@ def init_from_target(draft: LlamaForCausalLM, target_embedding: torch.Tensor, se
 def evaluate(model: LlamaForCausalLM, examples: list, pad: int, batch_size: int = 8) -> dict[str, float]:
     """Top-1 agreement with the labels (the target's tokens) and mean loss, answer tokens only."""
     model.eval()
+    device = model.get_input_embeddings().weight.device
     correct = total = 0
     loss_sum = 0.0
     for i in range(0, len(examples), batch_size):
-        ids, mask, labels = pad_batch(examples[i : i + batch_size], pad)
+        ids, mask, labels = (t.to(device) for t in pad_batch(examples[i : i + batch_size], pad))
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         target = labels[:, 1:]
         valid = target != -100
@@ -172,6 +173,7 @@ def _write_output_vocab(out: Path, size: int, train: list, val: list, target_con
 def distill(
     config: DistillConfig, target_config, target_embedding: torch.Tensor, *, pad: int,
     progress: Callable[[int, dict], None] | None = None, stop_at: int | None = None, minutes: float | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict:
     """Train (or resume) and write `config.out` as a Hugging Face directory; returns the final report.
 
@@ -186,12 +188,13 @@ def distill(
 
     torch.manual_seed(config.seed)
     model = LlamaForCausalLM(draft_config(target_config, config))
-    init_from_target(model, target_embedding, config.seed)
+    init_from_target(model, target_embedding.cpu(), config.seed)
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.98))
 
     def step_fn(picked: list[int]):
-        ids, mask, labels = pad_batch([train[i] for i in picked], pad)
+        ids, mask, labels = (t.to(device) for t in pad_batch([train[i] for i in picked], pad))
         with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=config.bf16):
             hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
             target = labels[:, 1:]
@@ -215,6 +218,6 @@ def distill(
     if config.output_vocab:
         report["output_vocab"] = _write_output_vocab(out, config.output_vocab, train, val, target_config)
     save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[config.save_dtype]
-    model.to(save_dtype).save_pretrained(out)
+    model.to("cpu", save_dtype).save_pretrained(out)
     write_text(out / "distill-report.json", json.dumps({"config": asdict(config), **report}, indent=2))
     return report

@@ -132,8 +132,10 @@ def coverage(examples: list[Example], vocab_ids: torch.Tensor) -> float:
     return hit / max(total, 1)
 
 
-def _batch(examples: list[Example], steps: int, hidden: int) -> dict[str, torch.Tensor]:
-    """Pad a batch to W = longest - 1 head positions; per step k the token, target state and validity."""
+def _batch(examples: list[Example], steps: int, hidden: int, device: torch.device | None = None
+           ) -> dict[str, torch.Tensor]:
+    """Pad a batch to W = longest - 1 head positions; per step k the token, target state and validity (built on
+    the CPU from the shards, then moved to `device`)."""
     W = max(int(e.tokens.shape[0]) for e in examples) - 1
     B = len(examples)
     aux = torch.zeros(B, W, 3 * hidden)
@@ -150,7 +152,10 @@ def _batch(examples: list[Example], steps: int, hidden: int) -> dict[str, torch.
         # entry j scores the token at position j + 2: an answer token, and a final state exists at j + 1
         j = torch.arange(T - 2)
         valid[b, : T - 2] = (j + 2) >= e.answer_start
-    return {"aux": aux, "final": final, "tokens": tokens, "valid": valid}
+    batch = {"aux": aux, "final": final, "tokens": tokens, "valid": valid}
+    if device is not None and device.type != "cpu":
+        batch = {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return batch
 
 
 def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], steps: int) -> list[torch.Tensor]:
@@ -160,8 +165,8 @@ def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], steps: int) ->
     c = head.config
     aux, tokens = batch["aux"], batch["tokens"]
     B, W, _ = aux.shape
-    positions = torch.arange(W)[None].expand(B, -1)
-    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    positions = torch.arange(W, device=aux.device)[None].expand(B, -1)
+    causal = torch.ones(W, W, dtype=torch.bool, device=aux.device).tril()
     groups = c.num_heads // c.num_kv_heads
     scale = c.head_dim ** -0.5
     hidden_in = head.fc(aux.to(head.fc.weight.dtype))  # [B, W, H]
@@ -192,8 +197,8 @@ def teacher_targets(final: torch.Tensor, valid: torch.Tensor, target_rows: torch
     argmax [M], index [B, W + steps]: the row of each valid grid position, -1 elsewhere)."""
     at = valid.nonzero(as_tuple=True)
     logits = (final[at] @ target_rows.T).float()  # [M, Vd]
-    index = torch.full(valid.shape, -1, dtype=torch.long)
-    index[at] = torch.arange(at[0].numel())
+    index = torch.full(valid.shape, -1, dtype=torch.long, device=valid.device)
+    index[at] = torch.arange(at[0].numel(), device=valid.device)
     return torch.softmax(logits, dim=-1), logits.argmax(-1), index
 
 
@@ -202,7 +207,7 @@ def ttt_losses(head: Eagle3Head, target_rows: torch.Tensor, batch: dict[str, tor
     """The weighted training-time-test loss over a batch, and per-step loss and top-1 agreement."""
     final, valid = batch["final"], batch["valid"]
     W = batch["aux"].shape[1]
-    total = torch.zeros(())
+    total = torch.zeros((), device=final.device)
     stats: dict[str, float] = {}
     # bf16 matmuls (AMX / tensor cores) with fp32 master weights; the loss itself in fp32
     with torch.autocast(device_type=head.fc.weight.device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -250,13 +255,15 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
         tmp.replace(vocab_path)
     head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=config.intermediate_size,
                           target_name=config.target_name, feature_layers=layers, shared_lm_head=config.shared_lm_head)
-    target_rows = target.get_output_embeddings().weight.detach().float()[vocab_ids]  # [Vd, H]
+    device = target.get_output_embeddings().weight.device  # the head trains where the target was loaded
+    head.to(device)
+    target_rows = target.get_output_embeddings().weight.detach().float()[vocab_ids.to(device)]  # [Vd, H]
     hidden = head.config.hidden_size
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
     def step_fn(picked: list[int]):
-        return ttt_losses(head, target_rows, _batch([train[i] for i in picked], config.ttt_steps, hidden),
+        return ttt_losses(head, target_rows, _batch([train[i] for i in picked], config.ttt_steps, hidden, device),
                           config.ttt_steps, config.decay, bf16=config.bf16)
 
     started = time.perf_counter()
@@ -274,7 +281,7 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
               "val_examples": len(val), "train_answer_tokens": sum(int(e.tokens.shape[0]) - e.answer_start for e in train),
               "draft_vocab_coverage": coverage(val or train, vocab_ids),
               "train_seconds_this_chunk": time.perf_counter() - started, "validation": validation}
-    head.save(out / "head")
+    head.to("cpu").save(out / "head")
     write_text(out / "distill-report.json", json.dumps({"config": asdict(config), **report}, indent=2))
     return report
 
@@ -285,7 +292,8 @@ def evaluate(head: Eagle3Head, target_rows: torch.Tensor, val: list[Example], co
     batches = 0
     for i in range(0, len(val), config.batch_size):
         _, stats = ttt_losses(head, target_rows, _batch(val[i : i + config.batch_size], config.ttt_steps,
-                                                        head.config.hidden_size), config.ttt_steps, config.decay,
+                                                        head.config.hidden_size, target_rows.device),
+                              config.ttt_steps, config.decay,
                                bf16=config.bf16)
         sums.update(stats)
         batches += 1

@@ -87,7 +87,7 @@ def train_loop(
     step = 0
     order_rng = random.Random(seed)
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=False, map_location="cpu")  # any device: load_state_dict moves it
         if state["config"] != config:
             raise DraftwiseError(f"{checkpoint} was written with a different configuration; "
                                  "use a new --out or the same options")
