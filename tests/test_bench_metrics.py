@@ -159,3 +159,36 @@ def test_hf_assisted_drafts_exactly_gamma_tokens_per_step(tmp_path):
     assert out["new_tokens"] == 12
     # 12 tokens at 4 per step (3 accepted + 1 bonus) = 3 target calls, 3 draft calls each.
     assert out["target_calls"] == 3 and out["draft_calls"] == 9
+
+
+def test_a_prompt_mix_written_here_is_answered_elsewhere_in_its_order(tmp_path, capsys):
+    """train-data --write-prompts then --prompts: the answers are to exactly the file's prompts (filtered by
+    --sources, cut by --limit, in the file's order), and a damaged file is a one-line error naming its line."""
+    from newcomer_models import build
+
+    from draftwise.cli import main
+    from draftwise.training.answers import read_answers
+    from draftwise.training.data import TrainPrompt, read_prompt_mix, write_prompt_mix
+
+    build(tmp_path)  # a tiny chat target: train-data asks the target as a chat model
+    mix = [TrainPrompt(f"u{i}", "docs" if i % 2 else "magpie", "qa", f"question {i}?") for i in range(6)]
+    write_prompt_mix(tmp_path / "mix.jsonl", mix)
+    assert read_prompt_mix(tmp_path / "mix.jsonl") == mix
+    out = tmp_path / "answers"
+    args = ["train-data", "--target", str(tmp_path / "target"), "--answers", "--out", str(out), "--dtype", "fp32",
+            "--prompts", str(tmp_path / "mix.jsonl"), "--max-new-tokens", "3", "--batch-size", "2"]
+    assert main(args + ["--sources", "docs", "--limit", "2"]) == 0
+    assert sorted(a.uid for a in read_answers(out)) == ["u1", "u3"]  # --sources filters, then --limit cuts: the first two docs prompts
+    assert main(args) == 0  # the rest; finished uids are skipped
+    assert sorted(a.uid for a in read_answers(out)) == [f"u{i}" for i in range(6)]
+    assert main(["train-data", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "again.jsonl"),
+                 "--dtype", "fp32", "--prompts", str(tmp_path / "mix.jsonl"), "--limit", "3",
+                 "--write-prompts", str(tmp_path / "cut.jsonl")]) == 0
+    assert read_prompt_mix(tmp_path / "cut.jsonl") == mix[:3]
+    (tmp_path / "bad.jsonl").write_text('{"uid": "a", "source": "docs", "category": "qa", "text": "x"}\n{"uid": 1}\n')
+    capsys.readouterr()
+    assert main(args[:-6] + ["--prompts", str(tmp_path / "bad.jsonl")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "bad.jsonl, line 2: not a prompt record" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert main(args[:-6] + ["--prompts", str(tmp_path / "missing.jsonl")]) != 0
+    assert "missing.jsonl" in capsys.readouterr().err
