@@ -280,9 +280,11 @@ class FastModel:
         cache_dtype = self.cache_dtype
         # Rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention row by row on the
         # packed tokens, each row reading its own live keys only, where padding would be over a quarter of the
-        # keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded)
+        # keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded). On the CPU only: on a GPU each
+        # row's attention is its own kernel launches per layer, and the padded batch one (a suspect, not yet measured,
+        # for train-data's batch 256 answering 2.5 sequences a second on an H100 with the GPU 7% busy)
         per_row = None
-        if rows > 1:
+        if rows > 1 and source.device.type == "cpu":
             row_kv = [cache.lengths[step.begin + b] + c for b, c in enumerate(counts)]
             if sum(row_kv) <= PER_ROW_MAX_FILL * rows * kv or sum(counts) <= PER_ROW_MAX_FILL * rows * width:
                 starts = [n - c for n, c in zip(row_kv, counts)]
