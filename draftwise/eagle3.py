@@ -154,17 +154,32 @@ class Eagle3Body(nn.Module):
         x = torch.cat([layer.input_layernorm(x[..., :h]), layer.hidden_norm(x[..., h:])], dim=-1)
         B, T, _ = x.shape
         attn = layer.self_attn
-        q = attn.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        packed = self.packed()
+        if packed is not None:  # one prepacked product for q, k and v
+            q, k, v = packed["qkv"](x).split([c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2, -1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.reshape(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v
 
     def finish(self, hidden_in: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """hidden_in [B, T, H], attended [B, heads, T, d] -> the layer's pre-norm output [B, T, H]."""
         B, _, T, _ = attended.shape
         layer = self.midlayer
-        r = hidden_in + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
-        return r + layer.mlp(layer.post_attention_layernorm(r))
+        packed = self.packed()
+        if packed is None:
+            r = hidden_in + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
+            return r + layer.mlp(layer.post_attention_layernorm(r))
+        r = hidden_in + packed["o"](attended.transpose(1, 2).reshape(B, T, -1))
+        gate, up = packed["gate_up"](layer.post_attention_layernorm(r)).chunk(2, dim=-1)
+        return r + packed["down"](F.silu(gate) * up)
+
+    def packed(self) -> dict | None:
+        """The head's prepacked products (`Eagle3Head.pack_for_inference`), when they apply: eval mode, no autograd."""
+        packed = self.__dict__.get("_packed")
+        return packed if packed is not None and not self.training and not torch.is_grad_enabled() else None
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values=None, use_cache: bool = True,
@@ -205,6 +220,42 @@ class Eagle3Head(DraftHead):
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [draft_vocab] target token ids
         self._shared: dict[str, object] = {}  # the target's embedding: shared, kept out of the state dict
 
+    # ---- prepacked products for decoding ----
+
+    def pack_for_inference(self) -> None:
+        """Decoding's products through prepacked oneDNN weights (`fast.FloatLinear`; CPU, fp32 or bf16; elsewhere
+        plain F.linear): q|k|v and gate|up fused, o, down, fc and the LM head. At batch 1 a draft step is a dozen
+        small products, where F.linear's per-call weight handling costs as much as the arithmetic. Used in eval
+        mode without autograd only; moving the head, training it or loading weights drops them."""
+        from .models.fast import FloatLinear
+
+        layer = self.body.midlayer
+
+        def linear(*modules: nn.Linear) -> FloatLinear:
+            return FloatLinear(torch.cat([m.weight.detach() for m in modules]))
+
+        attn, mlp = layer.self_attn, layer.mlp
+        packed = {"qkv": linear(attn.q_proj, attn.k_proj, attn.v_proj), "o": linear(attn.o_proj),
+                  "gate_up": linear(mlp.gate_proj, mlp.up_proj), "down": linear(mlp.down_proj),
+                  "fc": linear(self.fc), "lm_head": linear(self.lm_head)}
+        self.__dict__["_packed"] = self.body.__dict__["_packed"] = packed
+
+    def unpack(self) -> None:
+        self.__dict__["_packed"] = self.body.__dict__["_packed"] = None
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .float(), .cuda(): the packed copies would be stale
+        self.unpack()
+        return super()._apply(fn, *args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Eagle3Head":
+        if mode:
+            self.unpack()
+        return super().train(mode)
+
+    def load_state_dict(self, *args, **kwargs):
+        self.unpack()
+        return super().load_state_dict(*args, **kwargs)
+
     # ---- the drafters' interface (shared with eagle.EagleHead) ----
 
     @property
@@ -235,6 +286,7 @@ class Eagle3Head(DraftHead):
                 f"this EAGLE-3 head was trained for a target with hidden size {self.config.hidden_size}, vocabulary "
                 f"{self.config.target_vocab_size} and layers {list(self.config.feature_layers)} "
                 f"({self.config.target or 'unknown'}); the target has {hidden}, {vocab} and {layers} layers")
+        self.unpack()  # the LM-head rows may change below
         self._shared["target"] = target_model
         self._shared["embed"] = target_model.get_input_embeddings()
         if self.config.shared_lm_head:
@@ -253,7 +305,8 @@ class Eagle3Head(DraftHead):
         """x: target features [..., 3H] (fused by fc) or the previous step's output [..., H]; tokens [...]
         -> the body's input [..., 2H]."""
         x = x.to(self.fc.weight.dtype)
-        hidden = self.fc(x) if x.shape[-1] == self.feature_size else x
+        packed = self.body.packed()
+        hidden = (packed["fc"](x) if packed is not None else self.fc(x)) if x.shape[-1] == self.feature_size else x
         return torch.cat([self.embed(tokens), hidden], dim=-1)
 
     def forward(self, x: torch.Tensor, next_tokens: torch.Tensor, *, cache=None,
@@ -264,7 +317,8 @@ class Eagle3Head(DraftHead):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., H] pre-norm outputs -> [..., draft_vocab]."""
-        return self.lm_head(self.norm(predicted))
+        packed = self.body.packed()
+        return (packed["lm_head"] if packed is not None else self.lm_head)(self.norm(predicted))
 
     # ---- files ----
 

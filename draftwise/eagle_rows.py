@@ -37,6 +37,8 @@ class EagleRowsDrafter:
         self.head = head
         self.vocab_size = vocab_size
         self.device = device
+        if hasattr(head, "pack_for_inference") and not head.training:
+            head.pack_for_inference()
         self.runner = ModelRunner(head.body, rows=0)
         self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
         self.policy = policy or FixedLength()

@@ -675,3 +675,39 @@ def test_specdecpp_on_a_head_is_exact_at_t0(head_verifiers):
     sd = draftwise.generate(target, [5, 9, 11], draft=head, method="specdec++", head=str(path), temperature=0,
                             max_new_tokens=24, ignore_eos=True)
     assert sd.token_ids == ar.token_ids and sd.stats["drafted"] > 0
+
+
+def test_prepacked_products_match_the_modules_and_are_dropped_when_weights_may_change():
+    """pack_for_inference: the same states and logits as the nn.Linear modules (fp32: to rounding), used only in
+    eval mode without autograd, and dropped by .to(), train() and load_state_dict (stale copies never run)."""
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 2))
+    seq = [3, 9, 27, 17, 5, 40]
+    x = _features(target, seq)[None, :, : head.feature_size]
+    tokens = torch.tensor([seq[1:] + [1]])
+
+    def run():
+        with torch.inference_mode():
+            pre = head.body(head.step_input(x, tokens)).last_hidden_state
+            return pre, head.logits(pre)
+
+    plain = run()
+    head.pack_for_inference()
+    with torch.inference_mode():
+        assert head.body.packed() is not None
+    packed = run()
+    for a, b in zip(plain, packed):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert head.body.packed() is None  # autograd on: the modules, whose gradients training needs
+    head.to(torch.float64)
+    with torch.inference_mode():
+        assert head.body.packed() is None
+    head.float().pack_for_inference()
+    head.train()
+    with torch.inference_mode():
+        assert head.body.packed() is None
+    head.eval().pack_for_inference()
+    state = {k: v.clone() for k, v in head.state_dict().items()}
+    head.load_state_dict(state)
+    with torch.inference_mode():
+        assert head.body.packed() is None
