@@ -3,6 +3,7 @@ rollouts, exactness at T=0, and resumable data and training."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 import tempfile
@@ -331,6 +332,17 @@ def test_eagle3_training_lowers_the_loss_resumes_and_drafts_exactly(tmp_path):
     sd = draftwise.generate(target, prompt, draft=head, method="sd", temperature=0, max_new_tokens=16, gamma=3,
                             ignore_eos=True)
     assert sd.token_ids == ar.token_ids
+
+    # fine-tuning: a run started from the trained head begins at its weights and draft vocabulary (zero steps
+    # leave the head as it was), and a head of another shape is refused in one line
+    tuned = dataclasses.replace(cfg, out=str(tmp_path / "t"), init_from=str(tmp_path / "h" / "head"), lr=1e-9)
+    same = train_eagle3(tuned, target, eos_ids={loaded.tokenizer.eos_token_id}, stop_at=0, feature_layers=LAYERS)
+    assert same["steps"] == 0
+    assert same["validation"]["loss"] == pytest.approx(resumed["validation"]["loss"], rel=1e-4)
+    assert (tmp_path / "t" / "vocab_ids.json").read_text() == (tmp_path / "h" / "vocab_ids.json").read_text()
+    wider = dataclasses.replace(tuned, out=str(tmp_path / "w"), intermediate_size=64)
+    with pytest.raises(DraftwiseError, match="--init-from .*width 48"):
+        train_eagle3(wider, target, eos_ids={loaded.tokenizer.eos_token_id}, stop_at=0, feature_layers=LAYERS)
 
 
 def test_confidence_stop_shortens_drafts_and_stays_exact_at_t0(tmp_path):

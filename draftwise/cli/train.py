@@ -324,6 +324,8 @@ def add_train_eagle3(sub: argparse._SubParsersAction) -> None:
                    help="fp32 matmuls (default: bf16 autocast with fp32 master weights)")
     p.add_argument("--minutes", type=float, default=None, help="train one chunk of this many minutes, then checkpoint "
                    "and export (re-run to go on)")
+    p.add_argument("--init-from", default="", help="start from this EAGLE-3 head (registry name or directory) and "
+                   "its draft vocabulary: fine-tuning, e.g. the greedy head on sampled answers")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     _add_device(p)

@@ -59,6 +59,7 @@ class Eagle3TrainConfig:
     shared_lm_head: bool = True  # the target's LM-head rows, frozen (False: the head trains its own, stored)
     bf16: bool = True  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX
     group_by_length: bool = True  # batches of similar lengths (less padding: every position costs the same)
+    init_from: str = ""  # an EAGLE-3 head directory to start from (fine-tuning): its weights and draft vocabulary
 
 
 @dataclass
@@ -246,8 +247,12 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     train = [examples[i] for i in order[n_val:]]
     vocab_path = out / "vocab_ids.json"  # fixed at the first chunk, so resumed chunks keep the same head shape
     vocab = int(target.get_output_embeddings().weight.shape[0])
+    start = _initial_head(config, layers) if config.init_from else None
     if vocab_path.exists():
         vocab_ids = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long)
+    elif start is not None:
+        vocab_ids = start.vocab_ids.clone()
+        write_text(vocab_path, json.dumps(vocab_ids.tolist()))
     else:
         vocab_ids = draft_vocabulary(train, config.draft_vocab, eos_ids, vocab)
         tmp = vocab_path.with_name(vocab_path.name + ".tmp")
@@ -255,6 +260,11 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
         tmp.replace(vocab_path)
     head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=config.intermediate_size,
                           target_name=config.target_name, feature_layers=layers, shared_lm_head=config.shared_lm_head)
+    if start is not None:  # the checkpoint, when there is one, overrides these weights as it resumes
+        if not torch.equal(start.vocab_ids, vocab_ids):
+            raise DraftwiseError(f"--init-from {config.init_from}: its draft vocabulary differs from {vocab_path}")
+        head.load_state_dict({k: v for k, v in start.state_dict().items()
+                              if not (config.shared_lm_head and k == "lm_head.weight")}, strict=False)
     device = target.get_output_embeddings().weight.device  # the head trains where the target was loaded
     head.to(device)
     target_rows = target.get_output_embeddings().weight.detach().float()[vocab_ids.to(device)]  # [Vd, H]
@@ -284,6 +294,27 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     head.to("cpu").save(out / "head")
     write_text(out / "distill-report.json", json.dumps({"config": asdict(config), **report}, indent=2))
     return report
+
+
+def _initial_head(config: Eagle3TrainConfig, layers: tuple[int, ...]) -> Eagle3Head:
+    """The head to fine-tune from, checked against this run's shape (layers, width, LM-head sharing)."""
+    from ..export import load_head
+    from ..models import registry
+
+    try:
+        start = load_head(registry.resolve(config.init_from) if registry.entry(config.init_from)
+                          else config.init_from)
+    except (DraftwiseError, OSError) as e:
+        raise DraftwiseError(f"--init-from {config.init_from}: {e}") from None
+    if not isinstance(start, Eagle3Head):
+        raise DraftwiseError(f"--init-from {config.init_from}: not an EAGLE-3 head")
+    c = start.config
+    if (tuple(c.feature_layers) != tuple(layers) or c.intermediate_size != config.intermediate_size
+            or c.shared_lm_head != config.shared_lm_head):
+        raise DraftwiseError(f"--init-from {config.init_from}: a head of layers {tuple(c.feature_layers)}, width "
+                             f"{c.intermediate_size}, shared LM head {c.shared_lm_head}; this run trains layers "
+                             f"{tuple(layers)}, width {config.intermediate_size}, shared {config.shared_lm_head}")
+    return start
 
 
 @torch.no_grad()
