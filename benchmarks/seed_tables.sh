@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The seeds' comparisons, re-run on the registry's helpers (issue 22): one command per table, each writing JSON.
+#   benchmarks/seed_tables.sh                       # every table, in order
+#   TABLES="sprinter mtad" benchmarks/seed_tables.sh
+# Tables: cascades (Narasimhan et al. Table 2's two views: quality against latency), sprinter (speed at matched
+# quality: the threshold sweep beside the lossless stop rules), mtad (Table 4: speed and perplexity against sd;
+# Table 7 / Figure 3's beams and tau), sv (goodput against batch size, and batch 1). The SV paper's information
+# gain is printed by `draftwise profile-sv` when the shipped profiles are rebuilt (benchmarks/README.md).
+# A table whose JSON is in $OUT is skipped, so a cut-short run resumes at the next table. Run it alone on the
+# cores: every figure is a ratio to `ar` (or `sd`) timed in the same run, and a second job skews it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DW=${DW:-.venv/bin/draftwise}
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-out/seed-tables}
+DTYPE=${DTYPE:-auto}        # the default format (on a CPU with native bf16: the GGUF's int4)
+TABLES=${TABLES:-"sprinter mtad cascades sv"}
+DRAFT=smollm2-135m-draft    # the independent draft: SPRINTER's verifiers, MTAD's beams and SV's goodput use it
+mkdir -p "$OUT"
+common=(--target smollm2-135m --dtype "$DTYPE" --threads 2)
+
+run() {  # $1: the JSON; the rest: the command, which writes it with --json
+    local json=$1; shift
+    if [ -s "$json" ]; then echo "seed tables: $json is there, skipped"; return; fi
+    echo "seed tables: $json ($(date -u +%FT%TZ))"
+    "$@" --json "$json"
+}
+
+for table in $TABLES; do
+    case $table in
+        sprinter)
+            for T in 1 0; do
+                run "$OUT/sprinter-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
+                    --methods ar,sd,sprinter,sprinter/tau=0.7,sprinter/tau=0.9,sprinter/tau=0.95,adaedl,specdec++,lossy \
+                    --compare-to sd --num-prompts 16 --max-new-tokens 48 --temperature $T --gamma 3 --repeats 2
+            done ;;
+        mtad)
+            run "$OUT/mtad-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
+                --methods ar,sd,cascade:bild@2,mtad,mtjd --num-prompts 24 --max-new-tokens 128 --repeats 1 \
+                --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 --compare-to sd
+            run "$OUT/mtad-ablation-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
+                --methods ar,sd,mtad/num_beams=2,mtad/num_beams=4,mtad/num_beams=6,mtad/num_beams=8,mtad/tau=0,mtad/tau=0.1,mtad/tau=0.3,mtad/tau=0.7,mtad/tau=0.9 \
+                --num-prompts 12 --max-new-tokens 128 --repeats 1 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 \
+                --compare-to sd
+            [ -s "$OUT/mtad-t1.txt" ] || "$PY" benchmarks/mtad_tables.py "$OUT/mtad-t1.json" \
+                --ablation "$OUT/mtad-ablation-t1.json" --plot "$OUT/mtad-ablation-t1.png" --out "$OUT/mtad-t1.txt" ;;
+        cascades)
+            for T in 1 0.5; do
+                run "$OUT/sweep-t$T.json" "$DW" sweep "${common[@]}" \
+                    --methods cascade:token-v3,cascade:opt,cascade:bild,lossy,token-cascade \
+                    --alpha-grid 0,0.3,0.6,0.9 --grid cascade:opt=0,0.3,0.6,1 --grid cascade:bild=2,4,6,8 \
+                    --grid token-cascade=0.1,0.3,0.5,0.7 --categories summarization,translation --num-prompts 12 \
+                    --max-new-tokens 64 --repeats 1 --gamma 4 --temperatures $T
+            done
+            [ -s "$OUT/sweep-cascades.json" ] || "$PY" benchmarks/merge_sweeps.py "$OUT/sweep-t1.json" \
+                "$OUT/sweep-t0.5.json" --json "$OUT/sweep-cascades.json" --plot "$OUT/sweep-cascades.png" ;;
+        sv)
+            for T in 1 0; do
+                run "$OUT/sv-batched-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
+                    --methods ar,sd,adaptive-verify,svip,smartspec,staged,sv --batch-sizes 4,16,32 --num-prompts 32 \
+                    --max-new-tokens 32 --temperature $T --gamma 4 --repeats 1
+                run "$OUT/sv-batch1-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
+                    --methods ar,sd,adaptive-verify,sv --batch-sizes 1 --num-prompts 8 --max-new-tokens 32 \
+                    --temperature $T --gamma 4 --repeats 2
+            done ;;
+        *) echo "seed tables: unknown table $table (choose from: sprinter mtad cascades sv)" >&2; exit 2 ;;
+    esac
+done
+echo "seed tables: done ($(date -u +%FT%TZ))"
