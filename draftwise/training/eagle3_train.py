@@ -22,7 +22,7 @@ import json
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -265,6 +265,7 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
             raise DraftwiseError(f"--init-from {config.init_from}: its draft vocabulary differs from {vocab_path}")
         head.load_state_dict({k: v for k, v in start.state_dict().items()
                               if not (config.shared_lm_head and k == "lm_head.weight")}, strict=False)
+        head.config = replace(head.config, dynamic=dict(start.config.dynamic))  # its tuned draft length, to retune
     device = target.get_output_embeddings().weight.device  # the head trains where the target was loaded
     head.to(device)
     target_rows = target.get_output_embeddings().weight.detach().float()[vocab_ids.to(device)]  # [Vd, H]
