@@ -192,6 +192,11 @@ _register_shipped(
     "trained with the training-time test; 8,192-token draft vocabulary, the target's LM-head rows",
 )
 _register_shipped(
+    "smollm2-135m-eagle-t1", "eagle", "eagle3.json",
+    "smollm2-135m-eagle fine-tuned on the target's sampled (T=1) answers; by name only: at T=1 it did not draft "
+    "faster than smollm2-135m-eagle (benchmarks/README.md), so that head stays the default at every temperature",
+)
+_register_shipped(
     "smollm2-135m-draft", "draft", "config.json",
     "independent draft for smollm2-135m: 2-layer Llama, width 160, shares the tokenizer (hf-assisted can use it); "
     "draftwise decodes it over an 8,192-token output vocabulary",
