@@ -16,6 +16,18 @@ OUT=${OUT:-out/seed-tables}
 DTYPE=${DTYPE:-auto}        # the default format (on a CPU with native bf16: the GGUF's int4)
 TABLES=${TABLES:-"sprinter mtad cascades sv"}
 DRAFT=smollm2-135m-draft    # the independent draft: SPRINTER's verifiers, MTAD's beams and SV's goodput use it
+# QUICK=1: fewer prompts, one repeat and coarser grids (about 35 minutes on 2 cores instead of about 2 hours)
+if [ "${QUICK:-0}" = 1 ]; then
+    SPRINTER_PROMPTS=10 SPRINTER_REPEATS=1 MTAD_PROMPTS=12 ABLATION_PROMPTS=8
+    ABLATION=ar,sd,mtad/num_beams=2,mtad/num_beams=8,mtad/tau=0,mtad/tau=0.9
+    SWEEP_PROMPTS=8 ALPHAS=0,0.5,0.9 OPT_GRID=0,0.5,1 BILD_GRID=2,6 TC_GRID=0.1,0.5 SV_BATCH_SIZES=4,16 SV_PROMPTS=16
+fi
+SPRINTER_PROMPTS=${SPRINTER_PROMPTS:-16} SPRINTER_REPEATS=${SPRINTER_REPEATS:-2}
+MTAD_PROMPTS=${MTAD_PROMPTS:-24} ABLATION_PROMPTS=${ABLATION_PROMPTS:-12}
+ABLATION=${ABLATION:-ar,sd,mtad/num_beams=2,mtad/num_beams=4,mtad/num_beams=6,mtad/num_beams=8,mtad/tau=0,mtad/tau=0.1,mtad/tau=0.3,mtad/tau=0.7,mtad/tau=0.9}
+SWEEP_PROMPTS=${SWEEP_PROMPTS:-12} ALPHAS=${ALPHAS:-0,0.3,0.6,0.9} OPT_GRID=${OPT_GRID:-0,0.3,0.6,1}
+BILD_GRID=${BILD_GRID:-2,4,6,8} TC_GRID=${TC_GRID:-0.1,0.3,0.5,0.7}
+SV_BATCH_SIZES=${SV_BATCH_SIZES:-4,16,32} SV_PROMPTS=${SV_PROMPTS:-32}
 mkdir -p "$OUT"
 common=(--target smollm2-135m --dtype "$DTYPE" --threads 2)
 
@@ -32,15 +44,15 @@ for table in $TABLES; do
             for T in 1 0; do
                 run "$OUT/sprinter-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
                     --methods ar,sd,sprinter,sprinter/tau=0.7,sprinter/tau=0.9,sprinter/tau=0.95,adaedl,specdec++,lossy \
-                    --compare-to sd --num-prompts 16 --max-new-tokens 48 --temperature $T --gamma 3 --repeats 2
+                    --compare-to sd --num-prompts "$SPRINTER_PROMPTS" --max-new-tokens 48 --temperature $T --gamma 3 \
+                    --repeats "$SPRINTER_REPEATS"
             done ;;
         mtad)
             run "$OUT/mtad-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
-                --methods ar,sd,cascade:bild@2,mtad,mtjd --num-prompts 24 --max-new-tokens 128 --repeats 1 \
+                --methods ar,sd,cascade:bild@2,mtad,mtjd --num-prompts "$MTAD_PROMPTS" --max-new-tokens 128 --repeats 1 \
                 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 --compare-to sd
             run "$OUT/mtad-ablation-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
-                --methods ar,sd,mtad/num_beams=2,mtad/num_beams=4,mtad/num_beams=6,mtad/num_beams=8,mtad/tau=0,mtad/tau=0.1,mtad/tau=0.3,mtad/tau=0.7,mtad/tau=0.9 \
-                --num-prompts 12 --max-new-tokens 128 --repeats 1 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 \
+                --methods "$ABLATION" --num-prompts "$ABLATION_PROMPTS" --max-new-tokens 128 --repeats 1 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 \
                 --compare-to sd
             [ -s "$OUT/mtad-t1.txt" ] || "$PY" benchmarks/mtad_tables.py "$OUT/mtad-t1.json" \
                 --ablation "$OUT/mtad-ablation-t1.json" --plot "$OUT/mtad-ablation-t1.png" --out "$OUT/mtad-t1.txt" ;;
@@ -48,8 +60,8 @@ for table in $TABLES; do
             for T in 1 0.5; do
                 run "$OUT/sweep-t$T.json" "$DW" sweep "${common[@]}" \
                     --methods cascade:token-v3,cascade:opt,cascade:bild,lossy,token-cascade \
-                    --alpha-grid 0,0.3,0.6,0.9 --grid cascade:opt=0,0.3,0.6,1 --grid cascade:bild=2,4,6,8 \
-                    --grid token-cascade=0.1,0.3,0.5,0.7 --categories summarization,translation --num-prompts 12 \
+                    --alpha-grid "$ALPHAS" --grid cascade:opt="$OPT_GRID" --grid cascade:bild="$BILD_GRID" \
+                    --grid token-cascade="$TC_GRID" --categories summarization,translation --num-prompts "$SWEEP_PROMPTS" \
                     --max-new-tokens 64 --repeats 1 --gamma 4 --temperatures $T
             done
             [ -s "$OUT/sweep-cascades.json" ] || "$PY" benchmarks/merge_sweeps.py "$OUT/sweep-t1.json" \
@@ -57,7 +69,7 @@ for table in $TABLES; do
         sv)
             for T in 1 0; do
                 run "$OUT/sv-batched-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
-                    --methods ar,sd,adaptive-verify,svip,smartspec,staged,sv --batch-sizes 4,16,32 --num-prompts 32 \
+                    --methods ar,sd,adaptive-verify,svip,smartspec,staged,sv --batch-sizes "$SV_BATCH_SIZES" --num-prompts "$SV_PROMPTS" \
                     --max-new-tokens 32 --temperature $T --gamma 4 --repeats 1
                 run "$OUT/sv-batch1-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
                     --methods ar,sd,adaptive-verify,sv --batch-sizes 1 --num-prompts 8 --max-new-tokens 32 \
