@@ -4,6 +4,7 @@ rollouts, exactness at T=0, and resumable data and training."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from types import SimpleNamespace
 import tempfile
@@ -343,6 +344,13 @@ def test_eagle3_training_lowers_the_loss_resumes_and_drafts_exactly(tmp_path):
     wider = dataclasses.replace(tuned, out=str(tmp_path / "w"), intermediate_size=64)
     with pytest.raises(DraftwiseError, match="--init-from .*width 48"):
         train_eagle3(wider, target, eos_ids={loaded.tokenizer.eos_token_id}, stop_at=0, feature_layers=LAYERS)
+    other = tiny_llama(5, layers=4, width=48, vocab=64)  # another target's head, same layers and head width
+    vocab_ids = torch.tensor(json.loads((tmp_path / "h" / "vocab_ids.json").read_text()))
+    Eagle3Head.new(other, vocab_ids=vocab_ids, intermediate_size=48, feature_layers=LAYERS,
+                   shared_lm_head=cfg.shared_lm_head).save(tmp_path / "other")
+    foreign = dataclasses.replace(tuned, out=str(tmp_path / "f"), init_from=str(tmp_path / "other"))
+    with pytest.raises(DraftwiseError, match="--init-from .*target of width 48"):
+        train_eagle3(foreign, target, eos_ids={loaded.tokenizer.eos_token_id}, stop_at=0, feature_layers=LAYERS)
 
 
 def test_confidence_stop_shortens_drafts_and_stays_exact_at_t0(tmp_path):

@@ -263,6 +263,11 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     if start is not None:  # the checkpoint, when there is one, overrides these weights as it resumes
         if not torch.equal(start.vocab_ids, vocab_ids):
             raise DraftwiseError(f"--init-from {config.init_from}: its draft vocabulary differs from {vocab_path}")
+        theirs, ours = start.config, head.config
+        if (theirs.hidden_size, theirs.target_vocab_size) != (ours.hidden_size, ours.target_vocab_size):
+            raise DraftwiseError(f"--init-from {config.init_from}: a head for a target of width {theirs.hidden_size} "
+                                 f"and {theirs.target_vocab_size} tokens; this target has {ours.hidden_size} and "
+                                 f"{ours.target_vocab_size}")
         head.load_state_dict({k: v for k, v in start.state_dict().items()
                               if not (config.shared_lm_head and k == "lm_head.weight")}, strict=False)
         head.config = replace(head.config, dynamic=dict(start.config.dynamic))  # its tuned draft length, to retune
