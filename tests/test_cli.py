@@ -254,3 +254,15 @@ def test_models_lists_the_registry(capsys, tmp_path, monkeypatch):
     # the shipped verifiers and stop heads, with the method and sampling setting each serves
     assert "smollm2-135m-draft-sprinter-t1 verifier   ready" in out
     assert "--method specdec++ for smollm2-135m with smollm2-135m-draft at temperature 0" in out
+
+
+def test_an_interrupted_command_ends_with_one_line_and_exit_130(capsys, monkeypatch):
+    import draftwise.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt  # what Ctrl-C, or train-data's SIGTERM handler, raises inside a command
+
+    monkeypatch.setitem(cli._COMMANDS, "methods", interrupted)
+    assert main(["methods"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "draftwise: interrupted" and "Traceback" not in err

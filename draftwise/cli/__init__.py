@@ -92,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except DraftwiseError as error:
             print(f"draftwise: error: {error}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM where a command turns it into one (train-data)
+            print("draftwise: interrupted", file=sys.stderr)
+            return 130
 
 
 _showwarning = warnings.showwarning
