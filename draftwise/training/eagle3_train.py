@@ -247,27 +247,17 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     train = [examples[i] for i in order[n_val:]]
     vocab_path = out / "vocab_ids.json"  # fixed at the first chunk, so resumed chunks keep the same head shape
     vocab = int(target.get_output_embeddings().weight.shape[0])
-    start = _initial_head(config, layers) if config.init_from else None
+    start = _initial_head(config) if config.init_from else None
     if vocab_path.exists():
         vocab_ids = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long)
-    elif start is not None:
-        vocab_ids = start.vocab_ids.clone()
-        write_text(vocab_path, json.dumps(vocab_ids.tolist()))
     else:
-        vocab_ids = draft_vocabulary(train, config.draft_vocab, eos_ids, vocab)
-        tmp = vocab_path.with_name(vocab_path.name + ".tmp")
-        tmp.write_text(json.dumps(vocab_ids.tolist()))
-        tmp.replace(vocab_path)
+        vocab_ids = start.vocab_ids.clone() if start is not None else \
+            draft_vocabulary(train, config.draft_vocab, eos_ids, vocab)
+        write_text(vocab_path, json.dumps(vocab_ids.tolist()))
     head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=config.intermediate_size,
                           target_name=config.target_name, feature_layers=layers, shared_lm_head=config.shared_lm_head)
     if start is not None:  # the checkpoint, when there is one, overrides these weights as it resumes
-        if not torch.equal(start.vocab_ids, vocab_ids):
-            raise DraftwiseError(f"--init-from {config.init_from}: its draft vocabulary differs from {vocab_path}")
-        theirs, ours = start.config, head.config
-        if (theirs.hidden_size, theirs.target_vocab_size) != (ours.hidden_size, ours.target_vocab_size):
-            raise DraftwiseError(f"--init-from {config.init_from}: a head for a target of width {theirs.hidden_size} "
-                                 f"and {theirs.target_vocab_size} tokens; this target has {ours.hidden_size} and "
-                                 f"{ours.target_vocab_size}")
+        _check_initial_head(config.init_from, start, head)
         head.load_state_dict({k: v for k, v in start.state_dict().items()
                               if not (config.shared_lm_head and k == "lm_head.weight")}, strict=False)
         head.config = replace(head.config, dynamic=dict(start.config.dynamic))  # its tuned draft length, to retune
@@ -302,8 +292,8 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     return report
 
 
-def _initial_head(config: Eagle3TrainConfig, layers: tuple[int, ...]) -> Eagle3Head:
-    """The head to fine-tune from, checked against this run's shape (layers, width, LM-head sharing)."""
+def _initial_head(config: Eagle3TrainConfig) -> Eagle3Head:
+    """The head `--init-from` names (a registry name or a directory)."""
     from ..export import load_head
     from ..models import registry
 
@@ -314,13 +304,19 @@ def _initial_head(config: Eagle3TrainConfig, layers: tuple[int, ...]) -> Eagle3H
         raise DraftwiseError(f"--init-from {config.init_from}: {e}") from None
     if not isinstance(start, Eagle3Head):
         raise DraftwiseError(f"--init-from {config.init_from}: not an EAGLE-3 head")
-    c = start.config
-    if (tuple(c.feature_layers) != tuple(layers) or c.intermediate_size != config.intermediate_size
-            or c.shared_lm_head != config.shared_lm_head):
-        raise DraftwiseError(f"--init-from {config.init_from}: a head of layers {tuple(c.feature_layers)}, width "
-                             f"{c.intermediate_size}, shared LM head {c.shared_lm_head}; this run trains layers "
-                             f"{tuple(layers)}, width {config.intermediate_size}, shared {config.shared_lm_head}")
     return start
+
+
+def _check_initial_head(name: str, start: Eagle3Head, head: Eagle3Head) -> None:
+    """One error naming every way the head to start from differs from the one this run trains."""
+    fields = (("feature_layers", "layers"), ("intermediate_size", "width"), ("shared_lm_head", "shared LM head"),
+              ("hidden_size", "target of width"), ("target_vocab_size", "target vocabulary"))
+    differ = [f"its {label} {getattr(start.config, f)}, this run's {getattr(head.config, f)}"
+              for f, label in fields if getattr(start.config, f) != getattr(head.config, f)]
+    if not torch.equal(start.vocab_ids, head.vocab_ids):
+        differ.append("its draft vocabulary differs from this run's vocab_ids.json")
+    if differ:
+        raise DraftwiseError(f"--init-from {name}: " + "; ".join(differ))
 
 
 @torch.no_grad()
