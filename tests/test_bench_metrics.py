@@ -161,6 +161,32 @@ def test_hf_assisted_drafts_exactly_gamma_tokens_per_step(tmp_path):
     assert out["target_calls"] == 3 and out["draft_calls"] == 9
 
 
+def test_a_label_sets_its_own_gamma():
+    """`sd/gamma=2` drafts 2 tokens a step in a run whose --gamma is 3; a method that drafts no gamma tokens, or a
+    gamma out of range, is refused by name."""
+    from conftest import tiny_llama
+
+    import draftwise
+    from draftwise.bench.harness import BenchConfig, _draftwise_run
+    from draftwise.bench.labels import parse_label, run_options
+
+    assert parse_label("sd/gamma=2") == ("sd", {"gamma": 2})
+    assert run_options("sd/gamma=2", {"sd": {"tree_nodes": 0}}, 3) == ("sd", {"gamma": 2, "tree_nodes": 0})
+    assert run_options("sd", {}, 3) == ("sd", {"gamma": 3})
+    for bad, match in [("ar/gamma=2", "does not draft gamma tokens"), ("mtjd/gamma=2", r"draft length is /k=N"),
+                       ("sd/gamma=x", "not a whole number"), ("sd/gamma=0", "gamma must be 1..32"),
+                       ("sd/gamma=2/gamma=3", "given twice")]:
+        with pytest.raises(DraftwiseError, match=match):
+            parse_label(bad)
+    target = draftwise.load_model(tiny_llama(0, layers=2))
+    draft = draftwise.load_model(tiny_llama(0, layers=2))  # drafting for itself: every draft token is accepted
+    config = BenchConfig(target="t", gamma=3, max_new_tokens=12, temperature=0.0)
+    for label, per_step in (("sd", 4), ("sd/gamma=2", 3)):
+        out = _draftwise_run(label, target, draft, [1, 2, 3, 4], config, 0)
+        assert out["new_tokens"] == 12 and out["target_calls"] == 12 // per_step, label
+        assert len(out["drafted_per_position"]) >= per_step - 1 and sum(out["drafted_per_position"][per_step - 1:]) == 0
+
+
 def test_a_prompt_mix_written_here_is_answered_elsewhere_in_its_order(tmp_path, capsys):
     """train-data --write-prompts then --prompts: the answers are to exactly the file's prompts (filtered by
     --sources, cut by --limit, in the file's order), and a damaged file is a one-line error naming its line."""

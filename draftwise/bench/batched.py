@@ -154,18 +154,16 @@ def run_batched(config: Any, target: Any, draft_of: dict[str, Any], encoded: lis
     from ..api import Generation, generate
     from ..methods import METHODS
     from ..sampling import SamplingConfig
-    from .labels import DRAFT_ONLY, parse_label
+    from .labels import DRAFT_ONLY, run_options
 
     def run(label: str, b: int, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[Any]:
-        name, fixed = parse_label(label)
+        name, options = run_options(label, config.method_options, config.gamma)
         model, draft = target, draft_of[label]
         if name == DRAFT_ONLY:
             model, draft, name = draft, None, "ar"
-        options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
         out = generate(model, [list(p) for p in prompts], draft=draft if METHODS[name].needs_draft else None,
                        method=name, max_new_tokens=max_new_tokens, temperature=config.temperature,
-                       top_k=config.top_k, top_p=config.top_p, seed=seed, gamma=config.gamma,
-                       max_batch_size=b, **options)
+                       top_k=config.top_k, top_p=config.top_p, seed=seed, max_batch_size=b, **options)
         return [out] if isinstance(out, Generation) else out
 
     if config.warmup:  # allocator, kernels and first-call caches, at every batch size's shapes

@@ -25,7 +25,7 @@ from ..eagle import DraftHead
 from ..models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
 from ..sampling import SamplingConfig
 from .datasets import Prompt, load_prompts
-from .labels import DRAFT_ONLY, HF_METHODS, parse_label
+from .labels import DRAFT_ONLY, HF_METHODS, parse_label, run_options
 from .energy import find_meter
 from .metrics import RunRecord, report
 from .quality import target_score
@@ -175,16 +175,15 @@ def _pad_id(model: LoadedModel) -> int:
 def _draftwise_run(
     label: str, target: LoadedModel, draft: LoadedModel | None, ids: list[int], config: BenchConfig, seed: int
 ) -> dict[str, Any]:
-    name, fixed = parse_label(label)
+    name, options = run_options(label, config.method_options, config.gamma)
     if name == DRAFT_ONLY:
         target, draft, name = draft, None, "ar"
     spec = METHODS[name]
-    options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
     start = time.perf_counter()
     g = generate(
         target, ids, draft=draft if spec.needs_draft else None, method=name,
         max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-        top_p=config.top_p, seed=seed, gamma=config.gamma, **options,
+        top_p=config.top_p, seed=seed, **options,
     )
     wall = time.perf_counter() - start
     s = g.stats
@@ -218,7 +217,7 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
     hint = f" (for {config.target}: {independent})" if independent else ""
     drafts: dict[str, str | None] = {}
     for label in config.methods:
-        name, fixed = parse_label(label)
+        name, _ = parse_label(label)
         if name in (DRAFT_ONLY, "hf-assisted"):
             given = config.draft
             if name == "hf-assisted":  # --draft serves it unless it is a head (then the registry's independent one)
@@ -235,11 +234,11 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
             drafts[label] = None
             continue
         spec = METHODS[name]
-        options = {**config.method_options.get(name, {}), **config.method_options.get(label, {}), **fixed}
+        _, options = run_options(label, config.method_options, config.gamma)
         draft = config.draft if spec.needs_draft else None
         try:
             check_options(method=name, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                          top_k=config.top_k, top_p=config.top_p, seed=config.seed, gamma=config.gamma, stop=None,
+                          top_k=config.top_k, top_p=config.top_p, seed=config.seed, stop=None,
                           ignore_eos=False, draft_given=draft is not None, target=config.target, draft=draft,
                           **options)
         except DraftwiseError as error:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import DraftwiseError
-from ..methods import METHODS
+from ..methods import MAX_GAMMA, METHODS
 
 HF_METHODS = ("hf-assisted", "prompt-lookup-hf")
 DRAFT_ONLY = "draft-only"  # the draft model decoding alone (`ar` with the draft as the model): quality's lower end
@@ -18,7 +18,8 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
     `NAME`, `NAME:RULE` (methods with a `rule` option: `cascade:token-v3`), either with
     `@ALPHA` (`lossy@0.3`, `cascade:opt@0.5`), and any with `/OPTION=VALUE` suffixes
     (`mtad/tau=0.3/num_beams=2`; a value cannot hold "/": give paths with --option), so one run can
-    hold several variants.
+    hold several variants. `/gamma=N` sets the draft length of a method that drafts gamma tokens (`sd/gamma=3`) in
+    place of the run's --gamma.
     """
     name, *settings = label.split("/")
     options: dict[str, Any] = {}
@@ -47,6 +48,7 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
     if name not in METHODS:
         valid = ", ".join(list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY])
         raise DraftwiseError(f"unknown method {name!r} in {label!r}; valid: {valid}")
+    gamma = options.pop("gamma", None)
     known = {o.name for o in METHODS[name].options}
     for key in options:
         if key not in known:
@@ -55,4 +57,27 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
         resolved = METHODS[name].resolve_options(options)
         options = {key: resolved[key] for key in options}  # typed
         METHODS[name].make_rule(resolved)
+    if gamma is not None:
+        options["gamma"] = _label_gamma(label, name, gamma)
     return name, options
+
+
+def _label_gamma(label: str, name: str, value: str) -> int:
+    spec = METHODS[name]
+    if not spec.uses_gamma:
+        window = f"; its draft length is /{spec.run_option}=N" if spec.run_option else ""
+        raise DraftwiseError(f"method label {label!r}: method {name!r} does not draft gamma tokens{window}")
+    try:
+        gamma = int(value)
+    except ValueError:
+        raise DraftwiseError(f"method label {label!r}: gamma {value!r} is not a whole number") from None
+    if not 1 <= gamma <= MAX_GAMMA:
+        raise DraftwiseError(f"method label {label!r}: gamma must be 1..{MAX_GAMMA}, got {gamma}")
+    return gamma
+
+
+def run_options(label: str, method_options: dict[str, dict[str, Any]], gamma: int) -> tuple[str, dict[str, Any]]:
+    """A label's method and the keyword arguments `generate` takes for it: --option values for the method, then
+    for the label, then what the label fixes; gamma is the run's unless the label sets its own."""
+    name, fixed = parse_label(label)
+    return name, {"gamma": gamma, **method_options.get(name, {}), **method_options.get(label, {}), **fixed}

@@ -24,7 +24,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-draft", default=None, help="independent draft for hf-assisted (default: --draft unless it "
                    "is an EAGLE head, else the registry's independent draft)")
     p.add_argument("--methods", default=",".join(d.methods), help="comma-separated; see `draftwise methods`, "
-                   "plus hf-assisted and prompt-lookup-hf")
+                   "plus hf-assisted and prompt-lookup-hf; a label fixes options for its column: sd/tree_nodes=8, "
+                   "sd/gamma=3")
     p.add_argument("--dataset", default=d.dataset, help=f"one of: {', '.join(DATASETS)}")
     p.add_argument("--categories", default="", help=f"comma-separated, default all: {', '.join(CATEGORIES)}, "
                    f"or group {', '.join(GROUPS)}")
