@@ -66,6 +66,7 @@ def register(root: Path, setitem=None) -> dict[str, str]:
             name=name, role=role, description=f"tiny {role} for tests", resolve=lambda path=path: path,
             cached=lambda: "ready"))
     setitem(registry._DEFAULT_DRAFTS, TARGET, (EAGLE, DRAFT))
+    setitem(registry._SAMPLED_HEADS, TARGET, EAGLE)  # the tiny head at every temperature (the shipped T=1 head is real)
     # the registry's verifier files for the pair: the tiny ones under root/verifiers (none unless a test trains them)
     setitem(vars(registry), "VERIFIERS_DIR", Path(root) / "verifiers")
     return dirs
