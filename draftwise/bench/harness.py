@@ -217,7 +217,7 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
     hint = f" (for {config.target}: {independent})" if independent else ""
     drafts: dict[str, str | None] = {}
     for label in config.methods:
-        name, _ = parse_label(label)
+        name, options = run_options(label, config.method_options, config.gamma)
         if name in (DRAFT_ONLY, "hf-assisted"):
             given = config.draft
             if name == "hf-assisted":  # --draft serves it unless it is a head (then the registry's independent one)
@@ -234,7 +234,6 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
             drafts[label] = None
             continue
         spec = METHODS[name]
-        _, options = run_options(label, config.method_options, config.gamma)
         draft = config.draft if spec.needs_draft else None
         try:
             check_options(method=name, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
