@@ -44,7 +44,7 @@ from .sampling import make_generator
 from .drafters import PREFILL_CHUNK, PREFILL_TOKENS
 from .protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
 from .rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
-from .tree import TreeBudget, accept_tree, depths, verify_mask
+from .tree import TreeBudget, accept_chains, accept_tree, depths, verify_mask
 
 
 PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
@@ -76,6 +76,7 @@ class Engine:
         self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
         self.method = method
         self.selector = selector or VerifyAll()
+        self.exact = type(rule) is ExactRule  # pi = target: deterministic drafts may take the target's own draws
         # token trees: the drafter's node budget per row, at most tree_nodes, chosen each step from the measured
         # verification cost at the batch size (tree.TreeBudget; not adaptive: always the best tree_nodes); 0: the
         # drafter's drafts are chains
@@ -213,8 +214,11 @@ class Engine:
         if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
             bonus = self._bonus_maker(rows, draft, target_probs, target_logits, greedy)
 
-        outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
-                                          [row.generator for row in rows], greedy_host)
+        if draft.deterministic and self.exact and k:  # lookup, suffix: the target's own draw at each position
+            outcome = accept_chains(draft, target_probs, [row.generator for row in rows], greedy_host)
+        else:
+            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
+                                              [row.generator for row in rows], greedy_host)
         self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]

@@ -28,6 +28,10 @@ class RowsDraft:
     # per row, each tree node's path probability under the drafter (best first: any prefix is the best tree of its
     # size); the engine's TreeBudget cuts each row's tree where a node no longer pays for its verification
     scores: tuple[tuple[float, ...], ...] | None = None
+    # every row's chain holds deterministic candidates (lookup, suffix tries: one-hot `probs`); under the exact rule
+    # the engine then draws the target's token at each position and accepts a candidate equal to it, one uniform
+    # per committed token (tree.accept_tree on chains): a row's tokens do not depend on how many were drafted
+    deterministic: bool = False
 
     @property
     def width(self) -> int:
@@ -46,7 +50,7 @@ class RowsDraft:
         scores = None if self.scores is None else tuple(row[:c] for row, c in zip(self.scores, counts))
         return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.draft_raw), cut(self.verdicts),
                          cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint), parents,
-                         scores)
+                         scores, self.deterministic)
 
 
 class RowsDrafter(Protocol):
@@ -122,7 +126,7 @@ def one_hot_draft(found: Sequence[Sequence[int]], vocab_size: int, device: torch
         return empty_draft(len(found), vocab_size, device)
     tokens = tokens.to(device)
     probs = torch.zeros(*tokens.shape, vocab_size, device=device).scatter_(-1, tokens[..., None], 1.0)
-    return RowsDraft(tokens, probs, counts)
+    return RowsDraft(tokens, probs, counts, deterministic=True)
 
 
 def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:

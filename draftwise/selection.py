@@ -23,6 +23,7 @@ keeps the target's distribution whatever it chooses.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -73,8 +74,7 @@ class CompanionRowsDrafter:
         at = torch.minimum(at, torch.tensor(counts, device=device)[:, None] - 1)  # past a row's draft: padding
         logits = self.companion.forward_rows(feed, counts, logits_at=at).logits  # [rows, k + 1, vocab]
         configs = [r.request.sampling for r in rows]
-        return RowsDraft(draft.tokens, draft.probs, draft.counts, draft.draft_raw, draft.verdicts,
-                         warp_rows(logits, configs), unwarped(logits))
+        return replace(draft, companion_probs=warp_rows(logits, configs), companion_raw=unwarped(logits))
 
     def rewind(self, row: int, keep: int) -> None:
         self.inner.rewind(row, keep)

@@ -5,13 +5,18 @@ token, the last committed one, which the verification forward feeds first). Veri
 at slot 0 and node i at slot `1 + i` of the row's cache region: slot s sits at cache position `length + s`, has
 position id `length + depth(s)`, and sees the committed prefix and its own ancestors only (`verify_mask`).
 
-Acceptance (`accept_tree`) walks from the pending token: at a node whose target distribution is p, its children
-(deterministic candidates, in the drafter's order) are tried in turn; child x is accepted with probability
-r(x), where r is p with the children rejected so far removed and renormalised; when none is accepted, the next
-token is drawn from that residual (the target's own distribution at a leaf). This is multi-candidate speculative
-sampling with one-hot proposals (SpecInfer, EAGLE): the committed token is distributed as p, whatever the tree,
-so it is exact at any temperature. At temperature 0, p is one-hot: the walk follows the target's argmax as long
-as the tree holds it.
+Acceptance (`accept_tree`) walks from the pending token: at a node whose target distribution is p, the row draws
+the target's own token x ~ p (one uniform from its generator, by inverse CDF, as `ar` draws; the argmax at
+temperature 0); if a child of the node carries x, the child is accepted and the walk goes on from it, otherwise x
+is the row's next token. The committed token at every position is a draw from p, so this is exact at any
+temperature, and a child x is accepted with probability p(x), as in multi-candidate speculative sampling with
+one-hot proposals (SpecInfer, EAGLE). Unlike that scheme, which draws a uniform per candidate tried, a row draws
+exactly one uniform per committed token whatever its tree: its tokens depend on its seed alone, never on the
+tree's shape. That matters because shapes depend on the batch (the node budget at the batch's size, the value cut
+over every row's nodes): with the old scheme, rows seeded alike (`generate(..., seed=s)` on a list) and a batch
+whose size followed one row's random outcome (a one-token prompt decodes a step before its batch-mates' prompts
+are in) gave a row a tree correlated with its own uniforms, and biased it (issue 34). At temperature > 0 a tree
+method now writes `ar`'s tokens for the same seed, up to the rounding of the target's probabilities.
 
 After acceptance the engine moves the accepted path's keys and values to contiguous positions
 (`PositionCache.compact`) and trims the rest.
@@ -30,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .acceptance import ZERO_RESIDUAL
+from .batched import RowsAcceptance, draw_uniforms
 from .errors import DraftwiseError
 from .models.runner import TreeMask
 from .protocols import RowsDraft
@@ -109,86 +114,64 @@ class TreeAcceptance:
     final_slots: list[int]  # per row, the slot whose distribution the next token came from
 
 
+def node_slot(node: int) -> int:
+    """The verification slot of tree node `node` (-1: the pending token, at slot 0)."""
+    return node + 1
+
+
 def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], target_probs: torch.Tensor,
                 generators: Sequence[torch.Generator], greedy: Sequence[bool]) -> TreeAcceptance:
-    """Multi-candidate speculative sampling over each row's tree (see the module docstring).
+    """Walk each row's tree by drawing the target's own token at every node (see the module docstring).
 
     target_probs [rows, 1 + k, vocab]: the warped target distribution at each slot (one-hot for greedy rows).
-    Row b draws len(tokens[b]) + 1 uniforms from its own generator (none when greedy), so its outcome does not
-    depend on its batch-mates."""
+    At each depth a walking row draws one uniform from its own generator (greedy rows: none, the argmax) and takes
+    the token at that uniform in the target's distribution at its node (`invert_cdf`, as `ar` draws its tokens);
+    a child carrying that token is accepted and the walk goes on from it, otherwise the token is the row's next
+    token. A row thus draws exactly one uniform per committed token whatever its tree: its tokens do not depend
+    on the tree's shape, hence not on its batch-mates (whose progress and the batch's size shape the trees)."""
     rows = len(parents)
     device = target_probs.device
-    k = max((len(t) for t in tokens), default=0)
+    children: list[dict[int, dict[int, int]]] = []  # per row: node -> {token: first child carrying it}
+    for b, row in enumerate(parents):
+        kids: dict[int, dict[int, int]] = {}
+        for i, p in enumerate(row):
+            kids.setdefault(p, {}).setdefault(int(tokens[b][i]), i)
+        children.append(kids)
+    node = [-1] * rows
+    paths: list[list[int]] = [[] for _ in range(rows)]
+    next_tokens = [0] * rows
+    walking = list(range(rows))
     index = torch.arange(rows, device=device)
-    if k:
-        parent_slot = torch.zeros(rows, k, dtype=torch.long)
-        token_t = torch.zeros(rows, k, dtype=torch.long)
-        for b, row in enumerate(parents):
-            n = len(row)
-            if n:
-                parent_slot[b, :n] = torch.as_tensor(row, dtype=torch.long) + 1
-                token_t[b, :n] = torch.as_tensor(list(tokens[b]), dtype=torch.long)
-        p_at = target_probs[index[:, None], parent_slot.to(device), token_t.to(device)].double().tolist()
-    else:
-        p_at = [[] for _ in range(rows)]
-    paths, finals, excluded, uniforms = [], [], [], []
-    for b in range(rows):
-        n = len(parents[b])
-        u = [0.5] * (n + 1) if greedy[b] else \
-            torch.rand(n + 1, generator=generators[b], device=generators[b].device, dtype=torch.float64).tolist()
-        children: dict[int, list[int]] = {}
-        for i, p in enumerate(parents[b]):
-            children.setdefault(p, []).append(i)
-        node, path, used = -1, [], 0
-        rejected: list[int] = []
-        while True:
-            mass, rejected, taken = 0.0, [], None
-            for child in children.get(node, ()):
-                token = tokens[b][child]
-                if token in rejected:
-                    continue  # a repeated sibling: the residual gives it nothing
-                if u[used] < residual_probability(p_at[b][child], mass):
-                    taken = child
-                    used += 1
-                    break
-                used += 1
-                mass += p_at[b][child]
-                rejected.append(token)
-            if taken is None:
-                break
-            path.append(taken)
-            node = taken
-        paths.append(path)
-        finals.append(node + 1)
-        excluded.append(rejected)
-        uniforms.append(u[n])
-    final_t = torch.tensor(finals, device=device)
-    probs = without_rejected(target_probs[index, final_t].double(), excluded)  # [rows, vocab]
-    if all(greedy):
-        next_tokens = probs.argmax(-1)
-    else:
-        u_t = torch.tensor(uniforms, dtype=torch.float64, device=device)[:, None]
-        next_tokens = invert_cdf(probs, u_t)
-        if any(greedy):
-            next_tokens = torch.where(torch.tensor(list(greedy), device=device), probs.argmax(-1), next_tokens)
-    return TreeAcceptance(paths, next_tokens.tolist(), finals)
+    while walking:
+        slots = torch.tensor([node_slot(node[b]) for b in walking], device=device)
+        probs = target_probs[index[walking], slots]  # [walking, vocab]
+        sampled = [b for b in walking if not greedy[b]]
+        drawn = probs.argmax(-1)
+        if sampled:
+            u = draw_uniforms([generators[b] for b in walking], [0 if greedy[b] else 1 for b in walking], 1, device)
+            drawn = torch.where(torch.tensor([greedy[b] for b in walking], device=device), drawn,
+                                invert_cdf(probs, u))
+        still = []
+        for b, token in zip(walking, drawn.tolist()):  # one host copy a depth
+            child = children[b].get(node[b], {}).get(token)
+            if child is None:
+                next_tokens[b] = token
+            else:
+                paths[b].append(child)
+                node[b] = child
+                still.append(b)
+        walking = still
+    return TreeAcceptance(paths, next_tokens, [node_slot(n) for n in node])
 
 
-def residual_probability(p: float, rejected_mass: float) -> float:
-    """r(x) for a candidate x: p(x) renormalised over what the rejected siblings left (1 - their mass)."""
-    left = 1.0 - rejected_mass
-    return p / left if left > 0 else 0.0
-
-
-def without_rejected(probs: torch.Tensor, excluded: Sequence[Sequence[int]]) -> torch.Tensor:
-    """probs [rows, vocab] with row b's rejected candidates `excluded[b]` at zero (unnormalised; the sampler
-    scales by the total), or the distribution itself where almost no mass is left."""
-    cut = [(b, t) for b, tokens in enumerate(excluded) for t in tokens]
-    if not cut:
-        return probs
-    out = probs.clone()
-    out[torch.tensor([b for b, _ in cut], device=probs.device), torch.tensor([t for _, t in cut], device=probs.device)] = 0.0
-    return torch.where(out.sum(-1, keepdim=True) < ZERO_RESIDUAL, probs, out)
+def accept_chains(draft: RowsDraft, target_probs: torch.Tensor, generators: Sequence[torch.Generator],
+                  greedy: Sequence[bool]) -> RowsAcceptance:
+    """`accept_tree` over chains of deterministic candidates (lookup, suffix): the same acceptance probabilities
+    as speculative sampling with one-hot proposals, and one uniform per committed token."""
+    tokens = draft.tokens.tolist() if draft.width else [[] for _ in draft.counts]
+    tokens = [row[:c] for row, c in zip(tokens, draft.counts)]
+    out = accept_tree([chain_parents(c) for c in draft.counts], tokens, target_probs, generators, greedy)
+    return RowsAcceptance(num_accepted=[len(path) for path in out.paths], next_tokens=out.next_tokens)
 
 
 # ------------------------------------------------------------------ growing trees from a drafter's distributions

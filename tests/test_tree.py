@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import draftwise
+import draftwise.engine as engine_module
 import draftwise.tree as tree_module
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
@@ -345,14 +346,22 @@ def test_eagle_head_trees_reproduce_the_target_joint_distribution():
     assert p_value > ALPHA, f"eagle tree: chi-square p = {p_value:.3g}"
 
 
-@pytest.mark.parametrize("bug", ["no-renormalisation", "rejected-kept"])
+@pytest.mark.parametrize("bug", ["slot-off-by-one", "argmax-walk"])
 def test_control_tree_acceptance_bugs_are_rejected(bug, monkeypatch):
-    """Accepting a later sibling with p(x) instead of p(x) / (1 - rejected mass), or drawing the next token from
-    p without removing the rejected siblings, must fail the same test."""
-    if bug == "no-renormalisation":
-        monkeypatch.setattr(tree_module, "residual_probability", lambda p, mass: p)
+    """Drawing a node's token from its parent's distribution (a slot off by one), or walking the tree with the
+    target's argmax while sampling only the last token, must fail the same test."""
+    if bug == "slot-off-by-one":
+        monkeypatch.setattr(tree_module, "node_slot", lambda node: max(node, 0))
     else:
-        monkeypatch.setattr(tree_module, "without_rejected", lambda probs, excluded: probs)
+        original = tree_module.accept_tree
+
+        def argmax_walk(parents, tokens, target_probs, generators, greedy):
+            walked = original(parents, tokens, target_probs, generators, [True] * len(parents))
+            last = original([()] * len(parents), [[]] * len(parents),
+                            target_probs[torch.arange(len(parents)), walked.final_slots][:, None], generators, greedy)
+            return tree_module.TreeAcceptance(walked.paths, last.next_tokens, walked.final_slots)
+
+        monkeypatch.setattr(engine_module, "accept_tree", argmax_walk)
     kwargs, expected = _tree_joint_case("sd", 6, 2)
     counts, _ = sample_joint(N_TREE_CONTROL, 2, 6, **kwargs)
     p_value = pooled_chisquare(counts, expected)
