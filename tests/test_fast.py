@@ -486,11 +486,17 @@ def test_read_gguf_weights_reads_a_written_q4_1_tensor(tmp_path):
     assert torch.equal(back.zeros, tensor.zeros)
 
 
+@pytest.mark.parametrize("codes", [False, True])
 @pytest.mark.parametrize("vocab", [64, 72])
-def test_gguf_formats_lm_head_runs_the_file_weights(vocab, tmp_path):
-    """GGUFFormats gives a Q4_0 LM head as an Int4Linear when PyTorch's int4 kernel can pack it (rows a multiple
-    of 16: vocabulary 64) and as float weights otherwise (vocabulary 72; the kernel refuses it, which used to
-    fail the runner's construction); either way it dequantises to exactly what the gguf package reads."""
+def test_gguf_formats_lm_head_runs_the_file_weights(vocab, codes, tmp_path):
+    """With draftwise's codes kernel, GGUFFormats gives a Q4_0 LM head as a CodesLinear whatever its rows; without
+    it, as an Int4Linear when PyTorch's int4 kernel can pack it (rows a multiple of 16: vocabulary 64) and as float
+    weights otherwise (vocabulary 72; the kernel refuses it, which used to fail the runner's construction); either
+    way it dequantises to exactly what the gguf package reads."""
+    from draftwise.models import qkernel
+
+    if codes and not qkernel.available():
+        pytest.fail(f"the codes kernel is not built here: {qkernel.problem()}")
     from gguf import GGMLQuantizationType, quants
 
     model = tiny_llama(51, vocab=vocab)
@@ -499,9 +505,10 @@ def test_gguf_formats_lm_head_runs_the_file_weights(vocab, tmp_path):
     path = tmp_path / "head.gguf"
     _write_gguf(path, {"output.weight": (raw, "q4_0")})
     formats = GGUFFormats(path, model, torch.float32)
+    formats.codes = codes
     weights = torch.from_numpy(_gguf_dequantize(raw, "q4_0"))
     linear = formats.linear("lm_head", [("lm_head", weights)], weights, None)
-    assert isinstance(linear, Int4Linear if vocab % 16 == 0 else FloatLinear)
+    assert isinstance(linear, qkernel.CodesLinear if codes else Int4Linear if vocab % 16 == 0 else FloatLinear)
     assert torch.equal(linear.dequantized(), weights)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
     assert _error(linear(x), x @ weights.T) < 1e-5

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .qkernel import CodesLinear, CodesProjection, JoinedLinear, joined
+
 FAST_FAMILIES = {"llama", "mistral", "qwen2"}
 PER_ROW_MAX_FILL = 0.75  # attention runs row by row when live keys or real queries fill at most this share
 PACKED_ROWS_WIDTH = 8  # up to this many tokens per row, row-by-row attention reads padded queries (one cache write)
@@ -147,7 +149,7 @@ class Int4Linear:
         return ((self.codes.float() - 8) * scales + zeros).to(self.dtype)
 
 
-Linear = FloatLinear | Int8Linear | Int4Linear
+Linear = FloatLinear | Int8Linear | Int4Linear | CodesLinear | JoinedLinear
 
 
 # ------------------------------------------------------------------ the model
@@ -178,7 +180,7 @@ def supports(model) -> str | None:
     if getattr(config, "pretraining_tp", 1) not in (1, None):
         return "tensor-parallel pretraining layout"
     head = model.get_output_embeddings()
-    if head is None or not isinstance(head, torch.nn.Linear):
+    if head is None or not isinstance(head, (torch.nn.Linear, CodesProjection)):
         return "no plain LM head"
     return None
 
@@ -194,10 +196,14 @@ class FastModel:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = float(config.rms_norm_eps)
-        self.embed = base.embed_tokens.weight.detach()
-        self.dtype = self.embed.dtype
-        self.device = self.embed.device
         self.norm = base.norm.weight.detach()
+        embedding = base.embed_tokens
+        # a model loaded straight from a GGUF file keeps its embedding and projections in their codes
+        # (qkernel.CodesEmbedding / CodesProjection): the lookup and the products run from the codes
+        self.embed = None if getattr(embedding, "codes", None) is not None else embedding.weight.detach()
+        self._lookup = embedding if self.embed is None else None
+        self.dtype = self.embed.dtype if self.embed is not None else embedding.dtype
+        self.device = self.norm.device
         self.rotary = base.rotary_emb
         self.scaling = self.head_dim ** -0.5
         self.cache_dtype = cache_dtype(self.dtype, self.device)
@@ -205,6 +211,14 @@ class FastModel:
         layers = []
         for index, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            if isinstance(attn.q_proj, CodesProjection):  # loaded straight from a GGUF file: the codes as they are
+                layers.append(FastLayer(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    qkv=joined([attn.q_proj.linear, attn.k_proj.linear, attn.v_proj.linear]),
+                    o=attn.o_proj.linear, gate_up=joined([mlp.gate_proj.linear, mlp.up_proj.linear]),
+                    down=mlp.down_proj.linear))
+                continue
             qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
             qkv_b = None
             if attn.q_proj.bias is not None:
@@ -226,7 +240,10 @@ class FastModel:
             ))
         self.layers = layers
         head = model.get_output_embeddings()
-        self.head = make_linear("lm_head", [("lm_head", head.weight.detach())], head.weight.detach(), _bias(head))
+        if isinstance(head, CodesProjection):
+            self.head = head.linear
+        else:
+            self.head = make_linear("lm_head", [("lm_head", head.weight.detach())], head.weight.detach(), _bias(head))
         self._cos = self._sin = None
         self._rope_len = 0
 
@@ -239,7 +256,7 @@ class FastModel:
             length = max(256, self._rope_len)
             while length < need:
                 length *= 2
-            x = self.embed[:1][None]
+            x = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(x, torch.arange(length, device=self.device)[None])
             half = self.head_dim // 2
             sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)  # rotate_half(x) = swap halves, negate 1st
@@ -267,7 +284,7 @@ class FastModel:
         step = cache._step
         flat_pos = pack.flat(positions)
         if ids is not None:
-            h = F.embedding(pack.flat(ids), self.embed)
+            h = F.embedding(pack.flat(ids), self.embed) if self.embed is not None else self._lookup(pack.flat(ids))
         else:
             h = pack.flat(embeds).to(self.dtype)
         cos, sin = self._rope(flat_pos)

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import DraftwiseError, ModelNotAvailableError
-from . import registry
+from . import qkernel, registry
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -107,15 +107,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | 
 
 def weight_format(dtype: str | torch.dtype | None, *, gguf: bool, device: torch.device) -> str | None:
     """What `dtype` asks of the weights: 'gguf', 'int8' or None (float). 'auto' keeps a GGUF file's own
-    quantisation on a CPU with native bf16 (PyTorch's int4 CPU kernel is fast with bf16 activations only);
-    an explicit float type or 'dequantize' never does."""
+    quantisation on a CPU where draftwise's codes kernel is built (models/qkernel.py), or failing that where the
+    CPU has native bf16 (PyTorch's int4 CPU kernel is fast with bf16 activations only); an explicit float type or
+    'dequantize' never does."""
     name = str(dtype).lower() if isinstance(dtype, str) else None
     if name == "gguf" and not gguf:
         raise DraftwiseError("dtype 'gguf' keeps a GGUF file's quantisation, but this model was not loaded from "
                              "a .gguf file; choose auto, bf16, fp16, fp32 or int8")
     if name == "gguf" and device.type != "cpu":
         raise DraftwiseError("dtype 'gguf' runs PyTorch's int4 CPU kernel; on a GPU choose auto, bf16, fp16 or int8")
-    if name == "gguf" or (name in ("auto", None) and gguf and device.type == "cpu" and cpu_has_native_bf16()):
+    if name == "gguf" or (name in ("auto", None) and gguf and device.type == "cpu"
+                          and (cpu_has_native_bf16() or qkernel.available())):
         return "gguf"
     return "int8" if name == "int8" else None
 
@@ -173,10 +175,12 @@ def load_model(
             torch_dtype = resolve_dtype("auto", target_device)
         _not_a_model(str(spec))
         formats = weight_format(dtype, gguf=loaded_gguf(str(spec)) is not None, device=target_device)
-        if formats == "gguf":  # the int4 kernel's fast path takes bf16 activations (fp32 runs 40x slower)
-            torch_dtype = torch.bfloat16
-        with _progress_bars(progress):
-            loaded = _load_from_string(str(spec), torch_dtype)
+        if formats == "gguf" and not qkernel.available():  # PyTorch's int4 kernel is fast with bf16 activations
+            torch_dtype = torch.bfloat16  # only (fp32 runs 40x slower); draftwise's kernel takes either
+        loaded = _load_codes(str(spec), torch_dtype) if formats == "gguf" else None
+        if loaded is None:
+            with _progress_bars(progress):
+                loaded = _load_from_string(str(spec), torch_dtype)
         if tokenizer is not None:
             loaded.tokenizer = _load_tokenizer(tokenizer)
     else:
@@ -212,6 +216,24 @@ def loaded_gguf(spec: str) -> Path | None:
     return None
 
 
+def _load_codes(spec: str, dtype: torch.dtype) -> LoadedModel | None:
+    """A GGUF file (or registry entry) loaded straight into its codes (models/gguf_codes.py); None where that
+    path does not serve it (the dequantising loader then runs)."""
+    from . import gguf_codes
+
+    path = loaded_gguf(spec)
+    if path is None:
+        return None
+    name = spec if registry.entry(spec) is not None else Path(spec).stem
+    try:
+        with _load_errors(path, "the GGUF file"):
+            model, tokenizer = gguf_codes.load(path, dtype, name=name)
+    except gguf_codes.Unsupported:
+        return None
+    model.__dict__["draftwise_codes"] = True
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
 def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None, *, explicit: bool) -> None:
     """Give the model the weight format its fast forward runs (see `models.quant`). Where 'auto' chose a GGUF's
     quantisation and the fast forward cannot run the model, or the file holds no Q4_0 / Q4_1 / Q8_0 tensor, the
@@ -222,6 +244,12 @@ def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None,
     model = loaded.model
     model.__dict__.pop("draftwise_formats", None)
     model.__dict__.pop("_draftwise_fast", None)
+    if model.__dict__.get("draftwise_codes"):  # loaded in its codes: nothing to build
+        from .gguf_codes import CodesFormats
+
+        model.__dict__["draftwise_formats"] = CodesFormats(model)
+        model.__dict__["draftwise_weights"] = "gguf"
+        return
     if formats is None:
         return
     why = supports(model)

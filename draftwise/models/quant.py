@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..errors import DraftwiseError
+from . import qkernel
 from .fast import FloatLinear, Int4Linear, Int8Linear
 
 GROUP = 32
@@ -138,8 +139,7 @@ def _decode_k(kind: str, raw: np.ndarray) -> GGUFTensor:
         codes = ((nibbles >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(out, -1)
         scales = (d * sc.astype(np.float32)).reshape(out, -1)
         zeros = -(dmin * mn.astype(np.float32)).reshape(out, -1)
-        return GGUFTensor(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scales),
-                          torch.from_numpy(zeros))
+        return GGUFTensor(kind, torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros))
     blocks = raw.reshape(out, -1, 210)
     low = blocks[..., :128].reshape(out, -1, 2, 1, 64)  # two halves of 128 weights
     low = ((low >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(out, -1, 2, 4, 32)
@@ -149,7 +149,7 @@ def _decode_k(kind: str, raw: np.ndarray) -> GGUFTensor:
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [out, blocks, 16]
     d = _f16(blocks[..., 208:210])[..., None]
     scales = (d * sc).reshape(out, -1)
-    return GGUFTensor(kind, torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scales), None)
+    return GGUFTensor(kind, torch.from_numpy(codes), torch.from_numpy(scales), None)
 
 
 def encode(tensor: GGUFTensor) -> np.ndarray:
@@ -221,6 +221,36 @@ def _match_rows(tensor: GGUFTensor, weight: torch.Tensor, name: str, heads: tupl
     raise DraftwiseError(f"GGUF tensor {name} does not match the model's weights (another file?)")
 
 
+def join(tensors: list[GGUFTensor]) -> GGUFTensor:
+    """Tensors of one kind stacked along the output rows (a fused projection)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    zeros = None if tensors[0].zeros is None else torch.cat([t.zeros for t in tensors])
+    return GGUFTensor(tensors[0].kind, torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
+                      zeros)
+
+
+def codes_linear(tensors: list[GGUFTensor], bias: torch.Tensor | None):
+    """A fused projection in its codes on draftwise's kernel: one product over parts of one kind, or one per run of
+    parts of the same kind, outputs joined (Q4_K_M files mix Q4_K and Q6_K in one layer's q, k, v)."""
+    runs: list[list[GGUFTensor]] = []
+    for t in tensors:
+        if runs and runs[-1][0].kind == t.kind:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    pieces = []
+    start = 0
+    for run in runs:
+        joined = join(run)
+        rows = joined.codes.shape[0]
+        piece_bias = None if bias is None else bias[start: start + rows]
+        pieces.append(qkernel.CodesLinear(joined.kind, joined.codes, joined.scales, joined.zeros, joined.group,
+                                          _OFFSET[joined.kind], piece_bias, torch.float32))
+        start += rows
+    return pieces[0] if len(pieces) == 1 else qkernel.JoinedLinear(pieces)
+
+
 class NoQuantisedTensors(DraftwiseError):
     pass
 
@@ -235,6 +265,7 @@ class GGUFFormats:
             raise NoQuantisedTensors(f"{path}: no quantised tensors ({', '.join(QUANTISED)}) to keep; load it "
                                     "with a float dtype")
         self.dtype = activation_dtype
+        self.codes = qkernel.available()  # draftwise's kernel runs every kind in its codes
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.kinds: dict[str, int] = {}
         config = model.config
@@ -245,14 +276,17 @@ class GGUFFormats:
                bias: torch.Tensor | None):
         found = [self.tensors.get(gguf_name(part, self.tied)) for part, _ in parts]
         kinds = {t.kind if t is not None else "float" for t in found}
-        if len(kinds) != 1 or "float" in kinds:  # mixed or float parts: the dequantised weights
+        if "float" in kinds or (len(kinds) != 1 and not self.codes):  # float parts: the dequantised weights
             self.kinds["float"] = self.kinds.get("float", 0) + 1
             return FloatLinear(weight, bias)
+        matched = [_match_rows(t, w, gguf_name(p, self.tied), self.heads) for t, (p, w) in zip(found, parts)]
+        if self.codes:  # draftwise's kernel: every kind in its codes, one product per part where kinds differ
+            for t in matched:
+                self.kinds[t.kind] = self.kinds.get(t.kind, 0) + 1
+            return codes_linear(matched, bias)
         kind = kinds.pop()
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
-        matched = [_match_rows(t, w, gguf_name(p, self.tied), self.heads) for t, (p, w) in zip(found, parts)]
-        joined = GGUFTensor(kind, torch.cat([t.codes for t in matched]), torch.cat([t.scales for t in matched]),
-                            None if matched[0].zeros is None else torch.cat([t.zeros for t in matched]))
+        joined = join(matched)
         # 5-, 6- and 8-bit codes (see the module docstring), or a row count PyTorch's int4 kernel cannot pack (it
         # needs a multiple of 16): float from the exactly dequantised blocks
         if kind not in _FOUR_BIT or joined.codes.shape[0] % 16:
@@ -261,7 +295,8 @@ class GGUFFormats:
         return Int4Linear(codes, scales, zeros, GROUP, bias, self.dtype)
 
     def describe(self) -> str:
-        return "gguf (" + ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) + " projections)"
+        kernel = "draftwise's codes kernel" if self.codes else "PyTorch's kernels"
+        return "gguf (" + ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) + f" projections; {kernel})"
 
 
 class Int8Formats:

@@ -1,0 +1,121 @@
+"""draftwise's kernel for weights in their GGUF codes (models/qkernel.py, csrc/qmm.cpp) and the loader that keeps a
+file in its codes (models/gguf_codes.py).
+
+- The product equals the float product of the exactly dequantised weights (float64 reference, fp32 rounding), for
+  every code kind, and a row's result is bitwise the same whatever the number of rows in the product (1..33).
+- The portable loop and the AVX2 path agree within fp32 rounding.
+- SmolLM2's shipped Q4_1 file loaded in its codes (Llama: q and k rows reordered from llama.cpp's layout) gives the
+  dequantising loader's logits within fp32 rounding and its greedy tokens; with the row order left as stored (the
+  negative control) it does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from draftwise.models import qkernel
+from draftwise.models.quant import _OFFSET, _decode
+
+from test_kquants import random_blocks
+
+KINDS = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q8_0": 32, "q4_k": 256, "q6_k": 256}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not qkernel.available():
+        pytest.fail(f"the codes kernel is not built: {qkernel.problem()} (make install builds it)")
+
+
+def _linear(kind: str, rows: int, inputs: int, seed: int = 0) -> tuple[qkernel.CodesLinear, torch.Tensor]:
+    tensor = _decode(kind, random_blocks(kind, rows, inputs // KINDS[kind], seed=seed))
+    linear = qkernel.CodesLinear(kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group, _OFFSET[kind],
+                                 None, torch.float32)
+    return linear, tensor.dequantized()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_product_is_the_dequantised_product_and_rows_never_depend_on_their_batch(kind):
+    linear, weights = _linear(kind, 36, 512)
+    assert torch.equal(linear.dequantized(), weights)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1))
+    full = linear(x)
+    reference = x.double() @ weights.double().T
+    assert float((full.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+    for width in (1, 2, 5, 8, 16, 17):
+        for start in (0, 33 - width):
+            assert torch.equal(linear(x[start: start + width]), full[start: start + width]), (width, start)
+
+
+def test_the_portable_loop_agrees_with_the_avx2_path():
+    linear, _ = _linear("q4_k", 8, 256)
+    x = torch.randn(3, 256)
+    fast = qkernel.load().qmm(x, linear.codes, linear.bits, linear.scales, linear.zeros, linear.group, False)
+    portable = qkernel.load().qmm(x, linear.codes, linear.bits, linear.scales, linear.zeros, linear.group, True)
+    assert torch.allclose(fast, portable, rtol=1e-5, atol=1e-5 * float(portable.abs().max()))
+
+
+def test_bad_shapes_are_refused_by_the_kernel():
+    linear, _ = _linear("q8_0", 4, 64)
+    with pytest.raises(RuntimeError, match="codes do not match K"):
+        qkernel.load().qmm(torch.randn(2, 96), linear.codes, 8, linear.scales, None, 32, False)
+
+
+def test_joined_parts_share_their_codes_and_equal_the_parts():
+    a, wa = _linear("q4_k", 8, 256, seed=1)
+    b, wb = _linear("q4_k", 4, 256, seed=2)
+    c, wc = _linear("q6_k", 4, 256, seed=3)
+    same = qkernel.joined([a, b])
+    assert isinstance(same, qkernel.CodesLinear) and a.codes.data_ptr() == same.codes.data_ptr()  # views
+    mixed = qkernel.joined([same, c])
+    assert isinstance(mixed, qkernel.JoinedLinear)
+    x = torch.randn(2, 256)
+    assert torch.equal(mixed(x), torch.cat([a(x), b(x), c(x)], -1))
+    assert torch.equal(mixed.dequantized(), torch.cat([wa, wb, wc]))
+
+
+def test_an_embedding_in_codes_reads_its_rows():
+    linear, weights = _linear("q4_k", 40, 256)
+    embedding = qkernel.CodesEmbedding(linear, torch.float32)
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    assert torch.equal(embedding(ids), weights[ids])
+
+
+# ----------------------------------------------------------------------------- a real file in its codes
+
+@pytest.fixture(scope="module")
+def smollm2_both():
+    from draftwise.models.loading import load_model
+
+    return load_model("smollm2-135m", dtype="gguf"), load_model("smollm2-135m", dtype="fp32")
+
+
+def _logits(loaded, ids):
+    with torch.inference_mode():
+        return loaded.model(torch.tensor([ids])).logits[0].double()
+
+
+def test_the_shipped_file_in_its_codes_is_the_dequantised_model(smollm2_both):
+    import draftwise
+
+    codes, dequantized = smollm2_both
+    assert codes.model.__dict__.get("draftwise_codes") and "gguf codes" in codes.weights
+    assert not any(isinstance(m, torch.nn.Linear) for m in codes.model.modules())  # no float projection kept
+    ids = codes.tokenizer("def add(a, b):\n    return")["input_ids"]
+    a, b = _logits(codes, ids), _logits(dequantized, ids)
+    assert float((a - b).abs().max()) <= 1e-3 * float(b.abs().max())
+    kwargs = dict(method="ar", temperature=0, max_new_tokens=16, ignore_eos=True)
+    assert draftwise.generate(codes, ids, **kwargs).token_ids == draftwise.generate(dequantized, ids, **kwargs).token_ids
+
+
+def test_control_the_files_row_order_left_as_stored_is_caught(smollm2_both, monkeypatch):
+    from draftwise.models import gguf_codes
+    from draftwise.models.loading import load_model
+
+    _, dequantized = smollm2_both
+    monkeypatch.setattr(gguf_codes, "_llama_order", lambda rows, heads: torch.arange(rows))
+    wrong = load_model("smollm2-135m", dtype="gguf")
+    ids = wrong.tokenizer("def add(a, b):\n    return")["input_ids"]
+    a, b = _logits(wrong, ids), _logits(dequantized, ids)
+    assert float((a - b).abs().max()) > 1e-2 * float(b.abs().max())
