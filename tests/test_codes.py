@@ -96,6 +96,21 @@ def _logits(loaded, ids):
         return loaded.model(torch.tensor([ids])).logits[0].double()
 
 
+def test_a_warm_load_reads_the_codes_cache_and_equals_the_first(smollm2_both, monkeypatch, tmp_path):
+    """The first load decodes the file into a cache entry; the second reads it, decodes nothing, and gives the
+    same logits bit for bit."""
+    from draftwise.models import gguf_codes
+    from draftwise.models.loading import load_model
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    first = load_model("smollm2-135m", dtype="gguf")
+    monkeypatch.setattr(gguf_codes, "_decode", lambda *a: pytest.fail("a warm load decoded the file"))
+    second = load_model("smollm2-135m", dtype="gguf")
+    ids = first.tokenizer("x = [1, 2, 3]")["input_ids"]
+    assert torch.equal(_logits(first, ids), _logits(second, ids))
+    assert len(list((tmp_path / "models").glob("smollm2-135m-codes-*/codes.safetensors"))) == 1
+
+
 def test_the_shipped_file_in_its_codes_is_the_dequantised_model(smollm2_both):
     import draftwise
 
@@ -109,11 +124,12 @@ def test_the_shipped_file_in_its_codes_is_the_dequantised_model(smollm2_both):
     assert draftwise.generate(codes, ids, **kwargs).token_ids == draftwise.generate(dequantized, ids, **kwargs).token_ids
 
 
-def test_control_the_files_row_order_left_as_stored_is_caught(smollm2_both, monkeypatch):
+def test_control_the_files_row_order_left_as_stored_is_caught(smollm2_both, monkeypatch, tmp_path):
     from draftwise.models import gguf_codes
     from draftwise.models.loading import load_model
 
     _, dequantized = smollm2_both
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))  # a cache of its own: the codes are decoded again
     monkeypatch.setattr(gguf_codes, "_llama_order", lambda rows, heads: torch.arange(rows))
     wrong = load_model("smollm2-135m", dtype="gguf")
     ids = wrong.tokenizer("def add(a, b):\n    return")["input_ids"]

@@ -1,7 +1,9 @@
 """Loading a GGUF file straight into its codes: no float copy on disk, none in memory.
 
 transformers builds the model's skeleton on the meta device from the file's metadata (config and tokenizer, read
-once and kept in a small cache entry, `<cache>/models/<entry>-meta/`); the decoder's projections and the LM head
+once and kept in a small cache entry, `<cache>/models/<entry>-meta-<key>/`); the codes are decoded once into a cache
+entry of their own (`<entry>-codes-<key>/codes.safetensors`, packed for the kernel, about the file's size, written
+atomically by `cache.ensure_entry`), which later loads read as they are. The decoder's projections and the LM head
 become `qkernel.CodesProjection`s over the file's codes, the token embedding a `qkernel.CodesEmbedding` (a lookup
 dequantises the rows it reads), and only the norms and biases are float tensors. The codes are decoded once from
 the file (`models.quant`) and repacked for draftwise's kernel (4-bit codes two to a byte, wider codes a signed byte
@@ -21,6 +23,7 @@ import torch
 
 from .quant import QUANTISED, _OFFSET, GGUFTensor, _decode
 
+CODES_FORMAT = 1  # the layout of a codes cache entry (a change makes new entries)
 CHUNK_WEIGHTS = 1 << 24  # weights decoded at a time (about 50 MB of scratch)
 _PROJECTIONS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -111,86 +114,124 @@ def _llama_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def load(path: Path, dtype: torch.dtype, *, name: str):
-    """(model, tokenizer) with every projection in its codes, or raise Unsupported with the reason."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _build_codes(path: Path, config, out: Path) -> None:
+    """Decode every tensor the model needs from the file and write them, packed for the kernel, to
+    `out/codes.safetensors` (with what each is in its metadata): the cache a warm load reads."""
+    import json
+
+    from safetensors.torch import save_file
 
     from . import qkernel
-    from .fast import FAST_FAMILIES
 
-    if not qkernel.available():
-        raise Unsupported(f"the codes kernel is not built ({qkernel.problem()})")
-    meta = _meta_dir(path, name)
-    config = AutoConfig.from_pretrained(meta, local_files_only=True)
-    if config.model_type not in FAST_FAMILIES:
-        raise Unsupported(f"{config.model_type} models")
     tensors = _tensors(path)
-    tied = "output.weight" not in tensors
-    config.tie_word_embeddings = False  # the head is its own module here, over the embedding's codes if tied
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    base = model.base_model
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     llama = config.model_type == "llama"
+    flat: dict[str, torch.Tensor] = {}
+    meta: dict[str, dict] = {}
 
-    def codes_linear(name: str, bias=None, order=None) -> qkernel.CodesLinear:
-        """The tensor's codes, decoded in slices of rows (bounded scratch memory), then its pages released."""
-        kind, data, _ = entry = tensors[name]
-        rows = data.shape[0]
+    def put(key: str, name: str, order=None, bias=None) -> None:
+        """Tensor `name`'s codes, decoded in slices of rows (bounded scratch memory), then its pages released."""
+        kind, data, _ = tensors[name]
+        if kind not in QUANTISED:
+            raise Unsupported(f"a {kind} tensor ({name}; the codes kernel takes {', '.join(QUANTISED)})")
         step = max(1, CHUNK_WEIGHTS // max(1, data.shape[1]))
         pieces = []
-        for begin in range(0, rows, step):
-            index = None if order is None else order[begin: begin + step]
-            part = _codes((kind, data[begin: begin + step] if index is None else data[index.numpy()], None))
+        for begin in range(0, data.shape[0], step):
+            index = None if order is None else order[begin: begin + step].numpy()
+            part = _codes((kind, data[begin: begin + step] if index is None else data[index], None))
             pieces.append(qkernel.CodesLinear(part.kind, part.codes, part.scales, part.zeros, part.group,
-                                              _OFFSET[part.kind], None, dtype))
+                                              _OFFSET[part.kind], None, torch.float32))
             del part
         tensors.release(name)
         linear = qkernel.joined(pieces) if len(pieces) > 1 else pieces[0]
+        flat[key + ".codes"], flat[key + ".scales"] = linear.codes.contiguous(), linear.scales.contiguous()
+        if linear.zeros is not None:
+            flat[key + ".zeros"] = linear.zeros.contiguous()
         if bias is not None:
-            linear.bias = bias.float()
-        return linear
+            flat[key + ".bias"] = bias.float().contiguous()
+        meta[key] = {"kind": kind, "bits": linear.bits, "group": linear.group, "in": linear.in_features}
 
-    def projection(name: str, bias=None, order=None):
-        return qkernel.CodesProjection(codes_linear(name, bias, order))
-
-    def param(t: torch.Tensor) -> torch.nn.Parameter:
-        return torch.nn.Parameter(t.to(dtype), requires_grad=False)
-
-    for i, layer in enumerate(base.layers):
+    for i in range(config.num_hidden_layers):
         for attr, short in _PROJECTIONS.items():
-            owner_name, leaf = attr.split(".")
-            owner = getattr(layer, owner_name)
             key = f"blk.{i}.{short}"
             if key + ".weight" not in tensors:
                 raise Unsupported(f"no {key}.weight")
             order = None
             if llama and short in ("attn_q", "attn_k"):
                 order = _llama_order(tensors[key + ".weight"][1].shape[0], heads if short == "attn_q" else kv_heads)
-            if tensors[key + ".weight"][0] not in QUANTISED:
-                raise Unsupported(f"a {tensors[key + '.weight'][0]} projection ({key})")
             bias = _float(tensors[key + ".bias"]) if key + ".bias" in tensors else None
             if bias is not None and order is not None:
                 bias = bias[order]
-            if (getattr(owner, leaf).bias is not None) != (bias is not None):
-                raise Unsupported(f"{key}: the file's bias does not match the model's")
-            setattr(owner, leaf, projection(key + ".weight", bias, order))
-        layer.input_layernorm.weight = param(_float(tensors[f"blk.{i}.attn_norm.weight"]))
-        layer.post_attention_layernorm.weight = param(_float(tensors[f"blk.{i}.ffn_norm.weight"]))
-    base.norm.weight = param(_float(tensors["output_norm.weight"]))
-    base.embed_tokens = qkernel.CodesEmbedding(codes_linear("token_embd.weight"), dtype)
-    if tied:
-        model.lm_head = qkernel.CodesProjection(base.embed_tokens.codes)
-    else:
-        model.lm_head = projection("output.weight")
+            put(f"layers.{i}.{attr}", key + ".weight", order, bias)
+        flat[f"layers.{i}.input_layernorm"] = _float(tensors[f"blk.{i}.attn_norm.weight"])
+        flat[f"layers.{i}.post_attention_layernorm"] = _float(tensors[f"blk.{i}.ffn_norm.weight"])
+    flat["norm"] = _float(tensors["output_norm.weight"])
+    put("embed", "token_embd.weight")
+    if "output.weight" in tensors:
+        put("lm_head", "output.weight")
+    save_file(flat, str(out / "codes.safetensors"), metadata={"draftwise": json.dumps(meta)})
+
+
+def load(path: Path, dtype: torch.dtype, *, name: str):
+    """(model, tokenizer) with every projection in its codes, or raise Unsupported with the reason. The first load
+    decodes the file into a cache entry (`<name>-codes-<key>`, about the file's size); later loads read it."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from . import qkernel
+    from .cache import ensure_entry
+    from .fast import FAST_FAMILIES
+
+    if not qkernel.available():
+        raise Unsupported(f"the codes kernel is not built ({qkernel.problem()})")
+    meta_dir = _meta_dir(path, name)
+    config = AutoConfig.from_pretrained(meta_dir, local_files_only=True)
+    if config.model_type not in FAST_FAMILIES:
+        raise Unsupported(f"{config.model_type} models")
+    stat = path.stat()
+    key = hashlib.sha256(f"codes-{CODES_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
+    entry = ensure_entry(f"{safe}-codes-{key[:12]}", lambda out: _build_codes(path, config, out), source_sha256=key)
+    with safe_open(str(entry / "codes.safetensors"), framework="pt") as f:
+        meta = json.loads(f.metadata()["draftwise"])
+        flat = {k: f.get_tensor(k).clone() for k in f.keys()}  # owned memory: the map closes here
+
+    def linear(key: str) -> qkernel.CodesLinear:
+        info = meta[key]
+        return qkernel.CodesLinear.packed(info["kind"], info["bits"], info["group"], flat[key + ".codes"],
+                                          flat[key + ".scales"], flat.get(key + ".zeros"), flat.get(key + ".bias"),
+                                          info["in"])
+
+    config.tie_word_embeddings = False  # the head is its own module here, over the embedding's codes if tied
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    base = model.base_model
+
+    def param(t: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(t.to(dtype), requires_grad=False)
+
+    for i, layer in enumerate(base.layers):
+        for attr in _PROJECTIONS:
+            owner_name, leaf = attr.split(".")
+            owner = getattr(layer, owner_name)
+            if (getattr(owner, leaf).bias is not None) != (f"layers.{i}.{attr}.bias" in flat):
+                raise Unsupported(f"layer {i} {attr}: the file's bias does not match the model's")
+            setattr(owner, leaf, qkernel.CodesProjection(linear(f"layers.{i}.{attr}")))
+        layer.input_layernorm.weight = param(flat[f"layers.{i}.input_layernorm"])
+        layer.post_attention_layernorm.weight = param(flat[f"layers.{i}.post_attention_layernorm"])
+    base.norm.weight = param(flat["norm"])
+    base.embed_tokens = qkernel.CodesEmbedding(linear("embed"), dtype)
+    model.lm_head = qkernel.CodesProjection(linear("lm_head") if "lm_head" in meta else base.embed_tokens.codes)
     with torch.device("cpu"):
         base.rotary_emb = type(base.rotary_emb)(config=config)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise Unsupported(f"tensors the file does not fill: {', '.join(left[:3])}")
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(meta, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(meta_dir, local_files_only=True)
     return model, tokenizer
 
 

@@ -285,6 +285,9 @@ def load_draft(
 
     if isinstance(dtype, str) and dtype.lower() in ("auto", *WEIGHT_FORMATS):
         dtype = None  # a draft runs in its target's float type
+    if dtype is None and target.model.__dict__.get("draftwise_codes") and isinstance(spec, (str, os.PathLike)) \
+            and loaded_gguf(str(spec)) is not None:
+        dtype = "auto"  # a target in its GGUF codes: a GGUF draft in its own codes too, same activations
     if isinstance(spec, DraftHead):
         head = spec
     else:
@@ -354,6 +357,9 @@ def resolve_path(spec: str | os.PathLike) -> Path | None:
     """A registry name or an existing path -> its local directory/file (None for anything else)."""
     spec = str(spec)
     if spec in registry.names():
+        entry = registry.entry(spec)
+        if entry.gguf is not None and entry.cached() != "ready":  # a GGUF entry not converted: its file (no
+            return entry.gguf()  # float copy is made to answer what the spec is)
         return registry.resolve(spec)
     path = Path(spec).expanduser()
     return path if path.exists() else None

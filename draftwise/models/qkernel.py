@@ -91,6 +91,18 @@ class CodesLinear:
         self.scales = scales.float().contiguous()
         self.bias = None if bias is None else bias.float()
 
+    @classmethod
+    def packed(cls, kind: str, bits: int, group: int, codes: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor | None, bias: torch.Tensor | None, in_features: int) -> "CodesLinear":
+        """From codes already packed for the kernel (a cache entry's tensors)."""
+        out = cls.__new__(cls)
+        out.kind, out.bits, out.group, out.dtype = kind, int(bits), int(group), torch.float32
+        out.out_features, out.in_features = codes.shape[0], int(in_features)
+        out.codes, out.scales, out.zeros, out.bias = codes, scales, zeros, bias
+        if codes.shape[1] != (in_features // 2 if out.bits == 4 else in_features):
+            raise ValueError(f"{kind}: codes of shape {tuple(codes.shape)} do not hold {in_features} inputs")
+        return out
+
     def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).float().contiguous()
