@@ -24,6 +24,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from .errors import DraftwiseError
+from .models.qkernel import out_rows, weight_rows
 
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "eagle.safetensors"
@@ -92,7 +93,7 @@ class EagleHead(DraftHead):
         if self._shared.get("target") is target_model:
             return self
         hidden = target_model.config.hidden_size
-        vocab = target_model.get_output_embeddings().weight.shape[0]
+        vocab = out_rows(target_model.get_output_embeddings())
         if hidden != self.config.hidden_size or vocab != self.config.target_vocab_size:
             raise DraftwiseError(
                 f"this EAGLE head was trained for a target with hidden size {self.config.hidden_size} and vocabulary "
@@ -100,8 +101,8 @@ class EagleHead(DraftHead):
             )
         self._shared["target"] = target_model
         self._shared["embed"] = target_model.get_input_embeddings()
-        weight = target_model.get_output_embeddings().weight.detach()
-        self._shared["head_weight"] = weight[self.vocab_ids.to(weight.device)].to(self.fc.weight.dtype)
+        head = target_model.get_output_embeddings()
+        self._shared["head_weight"] = weight_rows(head, self.vocab_ids.to(self.fc.weight.device)).to(self.fc.weight.dtype)
         return self
 
     @property

@@ -35,6 +35,7 @@ from torch import nn
 
 from .eagle import DraftHead
 from .errors import DraftwiseError
+from .models.qkernel import out_rows, weight_rows
 
 CONFIG_FILE = "eagle3.json"
 WEIGHTS_FILE = "eagle3.safetensors"
@@ -278,7 +279,7 @@ class Eagle3Head(DraftHead):
         if self._shared.get("target") is target_model:
             return self
         hidden = target_model.config.hidden_size
-        vocab = target_model.get_output_embeddings().weight.shape[0]
+        vocab = out_rows(target_model.get_output_embeddings())
         layers = target_model.config.num_hidden_layers
         if hidden != self.config.hidden_size or vocab != self.config.target_vocab_size or \
                 max(self.config.feature_layers) >= layers:
@@ -291,15 +292,17 @@ class Eagle3Head(DraftHead):
         self._shared["embed"] = target_model.get_input_embeddings()
         if self.config.shared_lm_head:
             with torch.no_grad():
-                rows = target_model.get_output_embeddings().weight.detach()[self.vocab_ids.to(self.fc.weight.device)]
+                rows = weight_rows(target_model.get_output_embeddings(), self.vocab_ids.to(self.fc.weight.device))
                 self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
         return self
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if "embed" not in self._shared:
             raise DraftwiseError("EAGLE-3 head used before attach(target_model)")
-        weight = self._shared["embed"].weight.detach()  # the target's: frozen, no gradient
-        return F.embedding(tokens, weight).to(self.fc.weight.dtype)
+        embedding = self._shared["embed"]  # the target's: frozen, no gradient
+        if not isinstance(embedding, nn.Embedding):  # a target in its GGUF codes: the rows read, dequantised
+            return embedding(tokens).to(self.fc.weight.dtype)
+        return F.embedding(tokens, embedding.weight.detach()).to(self.fc.weight.dtype)
 
     def step_input(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x: target features [..., 3H] (fused by fc) or the previous step's output [..., H]; tokens [...]
@@ -360,7 +363,7 @@ class Eagle3Head(DraftHead):
         config = Eagle3Config(
             hidden_size=tc.hidden_size, num_heads=heads, num_kv_heads=getattr(tc, "num_key_value_heads", heads),
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads, intermediate_size=intermediate_size,
-            target_vocab_size=int(target_model.get_output_embeddings().weight.shape[0]),
+            target_vocab_size=out_rows(target_model.get_output_embeddings()),
             feature_layers=tuple(feature_layers or eagle3_layers(tc.num_hidden_layers)),
             rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
             rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", None)
@@ -369,8 +372,7 @@ class Eagle3Head(DraftHead):
             shared_lm_head=shared_lm_head)
         head = cls(config, vocab_ids)
         with torch.no_grad():
-            weight = target_model.get_output_embeddings().weight.detach().float()
-            head.lm_head.weight.copy_(weight[vocab_ids])
+            head.lm_head.weight.copy_(weight_rows(target_model.get_output_embeddings(), vocab_ids).float())
             norm = getattr(target_model.base_model, "norm", None)
             if norm is not None and getattr(norm, "weight", None) is not None:
                 head.norm.weight.copy_(norm.weight.detach().float())

@@ -45,6 +45,7 @@ from .drafters import PREFILL_CHUNK, PREFILL_TOKENS
 from .protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
 from .rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
 from .tree import TreeBudget, accept_chains, accept_tree, depths, verify_mask
+from .models.qkernel import out_rows
 
 
 PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
@@ -111,7 +112,7 @@ class Engine:
             sequence=list(request.prompt_ids), submitted=time.perf_counter(),
         )
         if request.grammar is not None:
-            vocab = self.target.vocab_size or self.target.model.get_output_embeddings().weight.shape[0]
+            vocab = self.target.vocab_size or out_rows(self.target.model.get_output_embeddings())
             row.grammar = compiler_for(self.tokenizer, vocab, request.eos_token_ids).state(
                 request.grammar, self.target.device)
         self.waiting.append(row)

@@ -34,6 +34,7 @@ import torch
 
 from .acceptance import Rule, StepDistributions
 from .errors import DraftwiseError
+from .models.qkernel import weight_rows
 from .sampling import SamplingConfig
 
 FEATURES = ("hidden", "embedding", "stats")
@@ -54,7 +55,7 @@ def draft_fingerprint(model: torch.nn.Module, *, legacy: bool = False) -> str:
     else:
         config = model.config
         shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
-        weight = model.get_input_embeddings().weight.detach()[:64]
+        weight = weight_rows(model.get_input_embeddings(), torch.arange(64))
     weight = (weight.float() if legacy else weight.to(torch.bfloat16).float()).cpu().contiguous()
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + weight.numpy().tobytes())
     return digest.hexdigest()[:16]

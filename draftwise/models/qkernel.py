@@ -223,6 +223,24 @@ class CodesEmbedding(torch.nn.Module):
         return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
+def out_rows(module) -> int:
+    """Rows of a model's output or input embedding module (its vocabulary), without reading its weights."""
+    for name in ("out_features", "num_embeddings"):
+        if hasattr(module, name):
+            return int(getattr(module, name))
+    return int(module.weight.shape[0])
+
+
+def weight_rows(module, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of an embedding's or a projection's weights: from the codes where it holds codes (no full
+    dequantisation), else the float weights' rows."""
+    if isinstance(module, CodesProjection) and isinstance(module.linear, CodesLinear):
+        return module.linear.rows(index)
+    if isinstance(module, CodesEmbedding):
+        return module.codes.rows(index).to(module.dtype)
+    return module.weight.detach()[index]
+
+
 def main() -> int:
     """`python -m draftwise.models.qkernel`: build the kernel now (make install does), say where or why not."""
     module = load(verbose="-v" in sys.argv)
