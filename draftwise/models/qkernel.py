@@ -46,6 +46,9 @@ def load(verbose: bool = False):
 
         directory = _build_dir()
         directory.mkdir(parents=True, exist_ok=True)
+        scripts = str(Path(sys.executable).parent)  # the venv's own ninja (a dependency), venv activated or not
+        if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
         _module = build(name="draftwise_qmm", sources=[str(SOURCE)], build_directory=str(directory),
                         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=verbose)
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja: fall back, say why
