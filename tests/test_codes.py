@@ -135,3 +135,15 @@ def test_control_the_files_row_order_left_as_stored_is_caught(smollm2_both, monk
     ids = wrong.tokenizer("def add(a, b):\n    return")["input_ids"]
     a, b = _logits(wrong, ids), _logits(dequantized, ids)
     assert float((a - b).abs().max()) > 1e-2 * float(b.abs().max())
+
+
+def test_a_gguf_draft_of_a_target_in_codes_loads_in_codes_without_a_float_copy(smollm2_both, monkeypatch, tmp_path):
+    """In a cache where no float copy exists, the draft is resolved and loaded without making one."""
+    from draftwise.models import registry
+    from draftwise.models.loading import load_draft
+
+    codes, _ = smollm2_both
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry, "convert_gguf", lambda *a, **k: pytest.fail("a float copy was made"))
+    draft = load_draft("smollm2-135m", codes)
+    assert draft.model.__dict__.get("draftwise_codes") and draft.dtype == codes.dtype
