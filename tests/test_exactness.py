@@ -276,10 +276,10 @@ CONTROL_CASES = {
 }
 
 
-@pytest.mark.parametrize("method", ["sd", "prompt-lookup", "suffix"])
-def test_control_residual_bug_is_rejected(method: str, monkeypatch):
-    """Recovering from norm(pi) instead of norm(max(0, pi - draft)) must fail the same test."""
-    case = CONTROL_CASES[method]
+def test_control_residual_bug_is_rejected(monkeypatch):
+    """Recovering from norm(pi) instead of norm(max(0, pi - draft)) must fail the same test (sd: prompt lookup and
+    suffix have no residual any more, see the next test)."""
+    case = CONTROL_CASES["sd"]
     monkeypatch.setattr(acceptance, "residual", _recover_from_pi)
     monkeypatch.setattr(batched, "residual_rows", lambda pi, draft_probs: pi)  # the engine's batched sampler
     counts, totals = sample_joint(N_CONTROL, case.length, case.vocab, **case.generate_kwargs())
@@ -287,6 +287,26 @@ def test_control_residual_bug_is_rejected(method: str, monkeypatch):
     p_value = pooled_chisquare(counts, case.exact())
     print(f"control p = {p_value:.3g}")
     assert p_value < ALPHA, f"the residual bug was not detected: p = {p_value:.3g}"
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "suffix"])
+def test_control_reseeded_walk_is_rejected_for_deterministic_drafts(method: str, monkeypatch):
+    """Prompt lookup and suffix drafts are verified by drawing the target's own token at each position
+    (tree.accept_chains). Drawing every position with one reseeded uniform (the reference codes' pitfall) must fail
+    the same test. (A slot off by one is caught by test_tree and test_ragged_corners; with gamma 1 these cases accept
+    too rarely for it to show here.)"""
+    import draftwise.tree as tree_module
+
+    case = CONTROL_CASES[method]
+    bug = "reseeded-uniform"
+    monkeypatch.setattr(tree_module, "draw_uniforms",
+                        lambda generators, counts, width, device: torch.full((len(counts), width), 0.37,
+                                                                              dtype=torch.float64))
+    counts, totals = sample_joint(N_CONTROL, case.length, case.vocab, **case.generate_kwargs())
+    assert totals["drafted"] > 0  # drafts were verified, so the walk was exercised
+    p_value = pooled_chisquare(counts, case.exact())
+    print(f"control {bug} p = {p_value:.3g}")
+    assert p_value < ALPHA, f"the {bug} bug was not detected: p = {p_value:.3g}"
 
 
 def test_control_accept_everything_is_rejected(monkeypatch):
