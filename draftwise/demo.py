@@ -28,7 +28,7 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()
     start = time.perf_counter()
-    print(f"draftwise demo: preparing {TARGET} (offline; converted once, then cached)", flush=True)
+    print(f"draftwise demo: preparing {TARGET} (offline; prepared once, then cached)", flush=True)
     target = load_model(TARGET)
     print(f"  ready in {time.perf_counter() - start:.1f} s", flush=True)
     drafts = registry.default_draft(TARGET)
