@@ -215,14 +215,15 @@ class Engine:
         if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
             bonus = self._bonus_maker(rows, draft, target_probs, target_logits, greedy)
 
+        drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
         if draft.deterministic and self.exact and k:  # lookup, suffix: the target's own draw at each position
-            outcome = accept_chains(draft, target_probs, [row.generator for row in rows], greedy_host)
+            outcome = accept_chains(drafted_host, draft.counts, target_probs, [row.generator for row in rows],
+                                    greedy_host)
         else:
             outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
                                               [row.generator for row in rows], greedy_host)
         self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
-        drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
 
         events, done = [], []

@@ -164,13 +164,13 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
     return TreeAcceptance(paths, next_tokens, [node_slot(n) for n in node])
 
 
-def accept_chains(draft: RowsDraft, target_probs: torch.Tensor, generators: Sequence[torch.Generator],
-                  greedy: Sequence[bool]) -> RowsAcceptance:
-    """`accept_tree` over chains of deterministic candidates (lookup, suffix): the same acceptance probabilities
-    as speculative sampling with one-hot proposals, and one uniform per committed token."""
-    tokens = draft.tokens.tolist() if draft.width else [[] for _ in draft.counts]
-    tokens = [row[:c] for row, c in zip(tokens, draft.counts)]
-    out = accept_tree([chain_parents(c) for c in draft.counts], tokens, target_probs, generators, greedy)
+def accept_chains(tokens_host: Sequence[Sequence[int]], counts: Sequence[int], target_probs: torch.Tensor,
+                  generators: Sequence[torch.Generator], greedy: Sequence[bool]) -> RowsAcceptance:
+    """`accept_tree` over chains of deterministic candidates (lookup, suffix; each row's drafted tokens on the host,
+    padded past counts[b]): the same acceptance probabilities as speculative sampling with one-hot proposals, and
+    one uniform per committed token."""
+    tokens = [row[:c] for row, c in zip(tokens_host, counts)]
+    out = accept_tree([chain_parents(c) for c in counts], tokens, target_probs, generators, greedy)
     return RowsAcceptance(num_accepted=[len(path) for path in out.paths], next_tokens=out.next_tokens)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .quant import QUANTISED, _OFFSET, GGUFTensor, _decode
+from .quant import QUANTISED, GGUFTensor, _decode, codes_of
 
 CODES_FORMAT = 1  # the layout of a codes cache entry (a change makes new entries)
 CHUNK_WEIGHTS = 1 << 24  # weights decoded at a time (about 50 MB of scratch)
@@ -34,14 +34,20 @@ class Unsupported(Exception):
     pass
 
 
+def _file_key(path: Path) -> str:
+    """The file's key in the cache (its path, size and modification time), as the dequantising loader keys it."""
+    from .loading import gguf_cache_name
+
+    return gguf_cache_name(path)[1]
+
+
 def _meta_dir(path: Path, name: str) -> Path:
     """The file's config and tokenizer as a Hugging Face folder, written once (small: no weights)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .cache import ensure_entry
 
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    key = _file_key(path)
 
     def build(out: Path) -> None:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -87,10 +93,6 @@ class _File:
             pass
 
 
-def _tensors(path: Path) -> _File:
-    return _File(path)
-
-
 def _float(entry) -> torch.Tensor:
     kind, data, _ = entry
     if kind not in ("f32", "f16", "bf16"):
@@ -100,12 +102,11 @@ def _float(entry) -> torch.Tensor:
     return torch.from_numpy(np.asarray(data, dtype=np.float32).copy())
 
 
-def _codes(entry, order: torch.Tensor | None = None) -> GGUFTensor:
+def _codes(entry) -> GGUFTensor:
     kind, data, _ = entry
     if kind not in QUANTISED:
         raise Unsupported(f"a {kind} projection (the codes kernel takes {', '.join(QUANTISED)})")
-    tensor = _decode(kind, np.asarray(data))
-    return tensor.rows(order) if order is not None else tensor
+    return _decode(kind, np.asarray(data))
 
 
 def _llama_order(rows: int, heads: int) -> torch.Tensor:
@@ -123,7 +124,7 @@ def _build_codes(path: Path, config, out: Path) -> None:
 
     from . import qkernel
 
-    tensors = _tensors(path)
+    tensors = _File(path)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     llama = config.model_type == "llama"
@@ -139,10 +140,7 @@ def _build_codes(path: Path, config, out: Path) -> None:
         pieces = []
         for begin in range(0, data.shape[0], step):
             index = None if order is None else order[begin: begin + step].numpy()
-            part = _codes((kind, data[begin: begin + step] if index is None else data[index], None))
-            pieces.append(qkernel.CodesLinear(part.kind, part.codes, part.scales, part.zeros, part.group,
-                                              _OFFSET[part.kind], None, torch.float32))
-            del part
+            pieces.append(codes_of(_codes((kind, data[begin: begin + step] if index is None else data[index], None))))
         tensors.release(name)
         linear = qkernel.joined(pieces) if len(pieces) > 1 else pieces[0]
         flat[key + ".codes"], flat[key + ".scales"] = linear.codes.contiguous(), linear.scales.contiguous()
@@ -191,8 +189,7 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
     config = AutoConfig.from_pretrained(meta_dir, local_files_only=True)
     if config.model_type not in FAST_FAMILIES:
         raise Unsupported(f"{config.model_type} models")
-    stat = path.stat()
-    key = hashlib.sha256(f"codes-{CODES_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    key = hashlib.sha256(f"codes-{CODES_FORMAT}|{_file_key(path)}".encode()).hexdigest()
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
     entry = ensure_entry(f"{safe}-codes-{key[:12]}", lambda out: _build_codes(path, config, out), source_sha256=key)
     with safe_open(str(entry / "codes.safetensors"), framework="pt") as f:

@@ -116,13 +116,7 @@ class CodesLinear:
 
     def dequantized(self) -> torch.Tensor:
         """The float weights the codes encode (float32), for checks and round trips."""
-        if self.bits == 4:
-            packed = self.codes.reshape(self.out_features, -1, 16)
-            q = torch.stack([packed & 15, packed >> 4], dim=2).reshape(self.out_features, -1).float()  # per 32
-        else:
-            q = self.codes.view(torch.int8).float()
-        w = q * self.scales.repeat_interleave(self.group, dim=1)
-        return w + self.zeros.repeat_interleave(self.group, dim=1) if self.zeros is not None else w
+        return self.rows(torch.arange(self.out_features))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)

@@ -230,6 +230,12 @@ def join(tensors: list[GGUFTensor]) -> GGUFTensor:
                       zeros)
 
 
+def codes_of(tensor: GGUFTensor, bias: torch.Tensor | None = None) -> "qkernel.CodesLinear":
+    """One decoded tensor as a projection on draftwise's kernel."""
+    return qkernel.CodesLinear(tensor.kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group,
+                               _OFFSET[tensor.kind], bias, torch.float32)
+
+
 def codes_linear(tensors: list[GGUFTensor], bias: torch.Tensor | None):
     """A fused projection in its codes on draftwise's kernel: one product over parts of one kind, or one per run of
     parts of the same kind, outputs joined (Q4_K_M files mix Q4_K and Q6_K in one layer's q, k, v)."""
@@ -244,9 +250,7 @@ def codes_linear(tensors: list[GGUFTensor], bias: torch.Tensor | None):
     for run in runs:
         joined = join(run)
         rows = joined.codes.shape[0]
-        piece_bias = None if bias is None else bias[start: start + rows]
-        pieces.append(qkernel.CodesLinear(joined.kind, joined.codes, joined.scales, joined.zeros, joined.group,
-                                          _OFFSET[joined.kind], piece_bias, torch.float32))
+        pieces.append(codes_of(joined, None if bias is None else bias[start: start + rows]))
         start += rows
     return pieces[0] if len(pieces) == 1 else qkernel.JoinedLinear(pieces)
 
