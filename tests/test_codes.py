@@ -82,6 +82,89 @@ def test_an_embedding_in_codes_reads_its_rows():
     assert torch.equal(embedding(ids), weights[ids])
 
 
+# ----------------------------------------------------------------------------- a file's own blocks (int8 activations)
+
+BLOCK_KINDS = ("q4_k", "q6_k", "q5_0", "q8_0")
+
+
+def _blocks(kind: str, rows: int, inputs: int, seed: int = 0) -> tuple[qkernel.BlockLinear, torch.Tensor]:
+    raw = random_blocks(kind, rows, inputs // KINDS[kind], seed=seed)
+    return qkernel.BlockLinear(kind, torch.from_numpy(raw), inputs), _decode(kind, raw).dequantized()
+
+
+def _reference(kind: str, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The exact product (float64) of the dequantised weights with the activations as the kernel quantises them."""
+    quantised = qkernel.load().quantised_activations(x.contiguous(), qkernel.BLOCK_KINDS[kind][1])
+    return quantised.double() @ weights.double().T
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_a_block_product_is_the_exact_product_with_int8_activations_and_rows_never_depend_on_their_batch(kind):
+    linear, weights = _blocks(kind, 37, 512)
+    assert torch.equal(linear.dequantized(), weights)  # rows() decodes as gguf's reference (test_kquants)
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1))
+    full = linear(x)
+    reference = _reference(kind, x, weights)
+    scale = float(reference.abs().max())
+    assert float((full.double() - reference).abs().max()) <= 1e-5 * scale
+    # control: the float activations' product is farther from it than the tolerance (the check sees quantisation)
+    assert float((x.double() @ weights.double().T - reference).abs().max()) > 1e-4 * scale
+    for width in (1, 2, 3, 4, 5, 8, 16, 17):
+        for start in (0, 33 - width):
+            assert torch.equal(linear(x[start: start + width]), full[start: start + width]), (width, start)
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_the_block_kernels_portable_loop_agrees_with_the_avx2_path(kind):
+    linear, weights = _blocks(kind, 16, 512, seed=4)
+    x = torch.randn(5, 512)
+    fast = qkernel.load().qmm_blocks(x, linear.blocks, linear.kind_id, 512, False)
+    portable = qkernel.load().qmm_blocks(x, linear.blocks, linear.kind_id, 512, True)
+    assert float((fast - portable).abs().max()) <= 1e-5 * float(portable.abs().max())
+    assert float((portable.double() - _reference(kind, x, weights)).abs().max()) <= 1e-5 * float(portable.abs().max())
+
+
+def test_block_shapes_that_do_not_match_are_refused():
+    linear, _ = _blocks("q4_k", 4, 512)
+    with pytest.raises(RuntimeError, match="x has 256 inputs"):
+        qkernel.load().qmm_blocks(torch.randn(2, 256), linear.blocks, 0, 512, False)
+    with pytest.raises(ValueError, match="do not hold 256 inputs"):
+        qkernel.BlockLinear("q4_k", linear.blocks, 256)
+    with pytest.raises(ValueError, match="the block kernel takes"):
+        qkernel.BlockLinear("q4_1", linear.blocks, 512)
+
+
+def test_joined_blocks_fuse_runs_of_one_kind():
+    """A Q4_K_M layer's q and k (Q4_K) share one product, its v (Q6_K) has its own; the result is the parts'."""
+    q, _ = _blocks("q4_k", 8, 256, seed=1)
+    k, _ = _blocks("q4_k", 4, 256, seed=2)
+    v, _ = _blocks("q6_k", 4, 256, seed=3)
+    x = torch.randn(3, 256)
+    expected = torch.cat([q(x), k(x), v(x)], -1)
+    fused = qkernel.joined([q, k, v])
+    assert isinstance(fused, qkernel.JoinedLinear) and [p.out_features for p in fused.parts] == [12, 4]
+    assert q.blocks.data_ptr() == fused.parts[0].blocks.data_ptr()  # a view: one copy of the bytes
+    assert torch.equal(fused(x), expected)
+
+
+def test_the_tensor_table_reader_sees_what_ggufs_reader_sees():
+    """gguf_codes._File (which steps over the metadata) against gguf.GGUFReader on the shipped SmolLM2 file:
+    every tensor's kind, shape and bytes."""
+    from gguf import GGUFReader
+
+    from draftwise.models import registry
+    from draftwise.models.gguf_codes import _File
+
+    path = registry.entry("smollm2-135m").gguf()
+    ours = _File(path)
+    theirs = GGUFReader(str(path))
+    assert len(ours.by_name) == len(theirs.tensors)
+    for t in theirs.tensors:
+        kind, data, shape = ours[t.name]
+        assert kind == t.tensor_type.name.lower() and shape == tuple(int(d) for d in t.shape), t.name
+        assert np.array_equal(data, np.asarray(t.data)), t.name
+
+
 # ----------------------------------------------------------------------------- a real file in its codes
 
 @pytest.fixture(scope="module")

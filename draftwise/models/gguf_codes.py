@@ -1,13 +1,15 @@
 """Loading a GGUF file straight into its codes: no float copy on disk, none in memory.
 
 transformers builds the model's skeleton on the meta device from the file's metadata (config and tokenizer, read
-once and kept in a small cache entry, `<cache>/models/<entry>-meta-<key>/`); the codes are decoded once into a cache
-entry of their own (`<entry>-codes-<key>/codes.safetensors`, packed for the kernel, about the file's size, written
-atomically by `cache.ensure_entry`), which later loads read as they are. The decoder's projections and the LM head
-become `qkernel.CodesProjection`s over the file's codes, the token embedding a `qkernel.CodesEmbedding` (a lookup
-dequantises the rows it reads), and only the norms and biases are float tensors. The codes are decoded once from
-the file (`models.quant`) and repacked for draftwise's kernel (4-bit codes two to a byte, wider codes a signed byte
-each). Both the fast forward and transformers' own forward then run from the codes.
+once and kept in a small cache entry, `<cache>/models/<entry>-meta-<key>/`). The decoder's projections and the LM
+head become `qkernel.CodesProjection`s, the token embedding a `qkernel.CodesEmbedding` (a lookup dequantises the
+rows it reads), and only the norms and biases are float tensors. Two regimes, one a file:
+- a file whose projections are all Q4_K, Q6_K, Q5_0 or Q8_0 (a K-quant file such as Q4_K_M) keeps the file's own
+  blocks byte for byte (`qkernel.BlockLinear`, int8 activations as llama.cpp runs it): they are copied from the
+  file at every load, nothing is decoded and nothing cached;
+- any other (Q4_0, Q4_1) is decoded once into a cache entry (`<entry>-codes-<key>/codes.safetensors`, packed for
+  the codes kernel, float32 activations; written atomically by `cache.ensure_entry`), which later loads read.
+Both the fast forward and transformers' own forward then run from the codes.
 
 It serves Llama-family files (`fast.FAST_FAMILIES`) whose projections are all quantised, on the CPU, where the
 kernel is built; anything else is loaded through the dequantising path (`loading._load_gguf`), and `load` returns
@@ -62,33 +64,102 @@ def _meta_dir(path: Path, name: str) -> Path:
 
 class _File:
     """The file's tensors by name, read from its memory map; `release(name)` drops a tensor's pages once it has
-    been decoded, so the map does not stay resident beside the codes."""
+    been copied or decoded, so the map does not stay resident beside the weights.
+
+    It reads the tensor table itself: gguf's GGUFReader builds a numpy view of every metadata item, and a Qwen2.5
+    file's 151,936 tokens and 151,387 merges took it 21 s; here the metadata is stepped over (only
+    `general.alignment` is kept) in about a tenth of a second."""
+
+    _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
+        import mmap
+        import struct
 
-        self.reader = GGUFReader(str(path))
-        self.by_name = {t.name: t for t in self.reader.tensors}
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf, at = self.map, 0
+
+        def take(fmt: str):
+            nonlocal at
+            values = struct.unpack_from("<" + fmt, buf, at)
+            at += struct.calcsize("<" + fmt)
+            return values if len(values) > 1 else values[0]
+
+        def string() -> str:
+            nonlocal at
+            size = take("Q")
+            at += size
+            return bytes(buf[at - size: at]).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            nonlocal at
+            if kind == 8:
+                size = take("Q")  # (not `at += take(...)`: that adds to `at` as it was before the read)
+                at += size
+            elif kind == 9:
+                inner, count = take("IQ")
+                if inner in self._SCALARS:
+                    at += self._SCALARS[inner] * count
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            else:
+                at += self._SCALARS[kind]
+
+        magic, version = take("4sI")
+        if magic != b"GGUF" or version < 2:
+            raise Unsupported(f"not a GGUF v2+ file ({path.name})")
+        n_tensors, n_kv = take("QQ")
+        alignment = 32
+        for _ in range(n_kv):
+            key, kind = string(), take("I")
+            if key == "general.alignment" and kind == 4:
+                alignment = take("I")
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = take("I")
+            shape = tuple(int(d) for d in (take("Q" * dims) if dims > 1 else (take("Q"),)))
+            kind, offset = take("IQ")
+            infos.append((name, shape, kind, offset))
+        base = (at + alignment - 1) // alignment * alignment
+        self.by_name: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, shape, kind, offset in infos:
+            qtype = GGMLQuantizationType(kind)
+            block, size = GGML_QUANT_SIZES[qtype]
+            rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+            row_bytes = shape[0] // block * size
+            self.by_name[name] = (qtype.name.lower(), shape, base + offset, rows * row_bytes)
 
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
 
     def __getitem__(self, name: str):
-        t = self.by_name[name]
-        return t.tensor_type.name.lower(), np.asarray(t.data), tuple(int(x) for x in t.shape)
+        """(kind, data, shape): data is [rows, row bytes] uint8 for a quantised tensor, else the values (shape
+        reversed, as numpy reads ggml's order); shape is ggml's (inputs first)."""
+        kind, shape, start, size = self.by_name[name]
+        raw = np.frombuffer(self.map, dtype=np.uint8, count=size, offset=start)
+        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        if kind in ("f32", "f16", "bf16"):
+            dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[kind]
+            return kind, raw.view(dtype).reshape(tuple(reversed(shape))), shape
+        return kind, raw.reshape(rows, size // rows), shape
 
     def release(self, name: str) -> None:
         import mmap
 
-        t = self.by_name[name]
-        mapped = getattr(self.reader.data, "_mmap", None)
-        if mapped is None or not hasattr(mapped, "madvise"):
+        _, _, start, size = self.by_name[name]
+        if not hasattr(self.map, "madvise"):
             return
         page = mmap.PAGESIZE
-        start = (int(t.data_offset) // page) * page
-        end = int(t.data_offset) + int(t.n_bytes)
+        begin = start // page * page
         try:
-            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+            self.map.madvise(mmap.MADV_DONTNEED, begin, start + size - begin)
         except (OSError, ValueError):
             pass
 
@@ -115,16 +186,26 @@ def _llama_order(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def _build_codes(path: Path, config, out: Path) -> None:
-    """Decode every tensor the model needs from the file and write them, packed for the kernel, to
-    `out/codes.safetensors` (with what each is in its metadata): the cache a warm load reads."""
-    import json
+def _quantised_names(tensors: "_File", config) -> list[str]:
+    names = [f"blk.{i}.{short}.weight" for i in range(config.num_hidden_layers) for short in _PROJECTIONS.values()]
+    return names + [n for n in ("token_embd.weight", "output.weight") if n in tensors]
 
-    from safetensors.torch import save_file
 
+def _all_blocks(tensors: "_File", config) -> bool:
+    """Whether every projection and the embedding are kinds the block kernel runs from the file's own bytes (a
+    K-quant file's Q4_K, Q6_K, Q5_0 and Q8_0): then the model runs in llama.cpp's regime (int8 activations, see
+    qkernel.BlockLinear) and nothing is decoded or cached. A file with any other kind (Q4_0, Q4_1) runs wholly on
+    the codes kernel (float32 activations): one numerical regime a model."""
+    from .qkernel import BLOCK_KINDS
+
+    return all(n in tensors and tensors[n][0] in BLOCK_KINDS for n in _quantised_names(tensors, config))
+
+
+def _gather(tensors: "_File", config, blocks: bool) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Every tensor the model needs, by key, and what each projection is: the file's own blocks, copied as they are
+    (`blocks`), or its codes decoded and packed for the codes kernel."""
     from . import qkernel
 
-    tensors = _File(path)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     llama = config.model_type == "llama"
@@ -132,10 +213,19 @@ def _build_codes(path: Path, config, out: Path) -> None:
     meta: dict[str, dict] = {}
 
     def put(key: str, name: str, order=None, bias=None) -> None:
-        """Tensor `name`'s codes, decoded in slices of rows (bounded scratch memory), then its pages released."""
-        kind, data, _ = tensors[name]
+        """Tensor `name`'s blocks (or its codes, decoded in slices of rows: bounded scratch memory), then its pages
+        released."""
+        kind, data, shape = tensors[name]
         if kind not in QUANTISED:
             raise Unsupported(f"a {kind} tensor ({name}; the codes kernel takes {', '.join(QUANTISED)})")
+        if bias is not None:
+            flat[key + ".bias"] = bias.float().contiguous()
+        if blocks:
+            rows = data if order is None else data[order.numpy()]
+            flat[key + ".blocks"] = torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True))
+            meta[key] = {"kind": kind, "blocks": True, "in": int(shape[0])}
+            tensors.release(name)
+            return
         step = max(1, CHUNK_WEIGHTS // max(1, data.shape[1]))
         pieces = []
         for begin in range(0, data.shape[0], step):
@@ -146,8 +236,6 @@ def _build_codes(path: Path, config, out: Path) -> None:
         flat[key + ".codes"], flat[key + ".scales"] = linear.codes.contiguous(), linear.scales.contiguous()
         if linear.zeros is not None:
             flat[key + ".zeros"] = linear.zeros.contiguous()
-        if bias is not None:
-            flat[key + ".bias"] = bias.float().contiguous()
         meta[key] = {"kind": kind, "bits": linear.bits, "group": linear.group, "in": linear.in_features}
 
     for i in range(config.num_hidden_layers):
@@ -168,6 +256,17 @@ def _build_codes(path: Path, config, out: Path) -> None:
     put("embed", "token_embd.weight")
     if "output.weight" in tensors:
         put("lm_head", "output.weight")
+    return flat, meta
+
+
+def _build_codes(path: Path, config, out: Path) -> None:
+    """Decode every tensor the model needs from the file and write them, packed for the codes kernel, to
+    `out/codes.safetensors` (with what each is in its metadata): the cache a warm load reads."""
+    import json
+
+    from safetensors.torch import save_file
+
+    flat, meta = _gather(_File(path), config, blocks=False)
     save_file(flat, str(out / "codes.safetensors"), metadata={"draftwise": json.dumps(meta)})
 
 
@@ -189,15 +288,23 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
     config = AutoConfig.from_pretrained(meta_dir, local_files_only=True)
     if config.model_type not in FAST_FAMILIES:
         raise Unsupported(f"{config.model_type} models")
-    key = hashlib.sha256(f"codes-{CODES_FORMAT}|{_file_key(path)}".encode()).hexdigest()
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
-    entry = ensure_entry(f"{safe}-codes-{key[:12]}", lambda out: _build_codes(path, config, out), source_sha256=key)
-    with safe_open(str(entry / "codes.safetensors"), framework="pt") as f:
-        meta = json.loads(f.metadata()["draftwise"])
-        flat = {k: f.get_tensor(k).clone() for k in f.keys()}  # owned memory: the map closes here
+    tensors = _File(path)
+    if _all_blocks(tensors, config):  # the file's own bytes, read as they are: nothing to decode or cache
+        flat, meta = _gather(tensors, config, blocks=True)
+    else:
+        key = hashlib.sha256(f"codes-{CODES_FORMAT}|{_file_key(path)}".encode()).hexdigest()
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
+        entry = ensure_entry(f"{safe}-codes-{key[:12]}", lambda out: _build_codes(path, config, out),
+                             source_sha256=key)
+        with safe_open(str(entry / "codes.safetensors"), framework="pt") as f:
+            meta = json.loads(f.metadata()["draftwise"])
+            flat = {k: f.get_tensor(k).clone() for k in f.keys()}  # owned memory: the map closes here
+    del tensors
 
-    def linear(key: str) -> qkernel.CodesLinear:
+    def linear(key: str) -> "qkernel.CodesLinear | qkernel.BlockLinear":
         info = meta[key]
+        if info.get("blocks"):
+            return qkernel.BlockLinear(info["kind"], flat[key + ".blocks"], info["in"], flat.get(key + ".bias"))
         return qkernel.CodesLinear.packed(info["kind"], info["bits"], info["group"], flat[key + ".codes"],
                                           flat[key + ".scales"], flat.get(key + ".zeros"), flat.get(key + ".bias"),
                                           info["in"])

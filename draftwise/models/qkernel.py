@@ -23,13 +23,13 @@ import torch
 
 from .cache import cache_root
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "qmm.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("qmm.cpp", "qblocks.cpp")]
 _module = None
 _problem: str | None = None
 
 
 def _build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"qmm-{key}"
 
 
@@ -49,7 +49,7 @@ def load(verbose: bool = False):
         scripts = str(Path(sys.executable).parent)  # the venv's own ninja (a dependency), venv activated or not
         if scripts not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        _module = build(name="draftwise_qmm", sources=[str(SOURCE)], build_directory=str(directory),
+        _module = build(name="draftwise_qmm", sources=[str(s) for s in SOURCES], build_directory=str(directory),
                         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=verbose)
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja: fall back, say why
         _problem = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
@@ -133,6 +133,52 @@ class CodesLinear:
         return w + self.zeros[index].repeat_interleave(self.group, dim=1) if self.zeros is not None else w
 
 
+BLOCK_KINDS = {"q4_k": (0, 256, 144), "q6_k": (1, 256, 210), "q5_0": (2, 32, 22), "q8_0": (3, 32, 34)}
+"""The kinds `BlockLinear` runs from the file's own blocks: (the kernel's id, weights a block, bytes a block)."""
+
+
+class BlockLinear:
+    """y = x W^T (+ b) with W in a GGUF file's own blocks, byte for byte (csrc/qblocks.cpp): Q4_K 4.5 bits a weight,
+    Q6_K 6.56, Q5_0 5.5, Q8_0 8.5. Each activation row is quantised to int8 per block of inputs first (256 for the
+    K-quants, 32 for Q5_0 and Q8_0; a float32 scale each), as llama.cpp does, and every block's product is an exact
+    integer sum scaled once: the result is the exact product of the dequantised weights with those quantised
+    activations, up to float32 rounding of the per-block sums, and a row's result never depends on its
+    batch-mates."""
+
+    format = "codes"
+
+    def __init__(self, kind: str, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None) -> None:
+        if kind not in BLOCK_KINDS:
+            raise ValueError(f"{kind}: the block kernel takes {', '.join(BLOCK_KINDS)}")
+        self.kind_id, per, size = BLOCK_KINDS[kind]
+        if in_features % per or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+                or blocks.shape[1] != in_features // per * size:
+            raise ValueError(f"{kind}: blocks of shape {tuple(blocks.shape)} do not hold {in_features} inputs")
+        self.kind, self.blocks, self.in_features = kind, blocks.contiguous(), int(in_features)
+        self.out_features = blocks.shape[0]
+        self.bias = None if bias is None else bias.float()
+
+    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).float().contiguous()
+        y = load().qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The float32 weights of output rows `index`, as gguf's reference dequantises them."""
+        from .quant import _decode
+
+        return _decode(self.kind, self.blocks[index.reshape(-1)].numpy()).dequantized()
+
+
 class JoinedLinear:
     """Projections of different code kinds side by side (a fused q|k|v whose parts differ): outputs concatenated."""
 
@@ -153,30 +199,54 @@ class JoinedLinear:
         return sum(p.nbytes() for p in self.parts)
 
 
-def joined(parts: list) -> "CodesLinear | JoinedLinear":
-    """Projections side by side: one product where they share a kind and a group (their codes stacked), else one
-    per part."""
+def _layout(p) -> tuple:
+    """What two projections must share to be stacked into one product."""
+    if isinstance(p, BlockLinear):
+        return ("blocks", p.kind)
+    return ("codes", p.bits, p.group, p.zeros is None)
+
+
+def joined(parts: list) -> "CodesLinear | BlockLinear | JoinedLinear":
+    """Projections side by side: one product where they share a layout (their codes stacked), else one product per
+    run of parts that share one (a Q4_K_M layer's q and k are Q4_K, its v Q6_K: two products)."""
+    flat = [q for p in parts for q in (p.parts if isinstance(p, JoinedLinear) else [p])]
+    runs: list[list] = []
+    for p in flat:
+        if runs and _layout(runs[-1][0]) == _layout(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if len(runs) > 1:
+        return JoinedLinear([joined(run) if len(run) > 1 else run[0] for run in runs])
     first = parts[0]
-    same = all(isinstance(p, CodesLinear) and p.bits == first.bits and p.group == first.group
-               and (p.zeros is None) == (first.zeros is None) for p in parts)
-    if not same:
-        flat = [q for p in parts for q in (p.parts if isinstance(p, JoinedLinear) else [p])]
-        return JoinedLinear(flat)
+    if isinstance(first, BlockLinear):
+        return _joined_blocks(flat)
     out = CodesLinear.__new__(CodesLinear)
     out.kind, out.group, out.dtype, out.bits = first.kind, first.group, first.dtype, first.bits
-    out.in_features, out.out_features = first.in_features, sum(p.out_features for p in parts)
-    out.codes = torch.cat([p.codes for p in parts])
-    out.scales = torch.cat([p.scales for p in parts])
-    out.zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
-    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
-    out.bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
+    out.in_features, out.out_features = first.in_features, sum(p.out_features for p in flat)
+    out.codes = torch.cat([p.codes for p in flat])
+    out.scales = torch.cat([p.scales for p in flat])
+    out.zeros = None if first.zeros is None else torch.cat([p.zeros for p in flat])
+    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in flat]
+    out.bias = None if all(p.bias is None for p in flat) else torch.cat(biases)
     start = 0
-    for p in parts:  # the parts become views of the fused tensors: one copy of the codes
+    for p in flat:  # the parts become views of the fused tensors: one copy of the codes
         end = start + p.out_features
         p.codes, p.scales = out.codes[start:end], out.scales[start:end]
         if out.zeros is not None:
             p.zeros = out.zeros[start:end]
         start = end
+    return out
+
+
+def _joined_blocks(parts: list[BlockLinear]) -> BlockLinear:
+    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+    bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
+    out = BlockLinear(parts[0].kind, torch.cat([p.blocks for p in parts]), parts[0].in_features, bias)
+    start = 0
+    for p in parts:  # the parts become views of the fused blocks: one copy
+        p.blocks = out.blocks[start: start + p.out_features]
+        start += p.out_features
     return out
 
 
@@ -186,7 +256,7 @@ class CodesProjection(torch.nn.Module):
     forward takes `linear` as it is. `weight` dequantises on demand (float32; for tools that read it, not for
     decoding)."""
 
-    def __init__(self, linear: CodesLinear | JoinedLinear) -> None:
+    def __init__(self, linear: "CodesLinear | BlockLinear | JoinedLinear") -> None:
         super().__init__()
         self.linear = linear
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -204,7 +274,7 @@ class CodesProjection(torch.nn.Module):
 class CodesEmbedding(torch.nn.Module):
     """A token embedding kept in its codes: a lookup dequantises the rows it reads into the activations' type."""
 
-    def __init__(self, linear: CodesLinear, dtype: torch.dtype) -> None:
+    def __init__(self, linear: "CodesLinear | BlockLinear", dtype: torch.dtype) -> None:
         super().__init__()
         self.codes = linear
         self.dtype = dtype
@@ -231,7 +301,7 @@ def out_rows(module) -> int:
 def weight_rows(module, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` of an embedding's or a projection's weights: from the codes where it holds codes (no full
     dequantisation), else the float weights' rows."""
-    if isinstance(module, CodesProjection) and isinstance(module.linear, CodesLinear):
+    if isinstance(module, CodesProjection) and isinstance(module.linear, (CodesLinear, BlockLinear)):
         return module.linear.rows(index)
     if isinstance(module, CodesEmbedding):
         return module.codes.rows(index).to(module.dtype)

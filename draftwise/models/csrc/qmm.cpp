@@ -206,7 +206,12 @@ bool accelerated() {
 #endif
 }
 
+torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable);  // qblocks.cpp
+torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "float activations x weights in GGUF codes");
+  m.def("qmm_blocks", &qmm_blocks, "activations (quantised to int8 per block) x weights in a GGUF file's own blocks");
+  m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("accelerated", &accelerated, "whether the AVX2 path runs here");
 }

@@ -1,0 +1,449 @@
+// draftwise's product of activations with weights kept in a GGUF file's own blocks (Q4_K, Q6_K, Q5_0, Q8_0),
+// byte for byte as the file stores them: 4.5 bits a Q4_K weight, 6.56 a Q6_K one, nothing decoded ahead of time.
+//
+// Each activation row is first quantised to int8, as llama.cpp does (its Q8_K and Q8_0): per block of 256 inputs
+// (K-quant weights) or 32 (Q5_0, Q8_0), a float32 scale amax / 127 and codes round(x * 127 / amax), with the sums of
+// every 16 codes for the K-quants' offsets and mins. A weight block's product with the row is then an exact integer
+// sum (u8 x s8 pairs, int32 lanes) taken to float once per block:
+//   Q4_K  d * xd * sum_j sc_j * (q . x)_j  -  dmin * xd * sum_j m_j * sum_j(x)          (8 groups of 32)
+//   Q6_K  d * xd * sum_g sc_g * ((q . x)_g - 32 * sum_g(x))                              (16 groups of 16)
+//   Q5_0, Q8_0  d * xd * (q . x)                                                         (q signed)
+// Everything about a row (its quantisation, its integer sums, its float accumulation over the blocks in order, the
+// final 8-lane sum) is computed the same way whatever the number of rows M: a row's result never depends on its
+// batch-mates. A weight block is unpacked once per tile of activation rows and multiplied into each.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QB_X86 1
+#endif
+
+namespace {
+
+enum Kind { Q4K = 0, Q6K = 1, Q50 = 2, Q80 = 3 };
+constexpr int KIND_WEIGHTS[4] = {256, 256, 32, 32};   // weights a block
+constexpr int KIND_BYTES[4] = {144, 210, 22, 34};     // bytes a block
+constexpr int MCHUNK = 16;                            // activation rows a pass over a weight row
+
+float half(const uint8_t* p) {  // little-endian IEEE fp16 -> float, exact
+  const uint16_t h = uint16_t(p[0] | (p[1] << 8));
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { man <<= 1; ++e; } while (!(man & 0x400));
+    bits = sign | uint32_t(112 - e) << 23 | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The activations, quantised row by row.
+struct Quantised {
+  int64_t M, K, qblock;     // qblock: inputs a scale (256 or 32)
+  std::vector<int8_t> q;    // [M, K]
+  std::vector<float> d;     // [M, K / qblock]
+  std::vector<int16_t> s16; // [M, K / 16]: sums of every 16 codes
+};
+
+#if defined(__x86_64__) || defined(_M_X64)
+__attribute__((target("avx2,fma"))) void quantise_block_avx2(const float* x, int64_t n, float inverse, int8_t* q) {
+  const __m256 inv = _mm256_set1_ps(inverse), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (int64_t i = 0; i < n; i += 8) {  // n is 32 or 256
+    __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w, w));
+  }
+}
+bool quantise_fast() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+// Both paths compute the same codes: |x| maxima are exact, the multiply is one rounding, then round to nearest even.
+void quantise(const float* x, int64_t M, int64_t K, int64_t qblock, Quantised& out) {
+  out.M = M; out.K = K; out.qblock = qblock;
+  out.q.resize(M * K); out.d.resize(M * (K / qblock)); out.s16.resize(M * (K / 16));
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * K;
+      int8_t* qr = out.q.data() + m * K;
+      for (int64_t b = 0; b < K / qblock; ++b) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < qblock; ++i) amax = std::max(amax, std::fabs(xr[b * qblock + i]));
+        const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+        out.d[m * (K / qblock) + b] = amax / 127.f;
+#if defined(__x86_64__) || defined(_M_X64)
+        if (quantise_fast()) { quantise_block_avx2(xr + b * qblock, qblock, inverse, qr + b * qblock); continue; }
+#endif
+        for (int64_t i = 0; i < qblock; ++i) {
+          const float v = std::nearbyint(xr[b * qblock + i] * inverse);
+          qr[b * qblock + i] = int8_t(std::max(-127.f, std::min(127.f, v)));
+        }
+      }
+      for (int64_t g = 0; g < K / 16; ++g) {
+        int s = 0;
+        for (int i = 0; i < 16; ++i) s += qr[g * 16 + i];
+        out.s16[m * (K / 16) + g] = int16_t(s);
+      }
+    }
+  });
+}
+
+// Q4_K's 6-bit scales and mins of its 8 groups.
+inline void q4k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63; mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// The unsigned or signed codes of one block, one byte a weight, in order.
+inline void codes_of_block(int kind, const uint8_t* blk, uint8_t* out) {
+  if (kind == Q4K) {
+    const uint8_t* qs = blk + 16;
+    for (int p = 0; p < 4; ++p)
+      for (int i = 0; i < 32; ++i) { out[64 * p + i] = qs[32 * p + i] & 15; out[64 * p + 32 + i] = qs[32 * p + i] >> 4; }
+  } else if (kind == Q6K) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t a = ql[64 * h + i], b = ql[64 * h + 32 + i], c = qh[32 * h + i];
+        out[128 * h + i] = (a & 15) | ((c & 3) << 4);
+        out[128 * h + 32 + i] = (b & 15) | (((c >> 2) & 3) << 4);
+        out[128 * h + 64 + i] = (a >> 4) | (((c >> 4) & 3) << 4);
+        out[128 * h + 96 + i] = (b >> 4) | (((c >> 6) & 3) << 4);
+      }
+  } else if (kind == Q50) {
+    uint32_t high; std::memcpy(&high, blk + 2, 4);
+    const uint8_t* qs = blk + 6;
+    for (int i = 0; i < 16; ++i) {
+      out[i] = uint8_t(int((qs[i] & 15) | (((high >> i) & 1) << 4)) - 16);
+      out[i + 16] = uint8_t(int((qs[i] >> 4) | (((high >> (i + 16)) & 1) << 4)) - 16);
+    }
+  } else {
+    std::memcpy(out, blk + 2, 32);
+  }
+}
+
+// ---- portable: exact integer sums a block, then float in block order ------------------------------------------
+void rows_scalar(int kind, const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
+                 int64_t n0, int64_t n1) {
+  const int64_t K = xq.K, blocks = K / KIND_WEIGHTS[kind], per = KIND_WEIGHTS[kind];
+  uint8_t codes[256];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < xq.M; ++m) {
+      const int8_t* qx = xq.q.data() + m * K;
+      const float* dx = xq.d.data() + m * (K / xq.qblock);
+      const int16_t* sx = xq.s16.data() + m * (K / 16);
+      float acc = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = w + n * row_bytes + b * KIND_BYTES[kind];
+        codes_of_block(kind, blk, codes);
+        const int8_t* x = qx + b * per;
+        if (kind == Q4K) {
+          uint8_t sc[8], mn[8];
+          q4k_scales(blk + 4, sc, mn);
+          int64_t main = 0, mins = 0;
+          for (int j = 0; j < 8; ++j) {
+            int64_t dot = 0;
+            for (int i = 0; i < 32; ++i) dot += int(codes[32 * j + i]) * x[32 * j + i];
+            main += sc[j] * dot;
+            mins += mn[j] * (sx[b * 16 + 2 * j] + sx[b * 16 + 2 * j + 1]);
+          }
+          acc += dx[b] * (half(blk) * float(main) - half(blk + 2) * float(mins));
+        } else if (kind == Q6K) {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+          int64_t total = 0;
+          for (int g = 0; g < 16; ++g) {
+            int64_t dot = 0;
+            for (int i = 0; i < 16; ++i) dot += int(codes[16 * g + i]) * x[16 * g + i];
+            total += sc[g] * (dot - 32 * sx[b * 16 + g]);
+          }
+          acc += dx[b] * half(blk + 208) * float(total);
+        } else {
+          int64_t dot = 0;
+          for (int i = 0; i < 32; ++i) dot += int(int8_t(codes[i])) * x[i];
+          acc += dx[b] * half(blk) * float(dot);
+        }
+      }
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+#ifdef QB_X86
+#define QB_TARGET __attribute__((target("avx2,fma,f16c")))
+
+QB_TARGET inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+QB_TARGET inline float f16(const uint8_t* p) {
+  uint16_t h; std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+QB_TARGET inline __m256i load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// One weight block unpacked for every activation row of a pass.
+struct Block {
+  __m256i q[8];      // codes, 32 a vector (Q4_K: u8 0..15; Q6_K: u8 0..63; Q5_0 / Q8_0: q[0] signed)
+  __m256i abs0;      // Q5_0 / Q8_0: |q|
+  __m256i sc[8];     // int16 scales for q[i]'s 16 pairs (Q4_K: one group; Q6_K: two groups of 16)
+  __m256i side;      // int16: Q4_K mins, each twice (16 lanes); Q6_K scales (16 lanes)
+  float d, dmin;
+};
+
+template <int KIND>
+QB_TARGET inline void unpack(const uint8_t* blk, Block& u) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  if (KIND == Q4K) {
+    u.d = f16(blk); u.dmin = f16(blk + 2);
+    // the 6-bit fields as 16 bytes: scales 0-7, mins 0-7 (q4k_scales, four bytes at a time)
+    uint32_t s[3]; std::memcpy(s, blk + 4, 12);
+    const uint32_t sc_lo = s[0] & 0x3F3F3F3F, mn_lo = s[1] & 0x3F3F3F3F;
+    const uint32_t sc_hi = (s[2] & 0x0F0F0F0F) | (((s[0] >> 6) & 0x03030303) << 4);
+    const uint32_t mn_hi = ((s[2] >> 4) & 0x0F0F0F0F) | (((s[1] >> 6) & 0x03030303) << 4);
+    const __m256i fields = _mm256_broadcastsi128_si256(_mm_setr_epi32(int(sc_lo), int(sc_hi), int(mn_lo), int(mn_hi)));
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = load(blk + 16 + 32 * p);
+      u.q[2 * p] = _mm256_and_si256(v, low4);
+      u.q[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    for (int j = 0; j < 8; ++j)  // int16 lanes of scale j: byte j, then a zero byte (index 0x80)
+      u.sc[j] = _mm256_shuffle_epi8(fields, _mm256_set1_epi16(short(0x8000 | j)));
+    u.side = _mm256_shuffle_epi8(fields, _mm256_setr_epi16(  // mins 0-3 twice each, then 4-7
+        0x8008, 0x8008, 0x8009, 0x8009, 0x800A, 0x800A, 0x800B, 0x800B,
+        0x800C, 0x800C, 0x800D, 0x800D, 0x800E, 0x800E, 0x800F, 0x800F));
+  } else if (KIND == Q6K) {
+    u.d = f16(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const __m256i low2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
+      u.q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi16(_mm256_and_si256(c, low2), 4));
+      u.q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(b, low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), low2), 4));
+      u.q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low2), 4));
+      u.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), low2), 4));
+    }
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256i both = _mm256_broadcastsi128_si256(raw);
+    for (int i = 0; i < 8; ++i)  // int16 lanes: scale 2i in the low half, 2i + 1 in the high (byte twice, shifted down)
+      u.sc[i] = _mm256_srai_epi16(_mm256_shuffle_epi8(both, _mm256_setr_m128i(
+          _mm_set1_epi16(short(0x0101 * (2 * i))), _mm_set1_epi16(short(0x0101 * (2 * i + 1))))), 8);
+    u.side = _mm256_cvtepi8_epi16(raw);
+  } else if (KIND == Q50) {
+    u.d = f16(blk);
+    uint32_t high; std::memcpy(&high, blk + 2, 4);
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+    const __m256i nib = _mm256_and_si256(_mm256_setr_m128i(qs, _mm_srli_epi16(qs, 4)), low4);
+    // byte j gets bit j of `high`: spread the 4 bytes over 8 lanes each, test one bit a lane
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(high)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    const __m256i code = _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    u.q[0] = _mm256_sub_epi8(code, _mm256_set1_epi8(16));
+    u.abs0 = _mm256_abs_epi8(u.q[0]);
+  } else {
+    u.d = f16(blk);
+    u.q[0] = load(blk + 2);
+    u.abs0 = _mm256_abs_epi8(u.q[0]);
+  }
+}
+
+// Block b of one activation row into `acc`.
+template <int KIND>
+QB_TARGET inline __m256 block_dot(const Block& u, const int8_t* x, const int16_t* s16, float dx, __m256 acc) {
+  if (KIND == Q4K || KIND == Q6K) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i)
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u.q[i], load(x + 32 * i)), u.sc[i]));
+    const __m256i side = _mm256_madd_epi16(u.side, load(s16));  // 8 lanes of (min or scale) x (sum of codes)
+    if (KIND == Q4K) {
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(u.d * dx), acc);
+      return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_set1_ps(u.dmin * dx), acc);
+    }
+    sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(side, 5));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(u.d * dx), acc);
+  }
+  const __m256i prod = _mm256_maddubs_epi16(u.abs0, _mm256_sign_epi8(load(x), u.q[0]));
+  const __m256i sum = _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(u.d * dx), acc);
+}
+
+// One decoding row: the same integer sums and float steps as unpack + block_dot, without the unpacked block's
+// round trip through memory (its integer sums are exact, so their order is free; the float steps are the same).
+QB_TARGET inline __m256 dot1_q4k(const uint8_t* blk, const int8_t* x, const int16_t* s16, float dx, __m256 acc) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  uint32_t s[3]; std::memcpy(s, blk + 4, 12);
+  const uint32_t sc_lo = s[0] & 0x3F3F3F3F, mn_lo = s[1] & 0x3F3F3F3F;
+  const uint32_t sc_hi = (s[2] & 0x0F0F0F0F) | (((s[0] >> 6) & 0x03030303) << 4);
+  const uint32_t mn_hi = ((s[2] >> 4) & 0x0F0F0F0F) | (((s[1] >> 6) & 0x03030303) << 4);
+  // int16 scales, one a lane pair: scale j in lanes 2j, 2j + 1 of a 16-lane vector, then broadcast per group
+  const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0));
+  const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0));
+  __m256i sum0 = _mm256_setzero_si256(), sum1 = _mm256_setzero_si256();
+  const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1);
+  for (int p = 0; p < 4; ++p) {
+    const __m256i v = load(blk + 16 + 32 * p);
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    // scales 2p and 2p + 1 over all 16 lanes (each half of `pair` holds scales 0-7)
+    const __m256i pair = _mm256_permute4x64_epi64(sc16, 0x44);
+    const __m256i s_lo = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p))));
+    const __m256i s_hi = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p + 2))));
+    sum0 = _mm256_add_epi32(sum0, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x + 64 * p)), s_lo));
+    sum1 = _mm256_add_epi32(sum1, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x + 64 * p + 32)), s_hi));
+  }
+  const __m256i mins = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(mn16, 0x50), _mm256_setr_epi8(
+      0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
+  const __m256i side = _mm256_madd_epi16(mins, load(s16));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum0, sum1)), _mm256_set1_ps(f16(blk) * dx), acc);
+  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_set1_ps(f16(blk + 2) * dx), acc);
+}
+
+QB_TARGET inline __m256 dot1_q6k(const uint8_t* blk, const int8_t* x, const int16_t* s16, float dx, __m256 acc) {
+  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  const __m256i both = _mm256_broadcastsi128_si256(raw);
+  __m256i sum0 = _mm256_setzero_si256(), sum1 = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
+    const __m256i q[4] = {
+        _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi16(_mm256_and_si256(c, low2), 4)),
+        _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), low2), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low2), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), low2), 4))};
+    for (int j = 0; j < 4; ++j) {
+      const int i = 4 * h + j;
+      const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(both, _mm256_setr_m128i(
+          _mm_set1_epi16(short(0x0101 * (2 * i))), _mm_set1_epi16(short(0x0101 * (2 * i + 1))))), 8);
+      const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x + 32 * i)), sc);
+      if (j & 1) sum1 = _mm256_add_epi32(sum1, prod); else sum0 = _mm256_add_epi32(sum0, prod);
+    }
+  }
+  const __m256i side = _mm256_madd_epi16(_mm256_cvtepi8_epi16(raw), load(s16));
+  const __m256i sum = _mm256_sub_epi32(_mm256_add_epi32(sum0, sum1), _mm256_slli_epi32(side, 5));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(f16(blk + 208) * dx), acc);
+}
+
+template <int KIND>
+QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
+                         int64_t n0, int64_t n1) {
+  constexpr int PER = KIND_WEIGHTS[KIND], BYTES = KIND_BYTES[KIND];
+  const int64_t K = xq.K, blocks = K / PER, scales = K / xq.qblock;
+  __m256 acc[MCHUNK];
+  Block u;
+  if (xq.M == 1 && (KIND == Q4K || KIND == Q6K)) {  // decoding
+    const int8_t* x = xq.q.data();
+    const int16_t* s16 = xq.s16.data();
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        acc = KIND == Q4K ? dot1_q4k(row + b * BYTES, x + b * PER, s16 + b * (PER / 16), xq.d[b], acc)
+                          : dot1_q6k(row + b * BYTES, x + b * PER, s16 + b * (PER / 16), xq.d[b], acc);
+      }
+      y[n] = hsum(acc);
+    }
+    return;
+  }
+  for (int64_t m0 = 0; m0 < xq.M; m0 += MCHUNK) {
+    const int64_t mc = std::min<int64_t>(MCHUNK, xq.M - m0);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t m = 0; m < mc; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        unpack<KIND>(row + b * BYTES, u);
+        if (b + 1 < blocks) _mm_prefetch(reinterpret_cast<const char*>(row + (b + 4) * BYTES), _MM_HINT_T0);
+        for (int64_t m = 0; m < mc; ++m) {
+          const int64_t r = m0 + m;
+          acc[m] = block_dot<KIND>(u, xq.q.data() + r * K + b * PER, xq.s16.data() + r * (K / 16) + b * (PER / 16),
+                                   xq.d[r * scales + b], acc[m]);
+        }
+      }
+      for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]);
+    }
+  }
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+}  // namespace
+
+torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable) {
+  TORCH_CHECK(kind >= 0 && kind < 4, "kind: 0 q4_k, 1 q6_k, 2 q5_0, 3 q8_0");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2, "blocks: [N, bytes] uint8");
+  const int per = KIND_WEIGHTS[kind];
+  TORCH_CHECK(K % per == 0, "K must be a multiple of ", per);
+  TORCH_CHECK(w.size(1) == K / per * KIND_BYTES[kind], "blocks do not match K");
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  Quantised xq;
+  quantise(x.data_ptr<float>(), M, K, per, xq);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+#ifdef QB_X86
+  if (!portable && has_avx2()) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      switch (kind) {
+        case Q4K: rows_avx2<Q4K>(wp, row_bytes, xq, yp, N, n0, n1); break;
+        case Q6K: rows_avx2<Q6K>(wp, row_bytes, xq, yp, N, n0, n1); break;
+        case Q50: rows_avx2<Q50>(wp, row_bytes, xq, yp, N, n0, n1); break;
+        default: rows_avx2<Q80>(wp, row_bytes, xq, yp, N, n0, n1);
+      }
+    });
+    return y;
+  }
+#endif
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_scalar(int(kind), wp, row_bytes, xq, yp, N, n0, n1); });
+  return y;
+}
+
+// The activations as the block product quantises them (codes times scales), for checks: [M, K] float32.
+torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
+  TORCH_CHECK(qblock == 32 || qblock == 256, "qblock: 32 or 256");
+  TORCH_CHECK(x.size(1) % qblock == 0, "K must be a multiple of ", qblock);
+  Quantised xq;
+  quantise(x.data_ptr<float>(), x.size(0), x.size(1), qblock, xq);
+  auto out = torch::empty_like(x);
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) o[i] = float(xq.q[i]) * xq.d[i / qblock];
+  return out;
+}
