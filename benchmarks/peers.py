@@ -846,6 +846,227 @@ def run_setup(groups: list[dict[str, Any]], paths: dict[str, Any]) -> tuple[dict
     return steps, failed
 
 
+# ----------------------------------------------------------------------------------------------------
+# --pair: the real pair (Qwen2.5-Coder 1.5B, 0.5B draft; Q4_K_M files) against llama.cpp's own tools
+# ----------------------------------------------------------------------------------------------------
+
+PAIR_TARGET, PAIR_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+LLAMA_TOOLS = ("llama-bench", "llama-speculative-simple")
+
+
+def llama_bin() -> Path:
+    return converter_dir() / "build" / "bin"
+
+
+def setup_llama_tools(log: Path) -> bool:
+    """llama.cpp's own tools, built (Release, native CPU flags) from the source the llama-cpp-python sdist vendors;
+    about 10 minutes on 2 cores, once."""
+    if all((llama_bin() / tool).exists() for tool in LLAMA_TOOLS):
+        return False
+    setup_converter(log)  # fetches and unpacks the sdist
+    build = converter_dir() / "build"
+    _run_logged(["cmake", "-S", str(converter_dir()), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                 "-DLLAMA_BUILD_SERVER=OFF"], log)
+    _run_logged(["cmake", "--build", str(build), "--target", *LLAMA_TOOLS, "-j", "2"], log)
+    return True
+
+
+def _amx() -> bool:
+    try:
+        return " amx_tile " in f" {Path('/proc/cpuinfo').read_text().replace(chr(10), ' ')} "
+    except OSError:
+        return False
+
+
+def _llama(cmd: list[str], log: Path, timeout: float = 1800) -> str:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(llama_bin()))
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    with open(log, "a") as f:
+        f.write(result.stdout[-4000:] + result.stderr[-8000:])
+    if result.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed (exit {result.returncode}); see {log}")
+    return result.stdout + result.stderr
+
+
+def llama_plain_rate(target: Path, threads: int, tokens: int, depth: int, log: Path) -> float:
+    """llama-bench's decode rate (tokens/s) for `tokens` tokens after `depth` tokens of context, the average of
+    its 2 repetitions (llama.cpp's tools have no plain decoding of a prompt file with a thread count:
+    llama-speculative-simple refuses `--spec-type none`, llama-simple takes no thread count)."""
+    cmd = [str(llama_bin() / "llama-bench"), "-m", str(target), "-p", "0", "-n", str(tokens), "-d", str(depth),
+           "-t", str(threads), "-r", "2", "-o", "json"] + (["--repack", "0"] if _amx() else [])
+    out = _llama(cmd, log)
+    rows = json.loads(out[out.index("["): out.rindex("]") + 1])
+    return float(rows[0]["avg_ts"])
+
+
+def llama_speculative(target: Path, draft: Path, prompt_file: Path, draft_max: int, threads: int,
+                      max_new_tokens: int, log: Path) -> dict[str, Any]:
+    """One greedy run of llama-speculative-simple (the draft model, draft-simple), parsed from its log."""
+    import re
+
+    cmd = [str(llama_bin() / "llama-speculative-simple"), "-m", str(target), "-f", str(prompt_file),
+           "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "-c", "4096", "--seed", "0",
+           "-md", str(draft), "-td", str(threads), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+    cmd += ["--no-repack"] if _amx() else []
+    out = _llama(cmd, log)
+    found = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
+    encoded = re.search(r"encoded\s+(\d+) tokens", out)
+    drafted = re.search(r"n_drafted\s*=\s*(\d+)", out)
+    accepted = re.search(r"n_accept\s*=\s*(\d+)", out)
+    if found is None:
+        raise RuntimeError(f"llama-speculative-simple printed no decode line; see {log}")
+    tokens = int(found.group(1))
+    n_accept = int(accepted.group(1)) if accepted else 0
+    return {"new_tokens": tokens, "decode_time_s": float(found.group(2)),
+            "prompt_tokens": int(encoded.group(1)) if encoded else None,
+            "drafted": int(drafted.group(1)) if drafted else 0, "accepted": n_accept,
+            "target_calls": tokens - n_accept}
+
+
+def run_pair(args: argparse.Namespace) -> int:
+    """draftwise and llama.cpp on the pair's own Q4_K_M files, the same prompts, interleaved prompt by prompt.
+
+    Configs: draftwise `--pair-methods` (default ar, sd, suffix, hybrid; the 0.5B as draft, gamma `--gamma`);
+    llama.cpp speculative with the 0.5B (llama-speculative-simple, draft-simple, --spec-draft-n-max for each of
+    `--llama-draft-max`); llama.cpp plain: llama-bench's decode rate for `--max-new-tokens` tokens after the
+    prompts' mean length of context, once a repeat. Greedy; every engine stops at EOS or at
+    `--max-new-tokens` (llama.cpp's tools cannot ignore EOS). Prompts: the bench's Spec-Bench evaluation prompts
+    plus its coding category, chat-formatted; llama.cpp reads the same text from a file and tokenizes it itself
+    (the JSON records both token counts). Rate: decode tokens/s (the tokens after the first over the time after
+    the first, for draftwise; llama.cpp's own "decoded ... tokens in ... seconds", which excludes the prompt),
+    summed over the prompts, median over `--repeats`."""
+    import gc
+
+    import draftwise
+    from draftwise.api import generate
+    from draftwise.bench.datasets import load_prompts
+    from draftwise.bench.harness import encode_bench_prompt
+    from draftwise.models import registry
+    from draftwise.models.loading import load_draft, weights_description
+
+    logs = PEERS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / "pair-llama.log"
+    started = time.time()
+    result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("worker", "plan")},
+                              "machine": machine(), "setup": {}}
+    t0 = time.time()
+    result["setup"]["llama_tools_built"] = setup_llama_tools(log)
+    result["setup"]["seconds"] = round(time.time() - t0, 1)
+    target_file, draft_file = registry.entry(PAIR_TARGET).gguf(), registry.entry(PAIR_DRAFT).gguf()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    target = draftwise.load_model(PAIR_TARGET)
+    draft = load_draft(PAIR_DRAFT, target)
+    result["draftwise_weights"] = {"target": weights_description(target.model), "draft": weights_description(draft.model)}
+    prompts = [p for p in load_prompts("spec-bench", num_prompts=args.num_prompts)]
+    coding = load_prompts("spec-bench", num_prompts=args.num_prompts, categories=["coding"])
+    seen = {p.question_id for p in prompts}
+    prompts += [p for p in coding if p.question_id not in seen]
+    encoded = [encode_bench_prompt(target, p) for p in prompts]
+    files = []
+    for i, ids in enumerate(encoded):
+        path = PEERS / "prompts" / f"pair-{i}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(target.tokenizer.decode(ids, skip_special_tokens=False))
+        files.append(path)
+    result["prompts"] = [{"question_id": p.question_id, "category": p.category, "tokens": len(ids)}
+                         for p, ids in zip(prompts, encoded)]
+    methods = [m for m in args.pair_methods.split(",") if m]
+    configs = [("draftwise", m) for m in methods] + [("llama.cpp", int(n)) for n in args.llama_draft_max.split(",") if n]
+    depth = round(statistics.mean(len(ids) for ids in encoded))
+
+    def run(config, i: int) -> dict[str, Any]:
+        engine, what = config
+        if engine == "llama.cpp":
+            return llama_speculative(target_file, draft_file, files[i], what, args.threads, args.max_new_tokens, log)
+        start = time.perf_counter()
+        g = generate(target, list(encoded[i]), draft=draft if what != "ar" else None, method=what,
+                     max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, gamma=args.gamma)
+        wall = time.perf_counter() - start
+        s = g.stats
+        ttft = s.get("time_to_first_token_s") or 0.0
+        return {"new_tokens": s["new_tokens"], "decode_time_s": wall - ttft, "wall_time_s": wall,
+                "target_calls": s["target_calls"], "drafted": s["drafted"], "accepted": s["accepted"],
+                "token_ids": list(g.token_ids)}
+
+    def name(config) -> str:
+        engine, what = config
+        if engine == "draftwise":
+            return f"draftwise {what}"
+        return f"llama.cpp speculative (draft max {what})"
+
+    for config in configs:  # warm-up: one prompt each, not timed
+        run(config, 0)
+    runs: dict[str, list[list[dict[str, Any]]]] = {name(c): [] for c in configs}
+    plain_rates: list[float] = []
+    for r in range(args.repeats):
+        per = {name(c): [] for c in configs}
+        for i in range(len(encoded)):
+            order = configs[(i + r) % len(configs):] + configs[: (i + r) % len(configs)]
+            for config in order:
+                per[name(config)].append(run(config, i))
+                print(f"repeat {r + 1}/{args.repeats} prompt {i + 1}/{len(encoded)} {name(config)}: "
+                      f"{per[name(config)][-1]['new_tokens']} tokens", file=sys.stderr, flush=True)
+        for key, value in per.items():
+            runs[key].append(value)
+        plain_rates.append(llama_plain_rate(target_file, args.threads, args.max_new_tokens, depth, log))
+    rows = []
+    for config in configs:
+        key = name(config)
+        rates, accepted_lengths = [], []
+        for rep in runs[key]:
+            tokens = sum(x["new_tokens"] - (1 if config[0] == "draftwise" else 0) for x in rep)
+            rates.append(tokens / sum(x["decode_time_s"] for x in rep))
+            accepted_lengths.append(sum(x["new_tokens"] for x in rep) / max(1, sum(x["target_calls"] for x in rep)))
+        rows.append({"config": key, "decode_tokens_per_s": statistics.median(rates), "per_repeat": rates,
+                     "mean_accepted_length": statistics.median(accepted_lengths),
+                     "new_tokens": sum(x["new_tokens"] for x in runs[key][0])})
+    rows.append({"config": f"llama.cpp plain (llama-bench, tg{args.max_new_tokens} at depth {depth})",
+                 "decode_tokens_per_s": statistics.median(plain_rates), "per_repeat": plain_rates,
+                 "mean_accepted_length": 1.0, "new_tokens": args.max_new_tokens})
+    by = {row["config"]: row for row in rows}
+    base, plain = by["draftwise ar"]["decode_tokens_per_s"] if "draftwise ar" in by else None, rows[-1]["decode_tokens_per_s"]
+    for row in rows:
+        row["vs_draftwise_ar"] = row["decode_tokens_per_s"] / base if base else None
+        row["vs_llama_cpp_plain"] = row["decode_tokens_per_s"] / plain
+    llama_spec = max((row for row in rows if row["config"].startswith("llama.cpp speculative")),
+                     key=lambda row: row["decode_tokens_per_s"], default=None)
+    if llama_spec:
+        for row in rows:
+            row["vs_llama_cpp_best_speculative"] = row["decode_tokens_per_s"] / llama_spec["decode_tokens_per_s"]
+    if base:  # greedy: the exact methods' tokens against ar's, prompt by prompt (first repeat)
+        ar_ids = [x["token_ids"] for x in runs["draftwise ar"][0]]
+        for row in rows:
+            if row["config"].startswith("draftwise"):
+                ids = [x["token_ids"] for x in runs[row["config"]][0]]
+                row["identical_to_ar"] = f"{sum(a == b for a, b in zip(ids, ar_ids))}/{len(ar_ids)}"
+    result["rows"] = rows
+    result["seconds"] = round(time.time() - started, 1)
+    del target, draft
+    gc.collect()
+    lines = ["| config | decode tok/s | vs draftwise ar | vs llama.cpp plain | mean accepted length |",
+             "|---|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {row['config']} | {row['decode_tokens_per_s']:.2f} | "
+                     f"{row['vs_draftwise_ar'] or 0:.2f}x | {row['vs_llama_cpp_plain']:.2f}x | "
+                     f"{row['mean_accepted_length']:.2f} |")
+    print("\n".join(lines))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        for row in rows:
+            row.pop("token_ids", None)
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(out)
+    return 0
+
+
 def parse_skip(text: str) -> set[str]:
     aliases = {"llama": "llama.cpp", "llama-cpp": "llama.cpp", "vLLM": "vllm"}
     return {aliases.get(s.strip(), s.strip()) for s in text.split(",") if s.strip()}
@@ -871,7 +1092,16 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--plan", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pair", action="store_true",
+                        help=f"the real pair ({PAIR_TARGET}, {PAIR_DRAFT} as draft) against llama.cpp's own tools")
+    parser.add_argument("--pair-methods", default="ar,sd,suffix,hybrid", help="--pair: draftwise's methods")
+    parser.add_argument("--llama-draft-max", default="3,8", help="--pair: llama.cpp's draft lengths")
     args = parser.parse_args()
+    if args.pair:
+        if min(args.num_prompts, args.max_new_tokens, args.repeats, args.threads, args.gamma) < 1:
+            parser.error("--num-prompts, --max-new-tokens, --repeats, --threads and --gamma must be >= 1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return run_pair(args)
     unknown = set(args.spec_format.split(",")) - set(SPEC_FORMATS)
     if unknown:
         parser.error(f"--spec-format: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SPEC_FORMATS)}")

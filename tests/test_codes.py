@@ -230,3 +230,26 @@ def test_a_gguf_draft_of_a_target_in_codes_loads_in_codes_without_a_float_copy(s
     monkeypatch.setattr(registry, "convert_gguf", lambda *a, **k: pytest.fail("a float copy was made"))
     draft = load_draft("smollm2-135m", codes)
     assert draft.model.__dict__.get("draftwise_codes") and draft.dtype == codes.dtype
+
+
+@pytest.mark.slow
+def test_the_pair_runs_from_its_blocks_with_no_cache_entry_and_sd_writes_ars_tokens():
+    """The Q4_K_M pair loads in its blocks straight from the files (no codes cache entry written), and at T=0 `sd`
+    with the 0.5B, alone and beside a one-token prompt, writes `ar`'s tokens."""
+    import draftwise
+    from draftwise.models.cache import cache_root
+    from draftwise.models.loading import load_draft, load_model
+
+    entries = lambda: sorted((cache_root() / "models").glob("qwen2.5-coder-*-codes-*"))  # noqa: E731
+    before = entries()
+    target = load_model("qwen2.5-coder-1.5b")
+    assert target.weights.startswith("gguf blocks (") and "q6_k" in target.weights
+    assert entries() == before
+    draft = load_draft("qwen2.5-coder-0.5b", target)
+    assert "gguf blocks" in draft.weights
+    ids = target.tokenizer("def quicksort(items):\n")["input_ids"]
+    kwargs = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+    ar = draftwise.generate(target, ids, method="ar", **kwargs).token_ids
+    assert draftwise.generate(target, ids, method="sd", draft=draft, **kwargs).token_ids == ar
+    batch = draftwise.generate(target, [ids, ids[:1]], method="sd", draft=draft, **kwargs)
+    assert batch[0].token_ids == ar

@@ -270,6 +270,19 @@ def _build_codes(path: Path, config, out: Path) -> None:
     save_file(flat, str(out / "codes.safetensors"), metadata={"draftwise": json.dumps(meta)})
 
 
+def _drop_stale(entry: str) -> None:
+    """A codes entry an earlier draftwise decoded for a file that now runs from its blocks (about the file's size,
+    never read again): removed, under the cache's lock."""
+    import shutil
+
+    from .cache import _lock, cache_root
+
+    stale = cache_root() / "models" / entry
+    if stale.is_dir():
+        with _lock(entry):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def load(path: Path, dtype: torch.dtype, *, name: str):
     """(model, tokenizer) with every projection in its codes, or raise Unsupported with the reason. The first load
     decodes the file into a cache entry (`<name>-codes-<key>`, about the file's size); later loads read it."""
@@ -289,11 +302,12 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
     if config.model_type not in FAST_FAMILIES:
         raise Unsupported(f"{config.model_type} models")
     tensors = _File(path)
+    key = hashlib.sha256(f"codes-{CODES_FORMAT}|{_file_key(path)}".encode()).hexdigest()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
     if _all_blocks(tensors, config):  # the file's own bytes, read as they are: nothing to decode or cache
         flat, meta = _gather(tensors, config, blocks=True)
+        _drop_stale(f"{safe}-codes-{key[:12]}")
     else:
-        key = hashlib.sha256(f"codes-{CODES_FORMAT}|{_file_key(path)}".encode()).hexdigest()
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
         entry = ensure_entry(f"{safe}-codes-{key[:12]}", lambda out: _build_codes(path, config, out),
                              source_sha256=key)
         with safe_open(str(entry / "codes.safetensors"), framework="pt") as f:
@@ -343,15 +357,21 @@ class CodesFormats:
     """The `draftwise_formats` of a model loaded in its codes (its projections are already in place)."""
 
     def __init__(self, model) -> None:
+        from .qkernel import BlockLinear
+
         self.kinds: dict[str, int] = {}
+        self.blocks = False
         for module in model.modules():
             linear = getattr(module, "linear", None)
             for part in getattr(linear, "parts", [linear] if linear is not None else []):
                 self.kinds[part.kind] = self.kinds.get(part.kind, 0) + 1
+                self.blocks = self.blocks or isinstance(part, BlockLinear)
 
     def linear(self, name, parts, weight, bias):
         raise AssertionError("a model loaded in its codes builds no projection from float weights")
 
     def describe(self) -> str:
-        return "gguf codes (" + ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) + \
-            " projections; draftwise's kernel)"
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        if self.blocks:
+            return f"gguf blocks ({kinds} projections; draftwise's kernel, activations quantised to int8 per block)"
+        return f"gguf codes ({kinds} projections; draftwise's kernel)"
