@@ -944,6 +944,7 @@ def run_pair(args: argparse.Namespace) -> int:
     from draftwise.api import generate
     from draftwise.bench.datasets import load_prompts
     from draftwise.bench.harness import encode_bench_prompt
+    from draftwise.methods import get_method
     from draftwise.models import registry
     from draftwise.models.loading import load_draft, weights_description
 
@@ -985,7 +986,7 @@ def run_pair(args: argparse.Namespace) -> int:
         if engine == "llama.cpp":
             return llama_speculative(target_file, draft_file, files[i], what, args.threads, args.max_new_tokens, log)
         start = time.perf_counter()
-        g = generate(target, list(encoded[i]), draft=draft if what != "ar" else None, method=what,
+        g = generate(target, list(encoded[i]), draft=draft if get_method(what).needs_draft else None, method=what,
                      max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, gamma=args.gamma)
         wall = time.perf_counter() - start
         s = g.stats

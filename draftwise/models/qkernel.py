@@ -1,16 +1,22 @@
-"""draftwise's own product for weights kept in a GGUF file's codes (csrc/qmm.cpp), built as a torch extension.
+"""draftwise's own products for weights kept in a GGUF file's format (csrc/qmm.cpp, csrc/qblocks.cpp), built as one
+torch extension.
 
 `make install` builds it once (`python -m draftwise.models.qkernel`) into `<cache>/kernels/qmm-<hash>/`, keyed by
-the source, torch's version and the compiler; a later import loads the built library without compiling. Where it
+the sources, torch's version and the compiler; a later import loads the built library without compiling. Where it
 cannot be built (no compiler), `available()` says why in one line and the GGUF formats fall back to PyTorch's
-kernels (`models.quant`). The AVX2 path runs where the CPU has AVX2 and FMA; elsewhere the portable loop (same
-decode, scalar sums) runs.
+kernels (`models.quant`). The AVX2 paths run where the CPU has AVX2 and FMA (and F16C for the blocks); elsewhere the
+portable loops (same arithmetic, scalar sums) run.
 
-`CodesLinear` is one projection in its codes: 4-bit codes packed two to a byte (Q4_0, Q4_1, Q4_K: 0.5 byte a weight
-plus a float32 scale and zero per 32), 5-, 6- and 8-bit codes one signed byte a weight (Q5_0, Q6_K, Q8_0, less their
-offsets; a float32 scale per 16 or 32). It keeps nothing else: no float copy. Every width (one decoding token, a
-verification of 16, a prompt chunk) runs the same kernel, whose per-row sums are taken in one order whatever the
-width: a token's result never depends on its batch-mates."""
+`BlockLinear` is one projection in a K-quant file's own blocks (Q4_K, Q6_K, Q5_0, Q8_0, byte for byte), multiplied
+as integers against activations quantised to int8 per block, as llama.cpp does (csrc/qblocks.cpp).
+
+`CodesLinear` is one projection in decoded codes (Q4_0 and Q4_1 files): 4-bit codes packed two to a byte (0.5 byte a
+weight plus a float32 scale and zero per 32), 5-, 6- and 8-bit codes one signed byte a weight (less their offsets; a
+float32 scale per 16 or 32), with float32 activations.
+
+Both keep nothing else: no float copy. Every width (one decoding token, a verification of 16, a prompt chunk) runs
+the same kernel, whose per-row sums are taken in one order whatever the width: a token's result never depends on its
+batch-mates."""
 
 from __future__ import annotations
 
@@ -309,7 +315,7 @@ def weight_rows(module, index: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> int:
-    """`python -m draftwise.models.qkernel`: build the kernel now (make install does), say where or why not."""
+    """`python -m draftwise.models.qkernel`: build the kernels now (make install does), say where or why not."""
     module = load(verbose="-v" in sys.argv)
     if module is None:
         print(f"draftwise: the GGUF-codes kernel was not built ({_problem}); PyTorch's kernels will run instead",
