@@ -128,13 +128,12 @@ class _File:
             kind, offset = take("IQ")
             infos.append((name, shape, kind, offset))
         base = (at + alignment - 1) // alignment * alignment
-        self.by_name: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        self.by_name: dict[str, tuple[str, tuple[int, ...], int, int, int]] = {}  # kind, shape, start, rows, row bytes
         for name, shape, kind, offset in infos:
             qtype = GGMLQuantizationType(kind)
             block, size = GGML_QUANT_SIZES[qtype]
             rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-            row_bytes = shape[0] // block * size
-            self.by_name[name] = (qtype.name.lower(), shape, base + offset, rows * row_bytes)
+            self.by_name[name] = (qtype.name.lower(), shape, base + offset, rows, shape[0] // block * size)
 
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
@@ -142,18 +141,18 @@ class _File:
     def __getitem__(self, name: str):
         """(kind, data, shape): data is [rows, row bytes] uint8 for a quantised tensor, else the values (shape
         reversed, as numpy reads ggml's order); shape is ggml's (inputs first)."""
-        kind, shape, start, size = self.by_name[name]
-        raw = np.frombuffer(self.map, dtype=np.uint8, count=size, offset=start)
-        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        kind, shape, start, rows, row_bytes = self.by_name[name]
+        raw = np.frombuffer(self.map, dtype=np.uint8, count=rows * row_bytes, offset=start)
         if kind in ("f32", "f16", "bf16"):
             dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[kind]
             return kind, raw.view(dtype).reshape(tuple(reversed(shape))), shape
-        return kind, raw.reshape(rows, size // rows), shape
+        return kind, raw.reshape(rows, row_bytes), shape
 
     def release(self, name: str) -> None:
         import mmap
 
-        _, _, start, size = self.by_name[name]
+        _, _, start, rows, row_bytes = self.by_name[name]
+        size = rows * row_bytes
         if not hasattr(self.map, "madvise"):
             return
         page = mmap.PAGESIZE

@@ -72,10 +72,34 @@ def problem() -> str | None:
     return _problem
 
 
-class CodesLinear:
-    """y = x W^T (+ b) with W in its GGUF codes (see the module docstring)."""
+class _Product:
+    """What a projection on draftwise's kernels shares: float activations of any shape in, `_product` (the kernel)
+    on them flattened to float32 rows, the bias added, the activations' type and shape back."""
 
     format = "codes"
+    out_features: int
+    bias: torch.Tensor | None
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+        shape = x.shape
+        y = self._product(x.reshape(-1, shape[-1]).float().contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights (every row), for checks and round trips."""
+        return self.rows(torch.arange(self.out_features))
+
+
+class CodesLinear(_Product):
+    """y = x W^T (+ b) with W in its GGUF codes (see the module docstring)."""
 
     def __init__(self, kind: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group: int, offset: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -112,17 +136,8 @@ class CodesLinear:
             raise ValueError(f"{kind}: codes of shape {tuple(codes.shape)} do not hold {in_features} inputs")
         return out
 
-    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1]).float().contiguous()
-        y = load().qmm(flat, self.codes, self.bits, self.scales, self.zeros, self.group, False)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-
-    def dequantized(self) -> torch.Tensor:
-        """The float weights the codes encode (float32), for checks and round trips."""
-        return self.rows(torch.arange(self.out_features))
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return load().qmm(flat, self.codes, self.bits, self.scales, self.zeros, self.group, False)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)
@@ -143,15 +158,13 @@ BLOCK_KINDS = {"q4_k": (0, 256, 144), "q6_k": (1, 256, 210), "q5_0": (2, 32, 22)
 """The kinds `BlockLinear` runs from the file's own blocks: (the kernel's id, weights a block, bytes a block)."""
 
 
-class BlockLinear:
+class BlockLinear(_Product):
     """y = x W^T (+ b) with W in a GGUF file's own blocks, byte for byte (csrc/qblocks.cpp): Q4_K 4.5 bits a weight,
     Q6_K 6.56, Q5_0 5.5, Q8_0 8.5. Each activation row is quantised to int8 per block of inputs first (256 for the
     K-quants, 32 for Q5_0 and Q8_0; a float32 scale each), as llama.cpp does, and every block's product is an exact
     integer sum scaled once: the result is the exact product of the dequantised weights with those quantised
     activations, up to float32 rounding of the per-block sums, and a row's result never depends on its
     batch-mates."""
-
-    format = "codes"
 
     def __init__(self, kind: str, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None = None) -> None:
         if kind not in BLOCK_KINDS:
@@ -164,16 +177,8 @@ class BlockLinear:
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else bias.float()
 
-    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1]).float().contiguous()
-        y = load().qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.rows(torch.arange(self.out_features))
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return load().qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
 
     def nbytes(self) -> int:
         return self.blocks.numel()

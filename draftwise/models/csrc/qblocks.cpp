@@ -304,36 +304,25 @@ QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& x
   const int64_t K = xq.K, blocks = K / PER, scales = K / xq.qblock;
   __m256 acc[MCHUNK];
   Block u;
-  if constexpr (KIND == Q4K || KIND == Q6K) {
-    for (int64_t m0 = 0; m0 < xq.M; m0 += MCHUNK) {
-      const int64_t mc = std::min<int64_t>(MCHUNK, xq.M - m0);
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * row_bytes;
-        for (int64_t m = 0; m < mc; ++m) acc[m] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-          for (int64_t m = 0; m < mc; ++m) {
-            const int64_t r = m0 + m;
-            const int8_t* x = xq.q.data() + r * K + b * PER;
-            const int16_t* s16 = xq.s16.data() + r * (K / 16) + b * (PER / 16);
-            acc[m] = KIND == Q4K ? dot1_q4k(row + b * BYTES, x, s16, xq.d[r * scales + b], acc[m])
-                                 : dot1_q6k(row + b * BYTES, x, s16, xq.d[r * scales + b], acc[m]);
-          }
-        }
-        for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]);
-      }
-    }
-    return;
-  }
-  for (int64_t m0 = 0; m0 < xq.M; m0 += MCHUNK) {  // Q5_0, Q8_0: each block unpacked once for the pass's rows
+  for (int64_t m0 = 0; m0 < xq.M; m0 += MCHUNK) {
     const int64_t mc = std::min<int64_t>(MCHUNK, xq.M - m0);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * row_bytes;
       for (int64_t m = 0; m < mc; ++m) acc[m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
-        unpack<KIND>(row + b * BYTES, u);
+        const uint8_t* blk = row + b * BYTES;
+        if constexpr (KIND == Q50 || KIND == Q80) unpack<KIND>(blk, u);  // once for the pass's rows
         for (int64_t m = 0; m < mc; ++m) {
           const int64_t r = m0 + m;
-          acc[m] = block_dot(u, xq.q.data() + r * K + b * PER, xq.d[r * scales + b], acc[m]);
+          const int8_t* x = xq.q.data() + r * K + b * PER;
+          const float dx = xq.d[r * scales + b];
+          if constexpr (KIND == Q4K) {
+            acc[m] = dot1_q4k(blk, x, xq.s16.data() + r * (K / 16) + b * (PER / 16), dx, acc[m]);
+          } else if constexpr (KIND == Q6K) {
+            acc[m] = dot1_q6k(blk, x, xq.s16.data() + r * (K / 16) + b * (PER / 16), dx, acc[m]);
+          } else {
+            acc[m] = block_dot(u, x, dx, acc[m]);
+          }
         }
       }
       for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]);
