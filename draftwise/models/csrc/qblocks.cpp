@@ -10,8 +10,8 @@
 //   Q5_0, Q8_0  d * xd * (q . x)                                                         (q signed)
 // Everything about a row (its quantisation, its integer sums, its float accumulation over the blocks in order, the
 // final 8-lane sum) is computed the same way whatever the number of rows M: a row's result never depends on its
-// batch-mates. A K-quant block is decoded in registers for each activation row it meets (cheaper here than decoding
-// it once into memory for all of them); a Q5_0 or Q8_0 block once per pass of up to 16 rows.
+// batch-mates. A K-quant block is decoded in registers once for every 4 activation rows it meets (cheaper here than
+// decoding it once into memory for all of them); a Q5_0 or Q8_0 block once per pass of up to 16 rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -239,9 +239,12 @@ QB_TARGET inline __m256 block_dot(const Block& u, const int8_t* x, float dx, __m
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(u.d * dx), acc);
 }
 
-// One row's product with one K-quant block, the block decoded in registers (for each row: measured faster than
-// decoding it once into memory for all rows, 248 against 324 ms for the 1.5B's products at 8 rows).
-QB_TARGET inline __m256 dot1_q4k(const uint8_t* blk, const int8_t* x, const int16_t* s16, float dx, __m256 acc) {
+// R activation rows' products with one K-quant block: the block is decoded in registers once and multiplied into
+// all R rows (up to 4 at a time, which fits AVX2's 16 registers). Each row's arithmetic is the same whatever R: its
+// integer sums are exact (their order does not matter), and its float steps are the same two fused multiply-adds.
+template <int R>
+QB_TARGET inline void dot_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16, const float* dx,
+                              __m256* acc) {
   const __m256i low4 = _mm256_set1_epi8(15);
   uint32_t s[3]; std::memcpy(s, blk + 4, 12);
   const uint32_t sc_lo = s[0] & 0x3F3F3F3F, mn_lo = s[1] & 0x3F3F3F3F;
@@ -250,31 +253,39 @@ QB_TARGET inline __m256 dot1_q4k(const uint8_t* blk, const int8_t* x, const int1
   // int16 scales, one a lane pair: scale j in lanes 2j, 2j + 1 of a 16-lane vector, then broadcast per group
   const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0));
   const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0));
-  __m256i sum0 = _mm256_setzero_si256(), sum1 = _mm256_setzero_si256();
   const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                         0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1);
+  const __m256i pair = _mm256_permute4x64_epi64(sc16, 0x44);  // each half holds scales 0-7
+  __m256i sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
   for (int p = 0; p < 4; ++p) {
     const __m256i v = load(blk + 16 + 32 * p);
     const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    // scales 2p and 2p + 1 over all 16 lanes (each half of `pair` holds scales 0-7)
-    const __m256i pair = _mm256_permute4x64_epi64(sc16, 0x44);
     const __m256i s_lo = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p))));
     const __m256i s_hi = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p + 2))));
-    sum0 = _mm256_add_epi32(sum0, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x + 64 * p)), s_lo));
-    sum1 = _mm256_add_epi32(sum1, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x + 64 * p + 32)), s_hi));
+    for (int r = 0; r < R; ++r)
+      sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
+          _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x[r] + 64 * p)), s_lo),
+          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x[r] + 64 * p + 32)), s_hi)));
   }
   const __m256i mins = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(mn16, 0x50), _mm256_setr_epi8(
       0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
-  const __m256i side = _mm256_madd_epi16(mins, load(s16));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum0, sum1)), _mm256_set1_ps(f16(blk) * dx), acc);
-  return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_set1_ps(f16(blk + 2) * dx), acc);
+  const float d = f16(blk), dmin = f16(blk + 2);
+  for (int r = 0; r < R; ++r) {
+    const __m256i side = _mm256_madd_epi16(mins, load(s16[r]));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * dx[r]), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_set1_ps(dmin * dx[r]), acc[r]);
+  }
 }
 
-QB_TARGET inline __m256 dot1_q6k(const uint8_t* blk, const int8_t* x, const int16_t* s16, float dx, __m256 acc) {
+template <int R>
+QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16, const float* dx,
+                              __m256* acc) {
   const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
   const __m256i both = _mm256_broadcastsi128_si256(raw);
-  __m256i sum0 = _mm256_setzero_si256(), sum1 = _mm256_setzero_si256();
+  __m256i sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
     const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
     const __m256i q[4] = {
@@ -288,13 +299,34 @@ QB_TARGET inline __m256 dot1_q6k(const uint8_t* blk, const int8_t* x, const int1
       const int i = 4 * h + j;
       const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(both, _mm256_setr_m128i(
           _mm_set1_epi16(short(0x0101 * (2 * i))), _mm_set1_epi16(short(0x0101 * (2 * i + 1))))), 8);
-      const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x + 32 * i)), sc);
-      if (j & 1) sum1 = _mm256_add_epi32(sum1, prod); else sum0 = _mm256_add_epi32(sum0, prod);
+      for (int r = 0; r < R; ++r)
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x[r] + 32 * i)), sc));
     }
   }
-  const __m256i side = _mm256_madd_epi16(_mm256_cvtepi8_epi16(raw), load(s16));
-  const __m256i sum = _mm256_sub_epi32(_mm256_add_epi32(sum0, sum1), _mm256_slli_epi32(side, 5));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(f16(blk + 208) * dx), acc);
+  const __m256i scales = _mm256_cvtepi8_epi16(raw);
+  const float d = f16(blk + 208);
+  for (int r = 0; r < R; ++r) {
+    const __m256i side = _mm256_madd_epi16(scales, load(s16[r]));
+    const __m256i total = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(side, 5));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx[r]), acc[r]);
+  }
+}
+
+// R rows (from row r0 of the activations) against block b of one weight row.
+template <int KIND, int R>
+QB_TARGET inline void kquant_rows(const uint8_t* blk, const Quantised& xq, int64_t r0, int64_t b, __m256* acc) {
+  constexpr int PER = KIND_WEIGHTS[KIND];
+  const int64_t K = xq.K;
+  const int8_t* x[R];
+  const int16_t* s16[R];
+  float dx[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = xq.q.data() + (r0 + r) * K + b * PER;
+    s16[r] = xq.s16.data() + (r0 + r) * (K / 16) + b * (PER / 16);
+    dx[r] = xq.d[(r0 + r) * (K / PER) + b];
+  }
+  if constexpr (KIND == Q4K) dot_q4k<R>(blk, x, s16, dx, acc);
+  else dot_q6k<R>(blk, x, s16, dx, acc);
 }
 
 template <int KIND>
@@ -311,17 +343,20 @@ QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& x
       for (int64_t m = 0; m < mc; ++m) acc[m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* blk = row + b * BYTES;
-        if constexpr (KIND == Q50 || KIND == Q80) unpack<KIND>(blk, u);  // once for the pass's rows
-        for (int64_t m = 0; m < mc; ++m) {
-          const int64_t r = m0 + m;
-          const int8_t* x = xq.q.data() + r * K + b * PER;
-          const float dx = xq.d[r * scales + b];
-          if constexpr (KIND == Q4K) {
-            acc[m] = dot1_q4k(blk, x, xq.s16.data() + r * (K / 16) + b * (PER / 16), dx, acc[m]);
-          } else if constexpr (KIND == Q6K) {
-            acc[m] = dot1_q6k(blk, x, xq.s16.data() + r * (K / 16) + b * (PER / 16), dx, acc[m]);
-          } else {
-            acc[m] = block_dot(u, x, dx, acc[m]);
+        if constexpr (KIND == Q4K || KIND == Q6K) {
+          int64_t m = 0;
+          for (; m + 4 <= mc; m += 4) kquant_rows<KIND, 4>(blk, xq, m0 + m, b, acc + m);
+          switch (mc - m) {
+            case 3: kquant_rows<KIND, 3>(blk, xq, m0 + m, b, acc + m); break;
+            case 2: kquant_rows<KIND, 2>(blk, xq, m0 + m, b, acc + m); break;
+            case 1: kquant_rows<KIND, 1>(blk, xq, m0 + m, b, acc + m); break;
+            default: break;
+          }
+        } else {
+          unpack<KIND>(blk, u);  // once for the pass's rows
+          for (int64_t m = 0; m < mc; ++m) {
+            const int64_t r = m0 + m;
+            acc[m] = block_dot(u, xq.q.data() + r * K + b * PER, xq.d[r * scales + b], acc[m]);
           }
         }
       }
