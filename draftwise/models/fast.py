@@ -46,7 +46,9 @@ def onednn_packing(weight: torch.Tensor) -> bool:
 
 
 class FloatLinear:
-    """y = x W^T (+ b) in the weights' own float dtype (oneDNN with a prepacked weight on CPU)."""
+    """y = x W^T (+ b) in the weights' own float dtype: decoding and verification feeds on CPU through draftwise's
+    batch-invariant product (`qkernel`'s fmm: a row's sums in one order whatever the number of rows, float32
+    inside, rounded to the activations' type), prompt feeds (`wide`) through oneDNN with a prepacked weight."""
 
     format = "float"
 
@@ -56,12 +58,29 @@ class FloatLinear:
         self.out_features, self.in_features = weight.shape
         self.packed = None
         if onednn_packing(self.weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+            except RuntimeError:  # bf16 on a CPU without AVX512-BF16/AVX-NE-CONVERT (e.g. AMD Zen 3): plain F.linear
+                self.packed = None
+        self._invariant = None
+        if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and self.in_features % 8 == 0):
+            self._invariant = invariant_kernel("fmm")
 
-    def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+        """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens."""
+        shape = x.shape
+        if not isinstance(wide, bool):
+            if 0 < wide < shape[0]:
+                return torch.cat([self(x[:wide]), self(x[wide:], True)])
+            wide = wide == 0
+        if not wide and self._invariant is not None:
+            y = self._invariant(x.reshape(-1, shape[-1]).float().contiguous(), self.weight, False)
+            if self.bias is not None:
+                y = y + self.bias.float()
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        shape = x.shape
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
 
@@ -136,7 +155,7 @@ class Int4Linear:
         if wide:  # a prompt: the dequantised weights, prepacked once, run it faster
             if self._wide is None:
                 self._wide = FloatLinear(self.dequantized(), self.bias)
-            return self._wide(x)
+            return self._wide(x, True)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, self.group,
                                                         self.scales_zeros)
         if self.bias is not None:
@@ -246,6 +265,7 @@ class FastModel:
             self.head = make_linear("lm_head", [("lm_head", head.weight.detach())], head.weight.detach(), _bias(head))
         self._cos = self._sin = None
         self._rope_len = 0
+        self._attend = invariant_kernel("attend")
 
     # ---- pieces -------------------------------------------------------------
 
@@ -295,13 +315,21 @@ class FastModel:
         write = _Writer(step, pack, rows, width)
         kv = step.kv_length
         cache_dtype = self.cache_dtype
-        # Rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention row by row on the
-        # packed tokens, each row reading its own live keys only, where padding would be over a quarter of the
-        # keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded). On the CPU only: on a GPU each
+        # draftwise's attention (csrc/attention.cpp) for decoding and verification tokens on the CPU: each query over
+        # its visible keys in order, so a token's result never depends on its batch-mates (the forward is batch
+        # invariant); prompt tokens keep PyTorch's SDPA, row by row, which every method and every batch shares.
+        kernel = self._attend if source.device.type == "cpu" else None
+        if kernel is not None:
+            lengths = [cache.lengths[step.begin + b] for b in range(rows)]
+            attention = _RowAttention(kernel, counts, lengths, wide, mask, kv, self.scaling, kv_heads != heads,
+                                      cache.window is None)
+        # Without the kernel: rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention
+        # row by row on the packed tokens, each row reading its own live keys only, where padding would be over a
+        # quarter of the keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded). On the CPU only: on a GPU each
         # row's attention is its own kernel launches per layer, and the padded batch one (a suspect, not yet measured,
         # for train-data's batch 256 answering 2.5 sequences a second on an H100 with the GPU 7% busy)
         per_row = None
-        if rows > 1 and source.device.type == "cpu":
+        if kernel is None and rows > 1 and source.device.type == "cpu":
             row_kv = [cache.lengths[step.begin + b] + c for b, c in enumerate(counts)]
             if sum(row_kv) <= PER_ROW_MAX_FILL * rows * kv or sum(counts) <= PER_ROW_MAX_FILL * rows * width:
                 starts = [n - c for n, c in zip(row_kv, counts)]
@@ -322,7 +350,10 @@ class FastModel:
             v = qkv[:, k_end:].view(-1, kv_heads, d)
             keys = cache.keys[index][step.begin: step.begin + rows]
             values = cache.values[index][step.begin: step.begin + rows]
-            if per_row is not None and width <= PACKED_ROWS_WIDTH:  # decode / verify: one write, padded queries
+            if kernel is not None:
+                out = attention(q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype), keys, values, write, pack)
+                out = out.reshape(-1, heads * d).to(h.dtype)
+            elif per_row is not None and width <= PACKED_ROWS_WIDTH:  # decode / verify: one write, padded queries
                 write(keys, k.to(cache_dtype))
                 write(values, v.to(cache_dtype))
                 q_rows = pack.rows(q.to(cache_dtype)).transpose(1, 2)  # [rows, heads, width, d]
@@ -369,6 +400,66 @@ class FastModel:
         for _ in self.layers:
             cache.keys.append(torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
             cache.values.append(torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
+
+
+def invariant_kernel(name: str):
+    """One of draftwise's batch-invariant kernels (qkernel's `attend` or `fmm`), or None where the kernel is not
+    built or DRAFTWISE_INVARIANT=0 turns them off (then PyTorch's SDPA and oneDNN's products run, whose results
+    move with the batch's shape)."""
+    if os.environ.get("DRAFTWISE_INVARIANT", "1") in ("0", "false", "no"):
+        return None
+    from . import qkernel
+
+    module = qkernel.load()
+    return None if module is None else getattr(module, name)
+
+
+class _RowAttention:
+    """One forward's attention through the kernel: decoding and verification tokens of every row in one call;
+    a prompt feed's rows (all of them, or those past `wide` when it is a count) through SDPA one row at a time,
+    whatever the batch, so that a prompt's cache and logits are the same alone or batched."""
+
+    def __init__(self, kernel, counts: list[int], lengths: list[int], wide: bool | int, mask: torch.Tensor | None,
+                 kv: int, scale: float, gqa: bool, full: bool) -> None:
+        self.kernel, self.counts, self.scale, self.gqa, self.kv, self.full = kernel, counts, scale, gqa, kv, full
+        self.visible = None if mask is None else mask[:, 0].contiguous()  # [rows, width, kv] bool
+        offsets = [0]
+        for c in counts[:-1]:
+            offsets.append(offsets[-1] + c)
+        if wide is True:
+            prompt = [True] * len(counts)
+        elif wide is False:
+            prompt = [False] * len(counts)
+        else:  # the packed tokens from `wide` on are prompt tokens
+            prompt = [o >= int(wide) for o in offsets]
+        self.rows = None  # None: every row decodes or verifies (one kernel call)
+        if any(prompt):
+            # (offset, count, start, keys after the forward, prompt?) a row
+            self.rows = [(o, c, n, n + c, p) for o, c, n, p in zip(offsets, counts, lengths, prompt)]
+
+    def __call__(self, q, k, v, keys, values, write, pack) -> torch.Tensor:
+        """q, k, v: the packed tokens' [tokens, heads, d] in the cache's type; returns [tokens, heads, d]."""
+        if self.rows is None:
+            write(keys, k)
+            write(values, v)
+            out = self.kernel(pack.rows(q).contiguous(), keys, values, self.visible, self.counts, self.kv, self.scale,
+                              False)  # [rows, width, heads, d]
+            return pack.flat(out)
+        outs = []
+        for b, (o, c, start, n, prompt) in enumerate(self.rows):
+            keys[b, :, start: start + c] = k[o: o + c].transpose(0, 1)
+            values[b, :, start: start + c] = v[o: o + c].transpose(0, 1)
+            visible = None if self.visible is None else self.visible[b: b + 1, :c, :n]
+            if prompt:
+                row_mask = None if visible is None or (c == 1 and self.full) else visible[:, None]
+                outs.append(F.scaled_dot_product_attention(
+                    q[o: o + c].transpose(0, 1)[None], keys[b: b + 1, :, :n], values[b: b + 1, :, :n],
+                    attn_mask=row_mask, scale=self.scale, enable_gqa=self.gqa)[0].transpose(0, 1))
+            else:
+                outs.append(self.kernel(q[o: o + c][None].contiguous(), keys[b: b + 1], values[b: b + 1],
+                                        None if visible is None else visible.contiguous(), [c], n, self.scale,
+                                        False)[0])
+        return torch.cat(outs)
 
 
 class _Writer:

@@ -29,7 +29,8 @@ import torch
 
 from .cache import cache_root
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("qmm.cpp", "qblocks.cpp")]
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("qmm.cpp", "qblocks.cpp", "attention.cpp",
+                                                                              "floats.cpp")]
 _module = None
 _problem: str | None = None
 

@@ -208,10 +208,15 @@ bool accelerated() {
 
 torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable);  // qblocks.cpp
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
+                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable);  // attention.cpp
+torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable);  // floats.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "float activations x weights in GGUF codes");
   m.def("qmm_blocks", &qmm_blocks, "activations (quantised to int8 per block) x weights in a GGUF file's own blocks");
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
+  m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)");
+  m.def("fmm", &fmm, "float32 activations x float weights, each row's sums in one order whatever M (floats.cpp)");
   m.def("accelerated", &accelerated, "whether the AVX2 path runs here");
 }

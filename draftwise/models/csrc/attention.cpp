@@ -1,0 +1,205 @@
+// draftwise's attention for decoding and verification feeds: every query is computed over the keys it may see, one
+// after another in cache order, by arithmetic that depends on nothing but that query and those keys. A token's
+// attention output is therefore the same bits whether the forward carries it alone, beside 15 other tokens of its
+// row (a verification, a token tree), or beside 31 other rows: PyTorch's scaled_dot_product_attention picks its
+// blocking and its reduction order from the shapes of the whole call, which moves the last bits of a row's result
+// with its batch-mates (found by swapping it alone for a per-query reference: every other operation of the
+// forward already gave equal bits).
+//
+// For one query head h (kv head h / G) and its visible keys j_1 < j_2 < ... < j_L:
+//   s_l = (q . k_{j_l}) * scale       8-lane products over the head dimension, two accumulators, one fixed hsum
+//   p_l = exp(s_l - max_l s_l)        one vectorised exp, lanes assigned by l (the key's rank among the visible)
+//   o   = (sum_l p_l v_{j_l}) / sum_l p_l    both sums in l order
+// A task is one query token and one kv head: the G query heads that share the kv head read each key once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define AT_X86 1
+#endif
+
+namespace {
+
+struct Task {
+  const float *q, *keys, *values;  // q: [G, D] of this token; keys, values: [C, D] of this row and kv head
+  const bool* visible;             // [KV] or null (every key 0 .. kv - 1)
+  int64_t kv, G, D;
+  float scale;
+  float* out;                      // [G, D]
+};
+
+// The visible keys' indices, in order.
+void visible_keys(const Task& t, std::vector<int32_t>& index) {
+  index.clear();
+  for (int64_t j = 0; j < t.kv; ++j)
+    if (t.visible == nullptr || t.visible[j]) index.push_back(int32_t(j));
+}
+
+void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores) {
+  visible_keys(t, index);
+  const int64_t L = int64_t(index.size()), D = t.D;
+  scores.resize(t.G * (L + 8));
+  for (int64_t g = 0; g < t.G; ++g) {
+    float* s = scores.data() + g * (L + 8);
+    const float* q = t.q + g * D;
+    float top = -INFINITY;
+    for (int64_t l = 0; l < L; ++l) {
+      const float* k = t.keys + int64_t(index[l]) * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+      s[l] = dot * t.scale;
+      top = std::max(top, s[l]);
+    }
+    float total = 0.f;
+    for (int64_t l = 0; l < L; ++l) { s[l] = std::exp(s[l] - top); total += s[l]; }
+    float* o = t.out + g * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+    for (int64_t l = 0; l < L; ++l) {
+      const float* v = t.values + int64_t(index[l]) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += s[l] * v[d];
+    }
+    if (L > 0)
+      for (int64_t d = 0; d < D; ++d) o[d] /= total;
+  }
+}
+
+#ifdef AT_X86
+#define AT_TARGET __attribute__((target("avx2,fma")))
+
+AT_TARGET inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// exp(x) for x <= 0 (scores less their maximum): x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r
+// (relative error about 2e-7), 2^n from the exponent bits; below -87 it is 0.
+AT_TARGET inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 floor_ = _mm256_set1_ps(-87.f);
+  const __m256 under = _mm256_cmp_ps(x, floor_, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor_);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+AT_TARGET inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple of 8
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  if (d < D) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+  return hsum(_mm256_add_ps(s0, s1));
+}
+
+AT_TARGET void task_avx2(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores) {
+  visible_keys(t, index);
+  const int64_t L = int64_t(index.size()), D = t.D, G = t.G, stride = (L + 7) / 8 * 8;
+  scores.resize(G * stride + 8);
+  for (int64_t l = 0; l < L; ++l) {  // each key read once for the G heads that share it
+    const float* k = t.keys + int64_t(index[l]) * D;
+    for (int64_t g = 0; g < G; ++g) scores[g * stride + l] = dot(t.q + g * D, k, D) * t.scale;
+  }
+  std::vector<float> totals(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * stride;
+    float top = -INFINITY;
+    for (int64_t l = 0; l < L; ++l) top = std::max(top, s[l]);
+    for (int64_t l = L; l < stride; ++l) s[l] = top;  // tail lanes: computed, never summed
+    const __m256 m = _mm256_set1_ps(top);
+    for (int64_t l = 0; l < stride; l += 8)
+      _mm256_storeu_ps(s + l, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + l), m)));
+    float total = 0.f;
+    for (int64_t l = 0; l < L; ++l) total += s[l];
+    totals[g] = total;
+    std::memset(t.out + g * D, 0, sizeof(float) * D);
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const float* v = t.values + int64_t(index[l]) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 p = _mm256_set1_ps(scores[g * stride + l]);
+      float* o = t.out + g * D;
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+    }
+  }
+  if (L > 0)
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 total = _mm256_set1_ps(totals[g]);
+      float* o = t.out + g * D;
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), total));
+    }
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+}  // namespace
+
+// q: [R, W, H, D]; keys, values: [R, KVH, C, D] (the forward's cache rows); visible: [R, W, KV] bool or None (every
+// key 0 .. kv - 1); counts: real queries a row (the rest are padding, left zero). Returns [R, W, H, D].
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
+                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [R, W, H, D] float32");
+  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() &&
+              values.sizes() == keys.sizes() && values.scalar_type() == torch::kFloat32 && values.is_contiguous(),
+              "keys, values: [R, KVH, C, D] float32, contiguous");
+  const int64_t R = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = keys.size(1), C = keys.size(2);
+  TORCH_CHECK(keys.size(0) == R && keys.size(3) == D && KVH > 0 && H % KVH == 0, "q and keys do not match");
+  TORCH_CHECK(int64_t(counts.size()) == R, "one count a row");
+  TORCH_CHECK(kv >= 0 && kv <= C, "kv past the cache");
+  const bool* mask = nullptr;
+  if (visible.has_value() && visible->defined()) {
+    const auto& v = *visible;
+    TORCH_CHECK(v.scalar_type() == torch::kBool && v.is_contiguous() && v.dim() == 3 && v.size(0) == R &&
+                v.size(1) == W && v.size(2) >= kv, "visible: [R, W, >= kv] bool, contiguous");
+    mask = v.data_ptr<bool>();
+  }
+  const int64_t mask_kv = mask ? visible->size(2) : 0;
+  auto out = torch::zeros_like(q);
+  const int64_t G = H / KVH;
+  const float* qp = q.data_ptr<float>();
+  const float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#ifdef AT_X86
+  const bool fast = !portable && has_avx2() && D % 8 == 0;
+#else
+  const bool fast = false;
+#endif
+  at::parallel_for(0, R * W * KVH, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> index;
+    std::vector<float> scores;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / (W * KVH), w = (t / KVH) % W, g = t % KVH;
+      if (w >= counts[r]) continue;
+      Task task{qp + ((r * W + w) * H + g * G) * D, kp + (r * KVH + g) * C * D, vp + (r * KVH + g) * C * D,
+                mask ? mask + (r * W + w) * mask_kv : nullptr, kv, G, D, float(scale),
+                op + ((r * W + w) * H + g * G) * D};
+#ifdef AT_X86
+      if (fast) { task_avx2(task, index, scores); continue; }
+#endif
+      task_scalar(task, index, scores);
+    }
+  });
+  return out;
+}

@@ -1,0 +1,148 @@
+// draftwise's product of float32 activations with float weights (float32, bfloat16 or float16), for decoding and
+// verification feeds: y[m, n] = sum_k x[m, k] w[n, k], each output summed in 8 lanes over k in order (one fused
+// multiply-add a lane and chunk of 8), then one fixed horizontal sum. No step depends on M, the number of activation
+// rows: a row's result is the same bits whether it is multiplied alone or beside 15 others (oneDNN's and MKL's
+// products pick their kernels and blocking from M, which moves a row's last bits with its batch-mates).
+// Tiles of 4 output rows and 2 activation rows keep 8 sums in registers; a weight row is read once per pair of rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FL_X86 1
+#endif
+
+namespace {
+
+enum Type { F32 = 0, BF16 = 1, F16 = 2 };
+
+inline float scalar_weight(const void* w, int type, int64_t i) {
+  if (type == F32) return static_cast<const float*>(w)[i];
+  const uint16_t h = static_cast<const uint16_t*>(w)[i];
+  if (type == BF16) {
+    const uint32_t bits = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  return float(c10::Half(h, c10::Half::from_bits()));
+}
+
+void rows_scalar(const float* x, const void* w, int type, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                 int64_t n1) {
+  const int64_t size = type == F32 ? 4 : 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    const void* row = static_cast<const uint8_t*>(w) + n * K * size;
+    for (int64_t m = 0; m < M; ++m) {
+      float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t k = 0; k < K; ++k) lanes[k % 8] += x[m * K + k] * scalar_weight(row, type, k);
+      y[m * N + n] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    }
+  }
+}
+
+#ifdef FL_X86
+#define FL_TARGET __attribute__((target("avx2,fma,f16c")))
+
+FL_TARGET inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+template <int TYPE>
+FL_TARGET inline __m256 load_weights(const void* w, int64_t k) {
+  if constexpr (TYPE == F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(w) + k);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + k));
+    if constexpr (TYPE == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else return _mm256_cvtph_ps(h);
+  }
+}
+
+// R output rows (R <= 4) times J activation rows (J <= 2): R * J sums in registers over the whole of K.
+template <int TYPE, int R, int J>
+FL_TARGET inline void tile(const float* x, const void* const* w, float* y, int64_t K, int64_t N, int64_t n, int64_t m) {
+  __m256 acc[J][R];
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xs[J];
+    for (int j = 0; j < J; ++j) xs[j] = _mm256_loadu_ps(x + (m + j) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = load_weights<TYPE>(w[r], k);
+      for (int j = 0; j < J; ++j) acc[j][r] = _mm256_fmadd_ps(v, xs[j], acc[j][r]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) y[(m + j) * N + n + r] = hsum(acc[j][r]);
+}
+
+template <int TYPE, int R>
+FL_TARGET void rows_r(const float* x, const void* const* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) tile<TYPE, R, 2>(x, w, y, K, N, n, m);
+  if (m < M) tile<TYPE, R, 1>(x, w, y, K, N, n, m);
+}
+
+template <int TYPE>
+FL_TARGET void rows_avx2(const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                         int64_t n1) {
+  const int64_t size = TYPE == F32 ? 4 : 2;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const void* rows[4];
+    const int64_t R = std::min<int64_t>(4, n1 - n);
+    for (int64_t r = 0; r < R; ++r) rows[r] = static_cast<const uint8_t*>(w) + (n + r) * K * size;
+    switch (R) {
+      case 4: rows_r<TYPE, 4>(x, rows, y, M, K, N, n); break;
+      case 3: rows_r<TYPE, 3>(x, rows, y, M, K, N, n); break;
+      case 2: rows_r<TYPE, 2>(x, rows, y, M, K, N, n); break;
+      default: rows_r<TYPE, 1>(x, rows, y, M, K, N, n);
+    }
+  }
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+}  // namespace
+
+// x: [M, K] float32; w: [N, K] float32, bfloat16 or float16. Returns [M, N] float32.
+torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1), "w: [N, K] contiguous, K as x's");
+  int type;
+  switch (w.scalar_type()) {
+    case torch::kFloat32: type = F32; break;
+    case torch::kBFloat16: type = BF16; break;
+    case torch::kFloat16: type = F16; break;
+    default: TORCH_CHECK(false, "w: float32, bfloat16 or float16");
+  }
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const void* wp = w.data_ptr();
+  float* yp = y.data_ptr<float>();
+#ifdef FL_X86
+  if (!portable && has_avx2() && K % 8 == 0) {
+    // chunks of whole tiles (multiples of 4 output rows), so that a row's tile never depends on the split
+    at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
+      const int64_t n0 = t0 * 4, n1 = std::min(N, t1 * 4);
+      if (type == F32) rows_avx2<F32>(xp, wp, yp, M, K, N, n0, n1);
+      else if (type == BF16) rows_avx2<BF16>(xp, wp, yp, M, K, N, n0, n1);
+      else rows_avx2<F16>(xp, wp, yp, M, K, N, n0, n1);
+    });
+    return y;
+  }
+#endif
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_scalar(xp, wp, type, yp, M, K, N, n0, n1); });
+  return y;
+}

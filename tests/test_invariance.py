@@ -1,0 +1,209 @@
+"""Batch invariance: a row's logits at a position are the same bits whether the forward carries that token alone,
+beside other tokens of its row (a verification, a chain fed in pieces), or beside other rows.
+
+The one operation of the fast forward that broke it was PyTorch's scaled_dot_product_attention (found by swapping it
+alone for a per-query reference); decoding and verification feeds now run draftwise's attention (csrc/attention.cpp),
+checked here against a float64 reference, for its own invariance, and through whole models per format. The control
+swaps in a deliberately width-dependent reduction (the keys summed in reverse order when a forward carries more than
+one token) and the same checks catch it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise.models import qkernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = qkernel.load()
+    if module is None:
+        pytest.skip(f"draftwise's kernel is not built here: {qkernel.problem()}")
+    return module
+
+
+def _reference(q, keys, values, visible, counts, kv, scale):
+    """float64, one query at a time over its visible keys: [R, W, H, D]."""
+    R, W, H, D = q.shape
+    G = H // keys.shape[1]
+    out = torch.zeros(R, W, H, D, dtype=torch.float64)
+    for r in range(R):
+        for w in range(counts[r]):
+            seen = torch.ones(kv, dtype=torch.bool) if visible is None else visible[r, w, :kv]
+            for h in range(H):
+                k = keys[r, h // G, :kv][seen].double()
+                v = values[r, h // G, :kv][seen].double()
+                p = torch.softmax((k @ q[r, w, h].double()) * scale, -1)
+                out[r, w, h] = p @ v
+    return out
+
+
+def _case(seed: int, R=3, W=5, H=6, KVH=2, D=64, C=40):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(R, W, H, D, generator=g)
+    keys, values = torch.randn(R, KVH, C, D, generator=g), torch.randn(R, KVH, C, D, generator=g)
+    counts = [W, 1, 3][:R]
+    lengths = [20, 33, 9][:R]
+    kv = max(n + c for n, c in zip(lengths, counts))
+    visible = torch.zeros(R, W, kv, dtype=torch.bool)
+    for r in range(R):
+        for w in range(counts[r]):
+            visible[r, w, : lengths[r] + w + 1] = True  # causal
+    visible[0, 3, 21] = False  # a token tree: query 3 does not see query 1's slot
+    return q, keys, values, visible, counts, kv
+
+
+@pytest.mark.parametrize("shape", [dict(H=6, KVH=2, D=64), dict(H=4, KVH=4, D=128), dict(H=3, KVH=1, D=24)])
+@pytest.mark.parametrize("portable", [False, True])
+def test_the_attention_kernel_is_attention(kernel, shape, portable):
+    q, keys, values, visible, counts, kv = _case(0, **shape)
+    out = kernel.attend(q, keys, values, visible, counts, kv, 0.125, portable)
+    expected = _reference(q, keys, values, visible, counts, kv, 0.125)
+    assert float((out.double() - expected).abs().max()) < 2e-5
+    for r, c in enumerate(counts):
+        assert not out[r, c:].any()  # padded queries stay zero
+    # one query over every key, no mask
+    single = kernel.attend(q[:1, :1].contiguous(), keys[:1], values[:1], None, [1], 30, 0.125, portable)
+    assert float((single.double() - _reference(q[:1, :1], keys[:1], values[:1], None, [1], 30, 0.125)).abs().max()) < 2e-5
+
+
+def test_a_query_is_the_same_bits_alone_or_among_others(kernel):
+    q, keys, values, visible, counts, kv = _case(1)
+    full = kernel.attend(q, keys, values, visible, counts, kv, 0.125, False)
+    for r, c in enumerate(counts):
+        for w in range(c):
+            n = int(visible[r, w].nonzero().max()) + 1
+            alone = kernel.attend(q[r: r + 1, w: w + 1].contiguous(), keys[r: r + 1], values[r: r + 1],
+                                  visible[r: r + 1, w: w + 1, :n].contiguous(), [1], n, 0.125, False)
+            assert torch.equal(alone[0, 0], full[r, w]), (r, w)
+    # the tree query sees the same keys as one whose hidden slot is gone (moved away): the same bits
+    kept = [j for j in range(kv) if visible[0, 3, j]]
+    moved_keys, moved_values = keys[:1, :, kept].contiguous(), values[:1, :, kept].contiguous()
+    moved = kernel.attend(q[:1, 3:4].contiguous(), moved_keys, moved_values, None, [1], len(kept), 0.125, False)
+    assert torch.equal(moved[0, 0], full[0, 3])
+
+
+def test_bad_attention_inputs_are_refused(kernel):
+    q, keys, values, visible, counts, kv = _case(2)
+    with pytest.raises(RuntimeError, match="one count a row"):
+        kernel.attend(q, keys, values, visible, counts[:2], kv, 0.1, False)
+    with pytest.raises(RuntimeError, match="kv past the cache"):
+        kernel.attend(q, keys, values, None, counts, 41, 0.1, False)
+    with pytest.raises(RuntimeError, match="visible"):
+        kernel.attend(q, keys, values, visible[:, :, :5].contiguous(), counts, kv, 0.1, False)
+
+
+# ----------------------------------------------------------------------------- whole models, per format
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+CONTINUATION = "    if n < 2:\n        return n\n    return fibonacci(n - 1)"
+
+
+def _logits(model, prompt, tokens, chunks, beside=None):
+    """Logits of `tokens` fed after `prompt` in pieces of `chunks` tokens, alone or beside a second row."""
+    from draftwise.models.runner import ModelRunner
+
+    runner = ModelRunner(model, rows=1 if beside is None else 2)
+    runner.forward_rows(torch.tensor([prompt]), [len(prompt)], prompt=True)
+    if beside is not None:
+        runner.forward_rows(torch.tensor([beside]), [len(beside)], begin=1, prompt=True)
+    out, at = [], 0
+    for c in chunks:
+        piece = tokens[at: at + c]
+        at += c
+        if beside is None:
+            out.append(runner.forward_rows(torch.tensor([piece]), [c]).logits[0, :c])
+        else:  # the other row verifies 3 tokens in the same forward
+            ids = torch.zeros(2, max(c, 3), dtype=torch.long)
+            ids[0, :c], ids[1, :3] = torch.tensor(piece), torch.tensor([11, 12, 13])
+            out.append(runner.forward_rows(ids, [c, 3]).logits[0, :c])
+    return torch.cat(out)
+
+
+def _width_dependent(monkeypatch):
+    """The control: a forward of more than one token sums its keys in reverse order (still attention, to the
+    last bits): a width-dependent reduction."""
+    from draftwise.models import fast
+
+    real = fast._RowAttention.__call__
+
+    def call(self, q, k, v, keys, values, write, pack):
+        out = real(self, q, k, v, keys, values, write, pack)  # (writes the cache)
+        return out if sum(self.counts) == 1 else _reverse_sum(self, q, keys, values)
+
+    monkeypatch.setattr(fast._RowAttention, "__call__", call)
+
+
+def _reverse_sum(attention, q, keys, values):
+    """Each query of the forward again, by a float32 softmax whose sums run over the keys in reverse order."""
+    packed = []
+    offset = 0
+    G = q.shape[1] // keys.shape[1]
+    for b, c in enumerate(attention.counts):
+        for w in range(c):
+            seen = attention.visible[b, w]  # (a forward of more than one token always has a mask)
+            k = keys[b, :, : seen.shape[0]][:, seen].flip(1).repeat_interleave(G, 0)  # [H, L, D]
+            v = values[b, :, : seen.shape[0]][:, seen].flip(1).repeat_interleave(G, 0)
+            s = torch.einsum("hld,hd->hl", k, q[offset + w]) * attention.scale
+            packed.append(torch.einsum("hl,hld->hd", torch.softmax(s, -1), v))
+        offset += c
+    return torch.stack(packed)
+
+
+@pytest.fixture(scope="module", params=["gguf", "fp32", pytest.param("bf16", marks=pytest.mark.slow), pytest.param("int8", marks=pytest.mark.slow)])
+def smollm2(request):
+    from draftwise.models.loading import load_model
+
+    return load_model("smollm2-135m", dtype=request.param)
+
+
+def _check(loaded):
+    tokenizer = loaded.tokenizer
+    prompt = tokenizer(PROMPT)["input_ids"]
+    tokens = tokenizer(CONTINUATION)["input_ids"][:8]
+    one = _logits(loaded.model, prompt, tokens, [1] * 8)
+    for chunks in ([8], [2, 3, 3]):
+        assert torch.equal(_logits(loaded.model, prompt, tokens, chunks), one), chunks
+    assert torch.equal(_logits(loaded.model, prompt, tokens, [1] * 8, beside=tokenizer("Hello there")["input_ids"]), one)
+    assert torch.equal(_logits(loaded.model, prompt, tokens, [4, 4], beside=[7]), one)  # beside a one-token prompt
+
+
+def test_a_rows_logits_do_not_depend_on_the_forward_that_carries_them(smollm2):
+    _check(smollm2)
+
+
+def test_control_a_width_dependent_reduction_is_caught(smollm2, monkeypatch):
+    _width_dependent(monkeypatch)
+    with pytest.raises(AssertionError):
+        _check(smollm2)
+
+
+@pytest.mark.slow
+def test_the_pairs_target_in_its_blocks_is_batch_invariant():
+    from draftwise.models.loading import load_model
+
+    _check(load_model("qwen2.5-coder-1.5b"))
+
+
+# ----------------------------------------------------------------------------- float weights (fp32, bf16, fp16)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_float_product_is_the_product_and_rows_never_depend_on_their_batch(kernel, dtype):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 136, generator=g).to(dtype)
+    x = torch.randn(33, 136, generator=g)
+    full = kernel.fmm(x, w, False)
+    expected = x.double() @ w.double().T
+    assert float((full.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+    assert float((kernel.fmm(x, w, True).double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+    for width in (1, 2, 3, 4, 5, 8, 16, 17):
+        for start in (0, 33 - width):
+            assert torch.equal(kernel.fmm(x[start: start + width].contiguous(), w, False), full[start: start + width])
+
+
+def test_float_shapes_that_do_not_match_are_refused(kernel):
+    with pytest.raises(RuntimeError, match="K as x's"):
+        kernel.fmm(torch.randn(2, 16), torch.randn(4, 8), False)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernel.fmm(torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), False)
