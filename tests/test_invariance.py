@@ -1,9 +1,10 @@
 """Batch invariance: a row's logits at a position are the same bits whether the forward carries that token alone,
 beside other tokens of its row (a verification, a chain fed in pieces), or beside other rows.
 
-The one operation of the fast forward that broke it was PyTorch's scaled_dot_product_attention (found by swapping it
-alone for a per-query reference); decoding and verification feeds now run draftwise's attention (csrc/attention.cpp),
-checked here against a float64 reference, for its own invariance, and through whole models per format. The control
+The operations of the fast forward that broke it were PyTorch's scaled_dot_product_attention (found by swapping it
+alone for a per-query reference) and, for float weights, oneDNN's products; every feed now runs draftwise's attention
+(csrc/attention.cpp) and float product (csrc/floats.cpp), checked here against float64 references, for their own
+invariance, and through whole models per format. The control
 swaps in a deliberately width-dependent reduction (the keys summed in reverse order when a forward carries more than
 one token) and the same checks catch it."""
 
@@ -121,34 +122,29 @@ def _logits(model, prompt, tokens, chunks, beside=None):
     return torch.cat(out)
 
 
-def _width_dependent(monkeypatch):
+def _width_dependent(monkeypatch, model):
     """The control: a forward of more than one token sums its keys in reverse order (still attention, to the
     last bits): a width-dependent reduction."""
-    from draftwise.models import fast
+    from draftwise.models.runner import fast_model
 
-    real = fast._RowAttention.__call__
+    fast = fast_model(model)
+    real = fast._attend
 
-    def call(self, q, k, v, keys, values, write, pack):
-        out = real(self, q, k, v, keys, values, write, pack)  # (writes the cache)
-        return out if sum(self.counts) == 1 else _reverse_sum(self, q, keys, values)
+    def attend(q, keys, values, visible, counts, kv, scale, portable):
+        out = real(q, keys, values, visible, counts, kv, scale, portable)
+        if sum(counts) == 1:
+            return out
+        G = q.shape[2] // keys.shape[1]
+        for b, c in enumerate(counts):
+            for w in range(c):
+                seen = visible[b, w, :kv]
+                k = keys[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0)  # [H, L, D]
+                v = values[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0)
+                p = torch.softmax(torch.einsum("hld,hd->hl", k, q[b, w]) * scale, -1)
+                out[b, w] = torch.einsum("hl,hld->hd", p, v)
+        return out
 
-    monkeypatch.setattr(fast._RowAttention, "__call__", call)
-
-
-def _reverse_sum(attention, q, keys, values):
-    """Each query of the forward again, by a float32 softmax whose sums run over the keys in reverse order."""
-    packed = []
-    offset = 0
-    G = q.shape[1] // keys.shape[1]
-    for b, c in enumerate(attention.counts):
-        for w in range(c):
-            seen = attention.visible[b, w]  # (a forward of more than one token always has a mask)
-            k = keys[b, :, : seen.shape[0]][:, seen].flip(1).repeat_interleave(G, 0)  # [H, L, D]
-            v = values[b, :, : seen.shape[0]][:, seen].flip(1).repeat_interleave(G, 0)
-            s = torch.einsum("hld,hd->hl", k, q[offset + w]) * attention.scale
-            packed.append(torch.einsum("hl,hld->hd", torch.softmax(s, -1), v))
-        offset += c
-    return torch.stack(packed)
+    monkeypatch.setattr(fast, "_attend", attend)
 
 
 @pytest.fixture(scope="module", params=["gguf", "fp32", pytest.param("bf16", marks=pytest.mark.slow), pytest.param("int8", marks=pytest.mark.slow)])
@@ -173,8 +169,33 @@ def test_a_rows_logits_do_not_depend_on_the_forward_that_carries_them(smollm2):
     _check(smollm2)
 
 
+def test_a_prompt_cut_into_chunks_gives_the_same_cache_and_logits(smollm2):
+    """A batch's prompts are fed in chunks whose sizes depend on the other rows (engine._prompt_plan): a prompt fed
+    whole and one fed 1, 6 and the rest at a time, beside another row's prompt, give the same bits."""
+    from draftwise.models.runner import ModelRunner
+
+    tokenizer = smollm2.tokenizer
+    prompt = tokenizer(PROMPT)["input_ids"]
+    follow = tokenizer(CONTINUATION)["input_ids"][:4]
+    whole = ModelRunner(smollm2.model)
+    first = whole.forward_rows(torch.tensor([prompt]), [len(prompt)], prompt=True).logits[0, -1]
+    after = [whole.forward_rows(torch.tensor([[t]]), [1]).logits[0, 0] for t in follow]
+    cut = ModelRunner(smollm2.model, rows=2)
+    other = tokenizer("Hello there, how are you today?")["input_ids"]
+    at = 0
+    for size in (1, 6, len(prompt) - 7):
+        ids = torch.zeros(2, max(size, len(other)), dtype=torch.long)
+        ids[0, :size], ids[1, :len(other)] = torch.tensor(prompt[at: at + size]), torch.tensor(other)
+        out = cut.forward_rows(ids, [size, len(other)], prompt=True) if at == 0 else \
+            cut.forward_rows(ids[:1, :size], [size], prompt=True)
+        at += size
+    assert torch.equal(out.logits[0, size - 1], first)
+    for t, expected in zip(follow, after):
+        assert torch.equal(cut.forward_rows(torch.tensor([[t]]), [1]).logits[0, 0], expected)
+
+
 def test_control_a_width_dependent_reduction_is_caught(smollm2, monkeypatch):
-    _width_dependent(monkeypatch)
+    _width_dependent(monkeypatch, smollm2.model)
     with pytest.raises(AssertionError):
         _check(smollm2)
 

@@ -46,9 +46,10 @@ def onednn_packing(weight: torch.Tensor) -> bool:
 
 
 class FloatLinear:
-    """y = x W^T (+ b) in the weights' own float dtype: decoding and verification feeds on CPU through draftwise's
-    batch-invariant product (`qkernel`'s fmm: a row's sums in one order whatever the number of rows, float32
-    inside, rounded to the activations' type), prompt feeds (`wide`) through oneDNN with a prepacked weight."""
+    """y = x W^T (+ b) in the weights' own float dtype. On CPU through draftwise's batch-invariant product
+    (`qkernel`'s fmm: a row's sums in one order whatever the number of rows, float32 inside, rounded to the
+    activations' type) for every feed; where the kernel is not built (or DRAFTWISE_INVARIANT=0), through oneDNN with
+    a prepacked weight."""
 
     format = "float"
 
@@ -56,32 +57,32 @@ class FloatLinear:
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        self.packed = None
-        if onednn_packing(self.weight):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-            except RuntimeError:  # bf16 on a CPU without AVX512-BF16/AVX-NE-CONVERT (e.g. AMD Zen 3): plain F.linear
-                self.packed = None
         self._invariant = None
         if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and self.in_features % 8 == 0):
             self._invariant = invariant_kernel("fmm")
+        self._packed = None  # oneDNN's prepacked weight, built at the first product that needs it
+
+    @property
+    def packed(self):
+        if self._packed is None and onednn_packing(self.weight):
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+            except RuntimeError:  # bf16 on a CPU without AVX512-BF16/AVX-NE-CONVERT (e.g. AMD Zen 3): plain F.linear
+                self._packed = False
+        return self._packed or None
 
     def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
-        """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens."""
         shape = x.shape
-        if not isinstance(wide, bool):
-            if 0 < wide < shape[0]:
-                return torch.cat([self(x[:wide]), self(x[wide:], True)])
-            wide = wide == 0
-        if not wide and self._invariant is not None:
+        if self._invariant is not None:
             y = self._invariant(x.reshape(-1, shape[-1]).float().contiguous(), self.weight, False)
             if self.bias is not None:
                 y = y + self.bias.float()
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
-        if self.packed is None:
+        packed = self.packed
+        if packed is None:
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
@@ -315,14 +316,11 @@ class FastModel:
         write = _Writer(step, pack, rows, width)
         kv = step.kv_length
         cache_dtype = self.cache_dtype
-        # draftwise's attention (csrc/attention.cpp) for decoding and verification tokens on the CPU: each query over
-        # its visible keys in order, so a token's result never depends on its batch-mates (the forward is batch
-        # invariant); prompt tokens keep PyTorch's SDPA, row by row, which every method and every batch shares.
+        # draftwise's attention (csrc/attention.cpp) on the CPU, for every feed (prompt chunks, decoding, verification,
+        # trees): each query over its visible keys in order, so a token's result depends neither on its batch-mates
+        # nor on how its prompt was cut into chunks (the forward is batch invariant).
         kernel = self._attend if source.device.type == "cpu" else None
-        if kernel is not None:
-            lengths = [cache.lengths[step.begin + b] for b in range(rows)]
-            attention = _RowAttention(kernel, counts, lengths, wide, mask, kv, self.scaling, kv_heads != heads,
-                                      cache.window is None)
+        visible = None if mask is None or kernel is None else mask[:, 0].contiguous()  # [rows, width, kv] bool
         # Without the kernel: rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention
         # row by row on the packed tokens, each row reading its own live keys only, where padding would be over a
         # quarter of the keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded). On the CPU only: on a GPU each
@@ -351,8 +349,11 @@ class FastModel:
             keys = cache.keys[index][step.begin: step.begin + rows]
             values = cache.values[index][step.begin: step.begin + rows]
             if kernel is not None:
-                out = attention(q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype), keys, values, write, pack)
-                out = out.reshape(-1, heads * d).to(h.dtype)
+                write(keys, k.to(cache_dtype))
+                write(values, v.to(cache_dtype))
+                out = kernel(pack.rows(q.to(cache_dtype)).contiguous(), keys, values, visible, counts, kv, self.scaling,
+                             False)  # [rows, width, heads, d]
+                out = pack.flat(out).reshape(-1, heads * d).to(h.dtype)
             elif per_row is not None and width <= PACKED_ROWS_WIDTH:  # decode / verify: one write, padded queries
                 write(keys, k.to(cache_dtype))
                 write(values, v.to(cache_dtype))
@@ -412,54 +413,6 @@ def invariant_kernel(name: str):
 
     module = qkernel.load()
     return None if module is None else getattr(module, name)
-
-
-class _RowAttention:
-    """One forward's attention through the kernel: decoding and verification tokens of every row in one call;
-    a prompt feed's rows (all of them, or those past `wide` when it is a count) through SDPA one row at a time,
-    whatever the batch, so that a prompt's cache and logits are the same alone or batched."""
-
-    def __init__(self, kernel, counts: list[int], lengths: list[int], wide: bool | int, mask: torch.Tensor | None,
-                 kv: int, scale: float, gqa: bool, full: bool) -> None:
-        self.kernel, self.counts, self.scale, self.gqa, self.kv, self.full = kernel, counts, scale, gqa, kv, full
-        self.visible = None if mask is None else mask[:, 0].contiguous()  # [rows, width, kv] bool
-        offsets = [0]
-        for c in counts[:-1]:
-            offsets.append(offsets[-1] + c)
-        if wide is True:
-            prompt = [True] * len(counts)
-        elif wide is False:
-            prompt = [False] * len(counts)
-        else:  # the packed tokens from `wide` on are prompt tokens
-            prompt = [o >= int(wide) for o in offsets]
-        self.rows = None  # None: every row decodes or verifies (one kernel call)
-        if any(prompt):
-            # (offset, count, start, keys after the forward, prompt?) a row
-            self.rows = [(o, c, n, n + c, p) for o, c, n, p in zip(offsets, counts, lengths, prompt)]
-
-    def __call__(self, q, k, v, keys, values, write, pack) -> torch.Tensor:
-        """q, k, v: the packed tokens' [tokens, heads, d] in the cache's type; returns [tokens, heads, d]."""
-        if self.rows is None:
-            write(keys, k)
-            write(values, v)
-            out = self.kernel(pack.rows(q).contiguous(), keys, values, self.visible, self.counts, self.kv, self.scale,
-                              False)  # [rows, width, heads, d]
-            return pack.flat(out)
-        outs = []
-        for b, (o, c, start, n, prompt) in enumerate(self.rows):
-            keys[b, :, start: start + c] = k[o: o + c].transpose(0, 1)
-            values[b, :, start: start + c] = v[o: o + c].transpose(0, 1)
-            visible = None if self.visible is None else self.visible[b: b + 1, :c, :n]
-            if prompt:
-                row_mask = None if visible is None or (c == 1 and self.full) else visible[:, None]
-                outs.append(F.scaled_dot_product_attention(
-                    q[o: o + c].transpose(0, 1)[None], keys[b: b + 1, :, :n], values[b: b + 1, :, :n],
-                    attn_mask=row_mask, scale=self.scale, enable_gqa=self.gqa)[0].transpose(0, 1))
-            else:
-                outs.append(self.kernel(q[o: o + c][None].contiguous(), keys[b: b + 1], values[b: b + 1],
-                                        None if visible is None else visible.contiguous(), [c], n, self.scale,
-                                        False)[0])
-        return torch.cat(outs)
 
 
 class _Writer:
