@@ -256,18 +256,24 @@ QB_TARGET inline void dot_q4k(const uint8_t* blk, const int8_t* const* x, const 
   const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                         0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1);
   const __m256i pair = _mm256_permute4x64_epi64(sc16, 0x44);  // each half holds scales 0-7
-  __m256i sum[R];
+  __m256i sum[R], odd = _mm256_setzero_si256();
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
   for (int p = 0; p < 4; ++p) {
     const __m256i v = load(blk + 16 + 32 * p);
     const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     const __m256i s_lo = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p))));
     const __m256i s_hi = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p + 2))));
-    for (int r = 0; r < R; ++r)
-      sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
-          _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x[r] + 64 * p)), s_lo),
-          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x[r] + 64 * p + 32)), s_hi)));
+    if constexpr (R == 1) {  // one row (decoding): two independent chains
+      sum[0] = _mm256_add_epi32(sum[0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x[0] + 64 * p)), s_lo));
+      odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x[0] + 64 * p + 32)), s_hi));
+    } else {
+      for (int r = 0; r < R; ++r)
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x[r] + 64 * p)), s_lo),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x[r] + 64 * p + 32)), s_hi)));
+    }
   }
+  if constexpr (R == 1) sum[0] = _mm256_add_epi32(sum[0], odd);  // integers: the same sum in any order
   const __m256i mins = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(mn16, 0x50), _mm256_setr_epi8(
       0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
   const float d = f16(blk), dmin = f16(blk + 2);
@@ -284,7 +290,7 @@ QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* const* x, const 
   const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
   const __m256i both = _mm256_broadcastsi128_si256(raw);
-  __m256i sum[R];
+  __m256i sum[R], odd = _mm256_setzero_si256();
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
     const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
@@ -299,10 +305,15 @@ QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* const* x, const 
       const int i = 4 * h + j;
       const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(both, _mm256_setr_m128i(
           _mm_set1_epi16(short(0x0101 * (2 * i))), _mm_set1_epi16(short(0x0101 * (2 * i + 1))))), 8);
+      if (R == 1 && (j & 1)) {  // one row (decoding): two independent chains
+        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x[0] + 32 * i)), sc));
+        continue;
+      }
       for (int r = 0; r < R; ++r)
         sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x[r] + 32 * i)), sc));
     }
   }
+  if constexpr (R == 1) sum[0] = _mm256_add_epi32(sum[0], odd);
   const __m256i scales = _mm256_cvtepi8_epi16(raw);
   const float d = f16(blk + 208);
   for (int r = 0; r < R; ++r) {
