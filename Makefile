@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(PY) -m draftwise.demo
 
+# Two worker processes (the tests run their tiny models on one thread each): about half the wall time on 2 cores.
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n 2
 
 test-slow: install
 	$(PY) -m pytest -q -m slow

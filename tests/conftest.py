@@ -129,3 +129,15 @@ def speculative_sample(draft_tokens, draft_probs, pi, bonus_probs, generator):
     accepted = int(outcome.num_accepted[0])
     return SimpleNamespace(num_drafted=k, num_accepted=accepted, next_token=int(outcome.next_tokens[0]),
                            bonus=accepted == k)
+
+
+def sweep(values, keep, ids=None):
+    """Parameters for a statistical sweep: the values whose index is in `keep` run in `make test`; the rest are
+    marked slow (`make test-slow` runs them), so that the default suite proves each method once per family within
+    its time budget and the full sweep stays one command away."""
+    out = []
+    for i, value in enumerate(values):
+        args = value if isinstance(value, tuple) else (value,)
+        name = None if ids is None else ids(value)
+        out.append(pytest.param(*args, id=name, marks=() if i in keep else pytest.mark.slow))
+    return out

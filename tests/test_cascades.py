@@ -34,7 +34,7 @@ from draftwise.cascades import CASCADE_RULES, CascadeRule, cascade_pi, tv_distan
 from draftwise.errors import DraftwiseError
 from draftwise.sampling import SamplingConfig, make_generator, sample, warp
 
-from conftest import tiny_llama, speculative_sample
+from conftest import sweep, tiny_llama, speculative_sample
 from test_exactness import ALPHA, PAIRS, SD_PROMPTS, WARPED, next_token_probs, pooled_chisquare, tv
 
 N_CASCADE = 2000
@@ -220,7 +220,7 @@ CASES = [("token-v3", 0.5), ("token-v2", 0.2), ("token-v1", 0.1), ("opt", 0.1), 
          ("chow", 0.7), ("bild", 3.0)]
 
 
-@pytest.mark.parametrize("rule, alpha", CASES, ids=[f"{r}-{a}" for r, a in CASES])
+@pytest.mark.parametrize("rule, alpha", sweep(CASES, {0, 6}, ids=lambda c: f"{c[0]}-{c[1]}"))
 def test_cascade_first_tokens_follow_pi(rule: str, alpha: float):
     expected = expected_joint(rule, alpha, WARPED)
     target_only = expected_joint("chow", -1.0, WARPED)  # always defers: the target's joint

@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 import draftwise
-from conftest import tiny_gpt2, tiny_llama, tiny_tokenizer
+from conftest import sweep, tiny_gpt2, tiny_llama, tiny_tokenizer
 from draftwise.acceptance import ExactRule
 from draftwise.drafters import ModelRowsDrafter, NoRowsDrafter
 from draftwise.engine import Engine
@@ -340,7 +340,7 @@ def _joint(target, sampling, prompt, length=2):
     return out
 
 
-@pytest.mark.parametrize("method", ["sd", "prompt-lookup", "eagle"])
+@pytest.mark.parametrize("method", sweep(["sd", "prompt-lookup", "eagle"], {0}))
 def test_batched_rows_follow_the_target_distribution_at_mixed_settings(method):
     """Batch of 4 rows with different prompt lengths and settings (T=1, top-k + top-p, greedy, T=0.7):
     the first two tokens of each row follow the exact warped target joint (chi-square at 1e-3)."""

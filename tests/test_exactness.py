@@ -63,7 +63,7 @@ import draftwise.batched as batched
 from draftwise.acceptance import ExactRule, Rule, StepDistributions, output_distribution
 from draftwise.sampling import SamplingConfig, warp
 
-from conftest import tiny_llama
+from conftest import sweep, tiny_llama
 
 ALPHA = 1e-3  # significance level of every goodness-of-fit test in this module
 N_EXACT = 3000  # generate() runs per lossless configuration
@@ -237,7 +237,7 @@ def check_meaningful(case: Case) -> None:
     assert tv(target_first, case.draft_first_token()) > MIN_TV
 
 
-@pytest.mark.parametrize("case", SD_CASES + LOOKUP_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", sweep(SD_CASES + LOOKUP_CASES, {2, 5, 7}, ids=lambda c: c.id))
 def test_lossless_methods_reproduce_target_joint_distribution(case: Case):
     check_meaningful(case)
     expected = case.exact()
@@ -393,7 +393,8 @@ def lossy_counts(beta: float, sampling: SamplingConfig, n: int = N_LOSSY) -> np.
 
 
 @pytest.mark.parametrize(
-    "beta, sampling", [(1.0, PLAIN), (2.0, PLAIN), (1.0, WARPED)], ids=["beta1-plain", "beta2-plain", "beta1-warped"]
+    "beta, sampling", sweep([(1.0, PLAIN), (2.0, PLAIN), (1.0, WARPED)], {2},
+                            ids=lambda c: f"beta{c[0]:g}-{'plain' if c[1] is PLAIN else 'warped'}")
 )
 def test_lossy_first_token_follows_its_own_distribution(beta: float, sampling: SamplingConfig):
     draft, target = lossy_first_token(sampling)
@@ -464,7 +465,7 @@ def _restricted_draft(draft):
     return LoadedModel(model=draft, name="restricted", output_ids=torch.tensor([0, 1, 3, 4, 6, 7, 10]))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "restricted-vocab"])
+@pytest.mark.parametrize("kind", sweep(["eagle", "eagle3", "restricted-vocab"], {1}))
 def test_sd_with_a_feature_head_reproduces_target_joint_distribution(kind):
     """sd drafting with an EAGLE-1 or EAGLE-3-style head, or with a draft model whose output vocabulary is cut
     (probability zero elsewhere), is exact: joint of 2 tokens, T=0.8/top-k/top-p."""

@@ -274,12 +274,12 @@ def check_select_phase_worked(watch: Watch, batch: int) -> None:
     assert differ or batch == 1, "no step verified different prefixes in different rows"
 
 
-@pytest.mark.parametrize("kind, batch, n, rows", [
+@pytest.mark.parametrize("kind, batch, n, rows", [  # the sweep past the first two: `make test-slow`
     pytest.param("sv", 24, 1000, ROWS, id="sv-batched-ragged"),
     pytest.param("sv", 1, 600, ROWS[1:2], id="sv-single"),
-    pytest.param("sv-lookahead", 24, 1000, ROWS, id="sv-lookahead-batched-ragged"),
-    pytest.param("pre-draw", 24, 1000, ROWS, id="pre-draw-selection-batched-ragged"),
-    pytest.param("staged", 24, 1000, ROWS, id="staged-batched-ragged"),
+    pytest.param("sv-lookahead", 24, 1000, ROWS, id="sv-lookahead-batched-ragged", marks=pytest.mark.slow),
+    pytest.param("pre-draw", 24, 1000, ROWS, id="pre-draw-selection-batched-ragged", marks=pytest.mark.slow),
+    pytest.param("staged", 24, 1000, ROWS, id="staged-batched-ragged", marks=pytest.mark.slow),
 ])
 def test_methods_follow_the_target_distribution(kind, batch, n, rows):
     counts, totals, watch = run_rows(kind, n, batch, rows)

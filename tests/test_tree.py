@@ -20,7 +20,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
 from draftwise.tree import (TreeBudget, accept_tree, depths, grow_trees, merge_trees, slot_structure, verify_mask)
 
-from conftest import near_copy, tiny_llama
+from conftest import sweep, near_copy, tiny_llama
 from test_exactness import (ALPHA, WARPED, _feature_head, exact_joint, pooled_chisquare, sample_joint,
                             target_and_draft, SD_PROMPTS, LOOKUP_PROMPTS)
 
@@ -324,8 +324,9 @@ def _tree_joint_case(method, vocab, length, **extra):
     return kwargs, exact_joint(target, prompt, WARPED, length)
 
 
-@pytest.mark.parametrize("method,vocab,length,adaptive", [("sd", 6, 3, 0), ("sd", 12, 2, 0), ("suffix", 6, 3, 0),
-                                                           ("hybrid", 6, 2, 0), ("sd", 6, 3, 1)])
+@pytest.mark.parametrize("method,vocab,length,adaptive", sweep([("sd", 6, 3, 0), ("sd", 12, 2, 0), ("suffix", 6, 3, 0),
+                                                                 ("hybrid", 6, 2, 0), ("sd", 6, 3, 1)], {2, 4},
+                                                                ids=lambda c: "-".join(map(str, c))))
 def test_tree_methods_reproduce_the_target_joint_distribution(method, vocab, length, adaptive):
     """Fixed trees, and trees the budget cuts by value (any ancestor-closed subtree keeps the sampling exact)."""
     kwargs, expected = _tree_joint_case(method, vocab, length, tree_adaptive=adaptive)
