@@ -258,8 +258,11 @@ def test_generate_shards_captures_the_features_a_cache_free_forward_gives_and_re
         torch.testing.assert_close(s.features[:-1].float(), expected[:-1], atol=2e-2, rtol=1e-2)
         assert float(s.features[-1].abs().sum()) == 0.0
         # greedy answers: the target's argmax at each answer position's predecessor
+        # (the data was generated on draftwise's forward, the reference is transformers': fp32 in two summation
+        # orders, so a near-tie may go either way; a token that is not the argmax must be within 1e-3 of it)
         logits = target.lm_head(expected[s.answer_start - 1 : -1, -32:])
-        assert logits.argmax(-1).tolist() == seq[s.answer_start :]
+        chosen = logits.gather(-1, torch.tensor(seq[s.answer_start :])[:, None])[:, 0]
+        assert float((logits.max(-1).values - chosen).max()) < 1e-3, (logits.argmax(-1).tolist(), seq[s.answer_start :])
     assert sorted(seen) == sorted(p.uid for p in prompts)
     with pytest.raises(DraftwiseError, match="layers"):
         next(read_shards(out, layers=(1, 2, 3)))
@@ -636,7 +639,7 @@ def test_verifier_policy_on_a_head_reads_the_states_of_a_cache_free_rollout():
                 assert (raw[b][1::2] == 0).all()  # zero probability outside the draft vocabulary
                 torch.testing.assert_close(raw[b][0::2], torch.softmax(head.logits(state), -1), atol=1e-4, rtol=1e-3)
             collected, _ = _head_outputs(loaded, head, torch.tensor(row.sequence), 64)
-            torch.testing.assert_close(collected[len(row.sequence) - 2], expected[0][1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(collected[len(row.sequence) - 2], expected[0][1], atol=1e-3, rtol=1e-3)
             drafted = proposal.tokens[b, : proposal.counts[b]].tolist()
             fed = row.sequence + drafted
             drafter.observe(b, len(row.sequence) - 1, _features(target, fed)[len(row.sequence) - 1 :])
@@ -716,8 +719,8 @@ def test_prepacked_products_match_the_modules_and_are_dropped_when_weights_may_c
     with torch.inference_mode():
         assert head.body.packed() is not None
     packed = run()
-    for a, b in zip(plain, packed):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(plain, packed):  # two fp32 products in different orders (measured up to 3.7e-4 apart)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     assert head.body.packed() is None  # autograd on: the modules, whose gradients training needs
     head.to(torch.float64)
     with torch.inference_mode():

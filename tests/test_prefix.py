@@ -179,4 +179,4 @@ def test_an_eagle_head_drafts_from_restored_features_as_from_prefilled_ones(monk
     found = [f for f in restored if f is not None]
     assert len(found) == 2
     for features in found:
-        assert torch.allclose(features.float(), _features(target, shared[:64]).float(), atol=1e-4)
+        assert torch.allclose(features.float(), _features(target, shared[:64]).float(), atol=1e-3)
