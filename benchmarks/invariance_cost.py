@@ -133,7 +133,7 @@ def main() -> None:
     out = {"config": vars(args), "machine": machine_description(target.device), "drafts": drafts,
            "results": results}
     if args.json:
-        write_json(args.json, out)
+        write_json(out, args.json)
 
 
 if __name__ == "__main__":
