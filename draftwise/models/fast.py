@@ -62,6 +62,7 @@ class FloatLinear:
                 and self.in_features % 8 == 0):
             self._invariant = invariant_kernel("fmm")
         self._packed = None  # oneDNN's prepacked weight, built at the first product that needs it
+        self._bias32 = None if bias is None else bias.float()  # the invariant product's bias, converted once
 
     @property
     def packed(self):
@@ -76,8 +77,8 @@ class FloatLinear:
         shape = x.shape
         if self._invariant is not None:
             y = self._invariant(x.reshape(-1, shape[-1]).float().contiguous(), self.weight, False)
-            if self.bias is not None:
-                y = y + self.bias.float()
+            if self._bias32 is not None:
+                y = y + self._bias32
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         packed = self.packed
         if packed is None:
@@ -323,8 +324,8 @@ class FastModel:
         visible = None if mask is None or kernel is None else mask[:, 0].contiguous()  # [rows, width, kv] bool
         # Without the kernel: rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention
         # row by row on the packed tokens, each row reading its own live keys only, where padding would be over a
-        # quarter of the keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded). On the CPU only: on a GPU each
-        # row's attention is its own kernel launches per layer, and the padded batch one (a suspect, not yet measured,
+        # quarter of the keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded). On the CPU
+        # only: on a GPU each row's attention is its own kernel launches per layer, and the padded batch one (a suspect, not yet measured,
         # for train-data's batch 256 answering 2.5 sequences a second on an H100 with the GPU 7% busy)
         per_row = None
         if kernel is None and rows > 1 and source.device.type == "cpu":

@@ -35,8 +35,11 @@ _module = None
 _problem: str | None = None
 
 
+HEADERS = [Path(__file__).resolve().parent / "csrc" / "simd.h"]  # included by the sources: part of the build's key
+
+
 def _build_dir() -> Path:
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"qmm-{key}"
 
 

@@ -12,6 +12,7 @@
 //   o   = (sum_l p_l v_{j_l}) / sum_l p_l    both sums in l order
 // A task is one query token and one kv head: the G query heads that share the kv head read each key once.
 #include <torch/extension.h>
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -71,11 +72,7 @@ void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>&
 #ifdef AT_X86
 #define AT_TARGET __attribute__((target("avx2,fma")))
 
-AT_TARGET inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using draftwise_simd::hsum;
 
 // exp(x) for x <= 0 (scores less their maximum): x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r
 // (relative error about 2e-7), 2^n from the exponent bits; below -87 it is 0.
@@ -109,7 +106,8 @@ AT_TARGET inline float dot(const float* a, const float* b, int64_t D) {  // D a 
   return hsum(_mm256_add_ps(s0, s1));
 }
 
-AT_TARGET void task_avx2(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores) {
+AT_TARGET void task_avx2(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores,
+                         std::vector<float>& totals) {
   visible_keys(t, index);
   const int64_t L = int64_t(index.size()), D = t.D, G = t.G, stride = (L + 7) / 8 * 8;
   scores.resize(G * stride + 8);
@@ -117,7 +115,7 @@ AT_TARGET void task_avx2(const Task& t, std::vector<int32_t>& index, std::vector
     const float* k = t.keys + int64_t(index[l]) * D;
     for (int64_t g = 0; g < G; ++g) scores[g * stride + l] = dot(t.q + g * D, k, D) * t.scale;
   }
-  std::vector<float> totals(G);
+  totals.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores.data() + g * stride;
     float top = -INFINITY;
@@ -148,10 +146,7 @@ AT_TARGET void task_avx2(const Task& t, std::vector<int32_t>& index, std::vector
     }
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
+const auto has_avx2 = draftwise_simd::avx2_fma;
 #endif
 
 }  // namespace
@@ -188,7 +183,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 #endif
   at::parallel_for(0, R * W * KVH, 1, [&](int64_t t0, int64_t t1) {
     std::vector<int32_t> index;
-    std::vector<float> scores;
+    std::vector<float> scores, totals;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / (W * KVH), w = (t / KVH) % W, g = t % KVH;
       if (w >= counts[r]) continue;
@@ -196,7 +191,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
                 mask ? mask + (r * W + w) * mask_kv : nullptr, kv, G, D, float(scale),
                 op + ((r * W + w) * H + g * G) * D};
 #ifdef AT_X86
-      if (fast) { task_avx2(task, index, scores); continue; }
+      if (fast) { task_avx2(task, index, scores, totals); continue; }
 #endif
       task_scalar(task, index, scores);
     }

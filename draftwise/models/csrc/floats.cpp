@@ -5,6 +5,7 @@
 // products pick their kernels and blocking from M, which moves a row's last bits with its batch-mates).
 // Tiles of 4 output rows and 2 activation rows keep 8 sums in registers; a weight row is read once per pair of rows.
 #include <torch/extension.h>
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
@@ -46,11 +47,7 @@ void rows_scalar(const float* x, const void* w, int type, float* y, int64_t M, i
 #ifdef FL_X86
 #define FL_TARGET __attribute__((target("avx2,fma,f16c")))
 
-FL_TARGET inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using draftwise_simd::hsum;
 
 template <int TYPE>
 FL_TARGET inline __m256 load_weights(const void* w, int64_t k) {
@@ -105,11 +102,7 @@ FL_TARGET void rows_avx2(const float* x, const void* w, float* y, int64_t M, int
   }
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return yes;
-}
+const auto has_avx2 = draftwise_simd::avx2_fma_f16c;
 #endif
 
 }  // namespace

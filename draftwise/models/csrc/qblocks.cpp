@@ -13,6 +13,7 @@
 // batch-mates. A K-quant block is decoded in registers once for every 4 activation rows it meets (cheaper here than
 // decoding it once into memory for all of them); a Q5_0 or Q8_0 block once per pass of up to 16 rows.
 #include <torch/extension.h>
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -70,10 +71,7 @@ __attribute__((target("avx2,fma"))) void quantise_block_avx2(const float* x, int
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w, w));
   }
 }
-bool quantise_fast() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
+const auto quantise_fast = draftwise_simd::avx2_fma;
 #endif
 
 // Both paths compute the same codes: |x| maxima are exact, the multiply is one rounding, then round to nearest even.
@@ -192,11 +190,7 @@ void rows_scalar(int kind, const uint8_t* w, int64_t row_bytes, const Quantised&
 #ifdef QB_X86
 #define QB_TARGET __attribute__((target("avx2,fma,f16c")))
 
-QB_TARGET inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using draftwise_simd::hsum;
 
 QB_TARGET inline float f16(const uint8_t* p) {
   uint16_t h; std::memcpy(&h, p, 2);
@@ -376,11 +370,7 @@ QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& x
   }
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return yes;
-}
+const auto has_avx2 = draftwise_simd::avx2_fma_f16c;
 #endif
 
 }  // namespace

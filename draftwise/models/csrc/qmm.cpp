@@ -9,6 +9,7 @@
 // result never depends on how many rows share the product. The weights are decoded once per tile of 4 output rows
 // and 16 activation rows, and multiplied into every activation row of the tile.
 #include <torch/extension.h>
+#include "simd.h"
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
@@ -87,12 +88,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void decode_avx2(const
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
-  // lanes (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1: the scalar path's order
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using draftwise_simd::hsum;
 
 template <int BITS, bool ZERO, int GROUP>
 __attribute__((target("avx2,fma"))) void tile_avx2(const Args& a, int64_t t0, int64_t t1) {
@@ -123,7 +119,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Args& a, int64_t t0, in
         decode_avx2<BITS, ZERO, GROUP>(rc[3], sc[3], zr[3], b, v);
         s3 = _mm256_fmadd_ps(v[3], x3, _mm256_fmadd_ps(v[2], x2, _mm256_fmadd_ps(v[1], x1, _mm256_fmadd_ps(v[0], x0, s3))));
       }
-      a.y[n0] = hsum_avx2(s0); a.y[n0 + 1] = hsum_avx2(s1); a.y[n0 + 2] = hsum_avx2(s2); a.y[n0 + 3] = hsum_avx2(s3);
+      a.y[n0] = hsum(s0); a.y[n0 + 1] = hsum(s1); a.y[n0 + 2] = hsum(s2); a.y[n0 + 3] = hsum(s3);
       continue;
     }
     for (int64_t m0 = 0; m0 < a.M; m0 += MCHUNK) {
@@ -142,7 +138,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Args& a, int64_t t0, in
         }
       }
       for (int64_t m = 0; m < mc; ++m)
-        for (int r = 0; r < ROWS; ++r) a.y[(m0 + m) * a.N + n0 + r] = hsum_avx2(acc[m][r]);
+        for (int r = 0; r < ROWS; ++r) a.y[(m0 + m) * a.N + n0 + r] = hsum(acc[m][r]);
     }
   }
 }
@@ -159,10 +155,7 @@ void run_avx2(const Args& a, int64_t t0, int64_t t1) {
   return tile_avx2<4, false, 16>(a, t0, t1);
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
+const auto has_avx2 = draftwise_simd::avx2_fma;
 #endif
 
 }  // namespace
