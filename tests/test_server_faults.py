@@ -279,7 +279,7 @@ def test_generate_json_takes_a_path_like_bench(models, capsys, tmp_path):
     written = json.loads(out.read_text())
     # The test models are random: the answer may end at EOS before its 3 tokens.
     assert 1 <= len(written["token_ids"]) <= 3
-    assert len(written["token_ids"]) == 3 or written["stats"]["finish_reason"] == "stop"
+    assert len(written["token_ids"]) == 3 or written["stats"]["finish_reason"] == "eos"
     assert main(argv + ["the cat", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == written["token_ids"]
 
