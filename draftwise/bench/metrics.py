@@ -47,6 +47,7 @@ class RunRecord:
     agree: int = 0
     text: str = ""  # decoded output, kept only where a reference exists
     reference: str | None = None
+    passed: bool | None = None  # HumanEval: the answer's code passed the problem's tests (bench.execution)
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:
@@ -107,14 +108,20 @@ QUALITY_BY_CATEGORY = {"summarization": "rouge2", "translation": "bleu"}
 
 
 def quality_fields(records: list[RunRecord]) -> dict:
-    """perplexity, target_agreement, and rouge2 / bleu where scored records carry references."""
+    """perplexity, target_agreement, rouge2 / bleu where scored records carry references, and pass_at_1 where
+    records ran their problem's tests (the fraction that passed: one answer a problem and repeat)."""
+    fields: dict = {}
+    tested = [r.passed for r in records if r.passed is not None]
+    if tested:
+        fields["pass_at_1"] = sum(tested) / len(tested)
+        fields["tested_answers"] = len(tested)
     scored = sum(r.scored_tokens for r in records)
     if not scored:
-        return {}
-    fields: dict = {
+        return fields
+    fields.update({
         "perplexity": perplexity(sum(r.nll for r in records), scored),
         "target_agreement": sum(r.agree for r in records) / scored,
-    }
+    })
     with_refs = [r for r in records if r.reference is not None]
     if with_refs:  # every reference the prompts carry (SPRINTER's Figure 7 compares with them)
         fields["rouge1_ref"] = statistics.fmean(rouge_n(r.text, r.reference, 1) for r in with_refs)

@@ -10,7 +10,7 @@ from typing import Any
 from ..atomic import atomic_path
 
 
-QUALITY_COLUMNS = (("perplexity", "ppl"), ("target_agreement", "agree"), ("rougeL_ref", "ROUGE-L ref"),
+QUALITY_COLUMNS = (("pass_at_1", "pass@1"), ("perplexity", "ppl"), ("target_agreement", "agree"), ("rougeL_ref", "ROUGE-L ref"),
                    ("rouge2", "ROUGE-2"), ("bleu", "BLEU"), ("energy_j_per_token", "J/tok"))
 
 

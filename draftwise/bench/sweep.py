@@ -21,7 +21,7 @@ from ..errors import DraftwiseError
 from .harness import BenchConfig, check_methods, run_bench
 from .labels import DRAFT_ONLY, parse_label
 
-QUALITY_METRICS = ("rouge2", "bleu", "perplexity", "target_agreement")
+QUALITY_METRICS = ("pass_at_1", "rouge2", "bleu", "perplexity", "target_agreement")
 LOWER_IS_BETTER = {"perplexity"}
 
 

