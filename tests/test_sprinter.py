@@ -231,7 +231,7 @@ def test_cli_train_verifier_and_theory(tmp_path, capsys):
     args = ["train-verifier", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
             "--num-prompts", "24", "--continuation", "8", "--per-kind", "4", "--features", "hidden,stats",
             "--out", str(out), "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "roc.png"),
-            "--data", str(tmp_path / "data.pt")]
+            "--data", str(tmp_path / "data.pt"), "--dtype", "fp32"]
     assert main(args) == 0
     assert out.exists() and (tmp_path / "roc.png").stat().st_size > 5000 and (tmp_path / "data.pt").exists()
     printed = capsys.readouterr().out

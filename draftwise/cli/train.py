@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import DraftwiseError
-from ..models.loading import LoadedModel, load_draft, load_model, resolve_device
+from ..models.loading import DTYPE_HELP, LoadedModel, load_draft, load_model, resolve_device
 from ..sampling import SamplingConfig
 from .common import floats
 
@@ -61,7 +61,7 @@ def add_train_verifier(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--dtype", default="auto", help="the target's and draft's format, as they serve: " + DTYPE_HELP)
     p.add_argument("--data", default=None, help="cache of collected examples (reused when the settings match)")
     p.add_argument("--out", required=True, help="verifier file to write")
     p.add_argument("--json", default=None, help="training report (all lambdas)")
@@ -157,7 +157,8 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--tag", default=None, help="record tag (default: greedy or t<temperature>)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--dtype", default="auto", help="the target's format, as it serves (its answers and features are "
+                   "those of the model users run): " + DTYPE_HELP)
     p.add_argument("--limit", type=int, default=0, help="answer only the first N prompts (0 = all)")
     p.add_argument("--prompts-only", action="store_true",
                    help="write the chat-formatted prompts without answers (text for a feature head)")
