@@ -243,6 +243,8 @@ class Engine:
             self.drafter.rewind(b, len(row.sequence) - 1)
             if row.finish_reason is not None:
                 done.append(b)
+        if self.prefixes is not None:
+            self._store_last_blocks(rows, verified.hidden)
         self._end_step(done, started, plan)
         return events
 
@@ -297,6 +299,25 @@ class Engine:
         row.counters.verifier_accepted += verifier
         return kept
 
+    def _store_last_blocks(self, rows: Sequence[Row], hidden: torch.Tensor | None) -> None:
+        """After a decoding step: the prefix store gets the last block of each prompt whose last token this step
+        fed (the token at the step's first slot; `hidden[b, 0]` its features, for a drafter that wants them)."""
+        for b, row in enumerate(rows):
+            if not row.last_block_pending:
+                continue
+            row.last_block_pending = False
+            prompt = row.request.prompt_ids
+            if self.target.lengths[b] < len(prompt):  # nothing kept past the prompt (a stop string cut it all)
+                continue
+            states = row.last_block_states
+            if self.drafter.wants_features:
+                if hidden is None or states is None and len(prompt) > 1:
+                    continue
+                last = hidden[b, :1]
+                states = last if states is None else torch.cat([states, last.to(states.dtype)])
+            row.last_block_states = None
+            self.prefixes.insert(prompt, self.target.cache, b, states)
+
     def _end_step(self, done: list[int], started: float, plan: list[int]) -> None:
         for b in reversed(done):  # highest first: moving the last row never touches a pending index
             self._free(b)
@@ -341,6 +362,8 @@ class Engine:
             self.drafter.rewind(b, len(row.sequence) - 1)
             if row.finish_reason is not None:
                 done.append(b)
+        if self.prefixes is not None:
+            self._store_last_blocks(rows, verified.hidden)
         self._end_step(done, started, plan)
         return events
 
@@ -600,8 +623,10 @@ class Engine:
             row = self.prefilling.pop(0)
             if self.prefixes is not None:  # its prompt's blocks, for the requests that share them
                 wants = self.drafter.wants_features
-                self.prefixes.insert(row.request.prompt_ids[:-1], self.target.cache, begin,
-                                     torch.cat(row.prefill_states) if wants and row.prefill_states else None)
+                states = torch.cat(row.prefill_states) if wants and row.prefill_states else None
+                self.prefixes.insert(row.request.prompt_ids[:-1], self.target.cache, begin, states)
+                if len(row.request.prompt_ids) % self.prefixes.block == 0:  # the last block: after the first step
+                    row.last_block_pending, row.last_block_states = True, states
             self.live.append(row)
             self.drafter.admit(begin, row.request.prompt_ids)
             if row.prefill_states and self.drafter.wants_features:

@@ -7,8 +7,9 @@ values for every layer (`[layers, 2, kv_heads, BLOCK, head_dim]`, the cache's dt
 that reads the target's features (EAGLE), those positions' features.
 
 When a request is admitted, the longest chain of stored blocks that its prompt starts with is copied
-into its cache row, and prefill starts after it. When a row finishes prefilling, the full blocks of its
-prompt are stored. The store is bounded in bytes; the least recently used block goes first, and a
+into its cache row, and prefill starts after it (at most the prompt's first n - 1 tokens: the last one is fed by
+the first decoding step, for its logits). When a row finishes prefilling, the full blocks of its prompt are
+stored; a block that the prompt's last token completes is stored after the first decoding step, which feeds it. The store is bounded in bytes; the least recently used block goes first, and a
 lookup refreshes a chain leaf first, so a shared root outlives the branches that hang off it.
 """
 

@@ -159,6 +159,10 @@ class Row:
     grammar: GrammarState | None = None  # the request's grammar matcher (Request.grammar)
     cached: int = 0  # prompt positions restored from the prefix store
     prefill_states: list = field(default_factory=list)  # the prompt's target features, for a drafter that wants them
+    # The prompt's last block for the prefix store, when the prompt's last token completes it: that token is fed by
+    # the first decoding step, so the block is stored after it (its features so far, for a drafter that wants them)
+    last_block_pending: bool = False
+    last_block_states: Any = None
 
     @property
     def unfed(self) -> int:

@@ -180,3 +180,44 @@ def test_an_eagle_head_drafts_from_restored_features_as_from_prefilled_ones(monk
     assert len(found) == 2
     for features in found:
         assert torch.allclose(features.float(), _features(target, shared[:64]).float(), atol=1e-3)
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_the_block_a_prompts_last_token_completes_is_stored(llama_pair, with_draft):
+    """Issue 39's probe: a prompt of exactly a block (or two) and then its one-token extension. The first step
+    feeds the prompt's last token; its block is stored after that step, so the extension reuses the whole prompt
+    (before the fix: 0 of 4 and 4 of 8 positions)."""
+    target, draft = llama_pair
+    draft = draft if with_draft else None
+    for length in (4, 8):
+        store = PrefixStore(1 << 26, block=4)
+        engine = _engine(target, draft, store)
+        prompt = SHARED[:length]
+        assert _decode(engine, [prompt])[0].stats["cached_tokens"] == 0
+        hit, plain = _decode(engine, [prompt + [1]])[0], _decode(_engine(target, draft), [prompt + [1]])[0]
+        assert hit.stats["cached_tokens"] == length
+        assert hit.token_ids == plain.token_ids
+    # a stop string that keeps nothing of the first step's tokens leaves the cache short of the last token
+    store = PrefixStore(1 << 26, block=4)
+    engine = _engine(target, draft, store)
+    assert _decode(engine, [SHARED[:8]], max_new_tokens=1)[0].stats["cached_tokens"] == 0
+    assert _decode(engine, [SHARED[:8] + [1]])[0].stats["cached_tokens"] == 8
+
+
+def test_an_eagle_heads_last_block_carries_the_last_tokens_features():
+    """The block completed by the prompt's last token holds that token's features from the first step: a head
+    drafting from it accepts what it accepts from a full prefill."""
+    import draftwise
+    from test_eagle3 import _features, _head, _target
+
+    target = _target()
+    head = _head(target, torch.arange(64), scale=1.0)
+    shared = [(7 * i + 3) % 60 + 1 for i in range(64)]
+    kwargs = dict(temperature=0, max_new_tokens=16, ignore_eos=True, max_batch_size=1)
+    prompts = [shared, shared + [9], shared + [4, 7]]
+    plain = draftwise.generate(target, prompts, method="sd", draft=head, **kwargs)
+    hit = draftwise.generate(target, prompts, method="sd", draft=head, prefix_cache_mb=16, **kwargs)
+    assert [h.stats["cached_tokens"] for h in hit] == [0, 64, 64]
+    assert [h.token_ids for h in hit] == [p.token_ids for p in plain]
+    assert [h.stats["accepted"] for h in hit] == [p.stats["accepted"] for p in plain]
+    assert _features(target, shared).shape[0] == 64
