@@ -352,3 +352,36 @@ def test_fault_suite_loses_mixes_and_leaks_nothing(models, served):
                                        temperature=0, max_new_tokens=12)
             assert text == alone.text, (i, kind)
     assert _wait(lambda: service.in_flight == 0 and _rows(service) == 0, timeout=20)
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_and_no_error_log(models, caplog):
+    """Issue 39's probe: `Content-Length: 100` and 10 bytes was held until the connection timeout (30 s) and closed
+    without an answer, logging `unhandled error ... ClientDisconnect`. Now: 408 after the body timeout; a client
+    that leaves mid-body is counted (status 499), not logged as a server error."""
+    from draftwise.server import ServerConfig, Service
+
+    service = Service(ServerConfig(model_name=MODEL, method="ar", body_timeout_s=0.5), models["target"])
+    server = ThreadedServer(create_app(service)).start()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    try:
+        with caplog.at_level("INFO", logger="draftwise.server"):
+            with socket.create_connection((server.host, server.port), timeout=10) as sock:
+                started = time.monotonic()
+                sock.sendall(head + b'{"model": ')
+                answer = b""
+                while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                    piece = sock.recv(4096)
+                    if not piece:
+                        break
+                    answer += piece
+                assert time.monotonic() - started < 5
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["code"] == "request_timeout" and "10 bytes of the 100" in error["message"]
+            with socket.create_connection((server.host, server.port), timeout=10) as sock:
+                sock.sendall(head + b'{"model": ')
+            assert _wait(lambda: _total(_metrics(server.url), "request_rejected_total", status=499) == 1, timeout=10)
+            assert _raw(server.url, "/health")[0] == 200
+        assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+    finally:
+        server.stop()

@@ -26,6 +26,8 @@ models that mix full and windowed layers are refused by `check_supported`.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -36,17 +38,24 @@ from ..errors import DraftwiseError
 BLOCK = 256  # capacity grows in multiples of this many positions
 
 
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim from the symbols already in this process (no `ctypes.util.find_library`: it runs
+    `ldconfig -p` in a subprocess, a fork of a process that may hold gigabytes), looked up once; None elsewhere."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
 def release_heap() -> None:
     """Hand freed heap memory back to the system (glibc's malloc_trim; nothing elsewhere). An idle engine calls
     it after freeing its buffers, so a long prompt's memory does not stay in the allocator's free lists."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def sliding_window(config) -> int | None:

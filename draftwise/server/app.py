@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -92,7 +92,11 @@ def _authorize(service: Service, request: HttpRequest) -> None:
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-async def _read_json(request: HttpRequest, limit: int) -> Any:
+class _ClientGone(Exception):
+    """The client closed the connection before its request body arrived: nobody to answer."""
+
+
+async def _read_json(request: HttpRequest, limit: int, timeout: float = 10.0) -> Any:
     declared = request.headers.get("content-length")
     too_big = ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
     if declared is not None:
@@ -100,12 +104,25 @@ async def _read_json(request: HttpRequest, limit: int) -> Any:
             raise ApiError(400, "bad Content-Length header")
         if int(declared) > limit:
             raise too_big
-    chunks, size = [], 0
-    async for piece in request.stream():
-        size += len(piece)
-        if size > limit:
-            raise too_big
-        chunks.append(piece)
+    chunks: list[bytes] = []
+    size = 0
+
+    async def collect() -> None:
+        nonlocal size
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limit:
+                raise too_big
+            chunks.append(piece)
+
+    try:
+        await asyncio.wait_for(collect(), timeout)
+    except asyncio.TimeoutError:
+        of = f" of the {declared} its Content-Length says" if declared is not None else ""
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s ({size} bytes{of})",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise _ClientGone from None
     try:
         body = json.loads(b"".join(chunks))
     except (UnicodeDecodeError, ValueError) as error:
@@ -125,7 +142,8 @@ async def _generate(service: Service, request: HttpRequest, *, chat: bool) -> Re
         _authorize(service, request)
         if service.stopping or not service.worker.alive:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        parsed = protocol.parse(await _read_json(request, service.config.max_body_bytes), chat=chat)
+        parsed = protocol.parse(await _read_json(request, service.config.max_body_bytes,
+                                                 service.config.body_timeout_s), chat=chat)
         if parsed.model != service.config.model_name:
             raise ApiError(404, f"model {parsed.model!r} does not exist; this server serves "
                            f"{service.config.model_name!r}", param="model", code="model_not_found")
@@ -137,6 +155,9 @@ async def _generate(service: Service, request: HttpRequest, *, chat: bool) -> Re
                            "retry later", code="queue_full", headers={"Retry-After": str(service.config.retry_after_s)})
     except ApiError as error:
         return _error(error, service)
+    except _ClientGone:  # no one to answer: counted, not logged as a server error
+        service.metrics.inc("request_rejected_total", status=499)
+        return Response(status_code=499)
     loop = asyncio.get_running_loop()
     ticket = Ticket(key=key, make_engine=make_engine, request=engine_request, method=spec, loop=loop,
                     events=asyncio.Queue(), arrived=arrived)

@@ -36,6 +36,8 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_target: str, method_
     p.add_argument("--max-batch-size", type=int, default=16, help="requests decoding together (engine rows)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--body-timeout", type=float, default=10.0,
+                   help="seconds a request body may take to arrive whole; a slower one gets 408")
     p.add_argument("--max-engines", type=int, default=8,
                    help="engines (one per method and options) kept at once; idle ones beyond it are dropped")
     p.add_argument("--prefix-cache-mb", type=float, default=256.0,
@@ -89,8 +91,9 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
     for name in ("--max-batch-size", "--max-engines", "--gamma"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
     if args.max_queue < 0 or args.max_body_bytes < 1 or not 0 <= args.port < 65536 or args.threads < 0 \
-            or args.shutdown_timeout < 0 or not 0 <= args.prefix_cache_mb < float("inf"):
-        raise DraftwiseError("--max-queue, --shutdown-timeout, --prefix-cache-mb and --threads must be >= 0, "
+            or args.shutdown_timeout < 0 or not 0 <= args.prefix_cache_mb < float("inf") \
+            or not 0 < args.body_timeout < float("inf"):
+        raise DraftwiseError("--body-timeout must be > 0; --max-queue, --shutdown-timeout, --prefix-cache-mb and --threads must be >= 0, "
                              "--max-body-bytes >= 1, --port in [0, 65535]")
     options = {name: getattr(args, name) for name in method_options if getattr(args, name) is not None}
     companion_spec = options.pop("companion", None)
@@ -122,7 +125,7 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
         config = ServerConfig(model_name=args.served_model_name or args.target, method=args.method, options=options,
                               gamma=args.gamma, api_key=api_key, max_batch_size=args.max_batch_size,
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_engines=args.max_engines,
-                              prefix_cache_mb=args.prefix_cache_mb)
+                              prefix_cache_mb=args.prefix_cache_mb, body_timeout_s=args.body_timeout)
         service = Service(config, target, draft, companion)
         host, port = sock.getsockname()[:2]
         print(f"draftwise: serving {config.model_name!r} with {args.method} on http://{_url_host(host)}:{port}/v1 "

@@ -32,6 +32,7 @@ class ServerConfig:
     max_batch_size: int = 16  # rows decoding together, across every engine
     max_queue: int = 64  # requests waiting for a row; more get 429
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0  # a request body that has not arrived whole by then gets 408
     max_engines: int = 8  # (method, options) engines kept; idle ones beyond it are dropped
     retry_after_s: int = 1
     prefix_cache_mb: float = 256.0  # prompt prefixes' keys and values kept for reuse, per engine; 0: off
