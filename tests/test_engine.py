@@ -584,3 +584,22 @@ def test_batched_requests_cut_by_the_window_finish_with_context():
                                  max_new_tokens=10, ignore_eos=True)
     assert [g.stats["finish_reason"] for g in out] == ["length", "context"]
     assert len(out[1].token_ids) == 3
+
+
+def test_release_heap_never_forks(monkeypatch):
+    """Issue 39's probe: every idle engine looked libc up with ctypes.util.find_library, which runs `ldconfig -p` in
+    a subprocess (a fork of a multi-GB server). Now it is looked up once, in the process's own symbols."""
+    import ctypes.util
+    import subprocess
+
+    from draftwise.models import kvcache
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("release_heap started a subprocess")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(ctypes.util, "find_library", refuse)
+    kvcache._malloc_trim.cache_clear()
+    for _ in range(3):
+        kvcache.release_heap()
+    assert kvcache._malloc_trim() is not None  # glibc: the trim is found and runs

@@ -134,7 +134,7 @@ def test_completions_logprobs_and_echo_match_a_cache_free_forward(server):
     ref = _reference(target.model, prompt_ids)
     for i in range(1, len(prompt_ids)):
         assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, prompt_ids[i]].item(), abs=1e-4)
-        assert len(lp["top_logprobs"][i]) <= 3
+        assert len(lp["top_logprobs"][i]) <= 4 and lp["top_logprobs"][i][lp["tokens"][i]] == lp["token_logprobs"][i]
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     assert "".join(t for t in lp["tokens"] if t != "</s>") == choice["text"]  # every token's text but EOS's
     streamed = _post(server["url"], "/v1/completions", {**body, "stream": True})
@@ -145,6 +145,19 @@ def test_completions_logprobs_and_echo_match_a_cache_free_forward(server):
             joined[key] += part[key] if part else []
     assert joined == lp
     assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == choice["text"]
+
+
+def test_completions_top_logprobs_hold_the_sampled_token(server):
+    """Issue 39's probe: with logprobs=k, a sampled token outside the k best was missing from its top_logprobs;
+    OpenAI and vLLM give up to k + 1 entries, the chosen token included."""
+    body = {"model": "tiny", "prompt": "the cat sat on", "max_tokens": 24, "temperature": 1.0, "logprobs": 1,
+            "ignore_eos": True, "seed": 3}
+    lp = _post(server["url"], "/v1/completions", body)["choices"][0]["logprobs"]
+    widths = []
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] == logprob and 1 <= len(top) <= 2
+        widths.append(len(top))
+    assert 2 in widths  # at T=1 the tiny model samples tokens outside its best one
 
 
 def test_chat_logprobs_streamed_equal_non_streamed(server):

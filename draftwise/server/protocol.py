@@ -369,15 +369,18 @@ def chat_logprobs(entries: list[Any], piece: Any) -> dict[str, Any]:
 
 def completion_logprobs(token_ids: list[int], entries: list[Any], piece: Any, offset: int = 0) -> dict[str, Any]:
     """OpenAI's completions `logprobs`: per token its text, log-probability (None for a prompt's first token),
-    its top alternatives as {text: logprob} and its character offset in the answer's text (from `offset`)."""
+    its top alternatives as {text: logprob} with the token itself among them (up to k + 1 entries, as OpenAI and
+    vLLM give) and its character offset in the answer's text (from `offset`)."""
     tokens, offsets = [], []
     for token_id in token_ids:
         tokens.append(piece(token_id))
         offsets.append(offset)
         offset += len(tokens[-1])
+    def top(e: Any) -> dict[str, float]:  # the k best, and the chosen token when it is not among them (k + 1)
+        return {piece(t): lp for t, lp in e.top} | {piece(e.token_id): e.logprob}
+
     return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
-            "top_logprobs": [None if e is None else {piece(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": [None if e is None else top(e) for e in entries], "text_offset": offsets}
 
 
 def completion_body(request_id: str, model: str, chat: bool, text: str, finish_reason: str,
