@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 # Tiny models gain nothing from threads, and on a 2-core machine two processes with
@@ -53,17 +53,52 @@ def near_copy(model, scale: float = 0.02, seed: int = 5):
     return near
 
 
-def tiny_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
-    """A byte-level BPE of exactly `vocab` entries (incl. one end-of-sequence token) trained on CORPUS."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+def _byte_level_bpe(corpus, alphabet, vocab: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of exactly `vocab` entries ("</s>" first, then the alphabet and every character of the
+    corpus, then merges), trained here deterministically: the most frequent adjacent pair first, ties broken by the
+    pair itself. (tokenizers' BpeTrainer breaks ties by hash order, which changes from process to process: the
+    tiny tokenizer, and with it every tiny model's tokens, differed between runs.)"""
+    from collections import Counter
+
+    split = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    words = Counter(tuple(piece) for text in corpus for piece, _ in split.pre_tokenize_str(text))
+    symbols = sorted(set(alphabet) | {c for word in words for c in word})
+    table = {"</s>": 0, **{c: i + 1 for i, c in enumerate(symbols)}}
+    merges = []
+    while len(table) < vocab:
+        pairs = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        joined = best[0] + best[1]
+        merges.append(best)
+        table.setdefault(joined, len(table))
+        merged = Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    out.append(joined)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += count
+        words = merged
+    tok = Tokenizer(models.BPE(vocab=table, merges=merges))
+    tok.pre_tokenizer = split
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:40],
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_special_tokens(["</s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def tiny_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of exactly `vocab` entries (incl. one end-of-sequence token) trained on CORPUS, the same in
+    every run."""
+    return _byte_level_bpe(CORPUS, sorted(pre_tokenizers.ByteLevel.alphabet())[:40], vocab)  # a set: sorted
 
 
 def save_pair(root, *, window: int = 256, init: float = 0.5) -> tuple[str, str]:
@@ -91,14 +126,7 @@ JSON_CORPUS = ['{"a": true, "b": "cat"}', '{"a": false, "b": "dog"}', '{"b": "ca
 def json_tokenizer(vocab: int = 64) -> PreTrainedTokenizerFast:
     """A byte-level BPE of exactly `vocab` entries whose alphabet spells JSON (braces, quotes, digits, a few
     letters), for grammar tests; one end-of-sequence token."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = list('{}[]":,0123456789abcdefglmnorstuy') + ["Ġ"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"], initial_alphabet=alphabet,
-                                  show_progress=False)
-    tok.train_from_iterator(JSON_CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    return _byte_level_bpe(JSON_CORPUS, list('{}[]":,0123456789abcdefglmnorstuy') + ["Ġ"], vocab)
 
 
 def speculative_sample(draft_tokens, draft_probs, pi, bonus_probs, generator):
