@@ -43,9 +43,10 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+    rank: int | None = None  # 1 + the number of tokens more likely than this one (vLLM's rank)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_id": self.token_id, "logprob": self.logprob,
+        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
                 "top": [{"token_id": t, "logprob": lp} for t, lp in self.top]}
 
 
@@ -55,13 +56,15 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
         return []
     logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [n, vocab]
     index = torch.tensor(list(tokens), device=logp.device)
-    chosen = logp.gather(1, index[:, None])[:, 0].tolist()
+    picked = logp.gather(1, index[:, None])  # [n, 1]
+    ranks = ((logp > picked).sum(-1) + 1).tolist()
+    chosen = picked[:, 0].tolist()
     if top:
         values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
         alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     else:
         alternatives = [()] * len(tokens)
-    return [TokenLogprob(int(t), lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives)]
+    return [TokenLogprob(int(t), lp, alt, rank) for t, lp, alt, rank in zip(tokens, chosen, alternatives, ranks)]
 
 
 def cut_at_eos(committed: list[int], eos_token_ids: frozenset[int]) -> list[int]:

@@ -185,3 +185,53 @@ def test_chat_logprob_errors_are_400(server, body, says):
     with pytest.raises(urllib.error.HTTPError) as caught:
         _post(server["url"], "/v1/chat/completions", request)
     assert caught.value.code == 400 and says in json.loads(caught.value.read())["error"]["message"]
+
+
+def test_prompt_logprobs_as_vllm_gives_them(server):
+    """Issue 39's probe: the server refused vLLM's `prompt_logprobs` though generate() takes it. Each prompt token
+    after the first: its own score, its true rank and the k best (a cache-free forward is the reference); the
+    stream's first chunk carries the same; chat takes it too; echo keeps its own k."""
+    target = server["target"]
+    body = {"model": "tiny", "prompt": "the cat sat on the mat", "max_tokens": 3, "temperature": 0,
+            "prompt_logprobs": 2, "ignore_eos": True}
+    choice = _post(server["url"], "/v1/completions", body)["choices"][0]
+    ids = target.tokenizer(body["prompt"])["input_ids"]
+    ref = _reference(target.model, ids)
+    scores = choice["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None and choice["logprobs"] is None
+    for i in range(1, len(ids)):
+        row = ref[i - 1]
+        mine = scores[i][str(ids[i])]
+        assert mine["logprob"] == pytest.approx(row[ids[i]].item(), abs=1e-4)
+        assert mine["rank"] == int((row > row[ids[i]]).sum()) + 1
+        assert mine["decoded_token"] == target.tokenizer.decode([ids[i]])
+        best = row.topk(2).indices.tolist()
+        assert set(scores[i]) == {str(t) for t in best} | {str(ids[i])}
+        assert [scores[i][str(t)]["rank"] for t in best] == [1, 2]
+    streamed = _post(server["url"], "/v1/completions", {**body, "stream": True})
+    assert [c["choices"][0].get("prompt_logprobs") for c in streamed if c["choices"]][0] == scores
+    echoed = _post(server["url"], "/v1/completions", {**body, "echo": True, "logprobs": 1})["choices"][0]
+    assert echoed["prompt_logprobs"] == scores  # k = 2 for prompt_logprobs ...
+    assert all(len(top) <= 2 for top in echoed["logprobs"]["top_logprobs"][1:])  # ... and 1 (+ the token) for echo
+    chat = _post(server["url"], "/v1/chat/completions", {"model": "tiny", "prompt_logprobs": 0, "max_tokens": 2,
+                                                         "messages": [{"role": "user", "content": "the dog"}]})
+    assert chat["choices"][0]["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["choices"][0]["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"min_tokens": 10, "max_tokens": 3}, "min_tokens (10) must be at most max_tokens (3)"),
+    ({"max_tokens": 10**30}, "context window is 256 tokens"),
+    ({"max_tokens": 247}, "asks for 257 (10 in the prompt, 247 to generate)"),
+    ({"seed": 2**64}, "seed must be an integer in [0, 2**64)"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be"),
+])
+def test_request_sizes_past_their_limits_are_400(server, body, says):
+    """Issue 39's probe: these were accepted silently (vLLM answers 400); the seed's range was [0, 2**63) here and
+    [0, 2**64) in generate()."""
+    request = {"model": "tiny", "prompt": list(range(5, 15)), **body}  # 10 token ids
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        _post(server["url"], "/v1/completions", request)
+    assert caught.value.code == 400 and says in json.loads(caught.value.read())["error"]["message"]
+    fits = {"model": "tiny", "prompt": list(range(5, 15)), "max_tokens": 246, "seed": 2**64 - 1, "min_tokens": 246}
+    assert _post(server["url"], "/v1/completions", fits)["usage"]["completion_tokens"] == 246

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -218,9 +219,18 @@ class _Generation(Response):
             body = protocol.completion_body(self.id, self.parsed.model, self.parsed.chat, echo + result.text,
                                             protocol.FINISH_REASONS.get(result.finish_reason, "stop"),
                                             self.service.usage(result, self.ticket.method), self.created,
-                                            self._logprobs(result.logprobs, result.prompt_logprobs))
+                                            self._logprobs(result.logprobs, result.prompt_logprobs),
+                                            self._prompt_scores(result.prompt_logprobs))
             await _send_json(send, 200, body)
             return
+
+    def _prompt_scores(self, entries: list[Any] | None) -> list[Any] | None:
+        """vLLM's prompt_logprobs of the choice, when asked: the prompt tokens' scores and their k best."""
+        k = self.parsed.prompt_logprobs
+        if k is None or entries is None:
+            return None
+        entries = [None if e is None else dataclasses.replace(e, top=e.top[:k]) for e in entries]
+        return protocol.prompt_logprobs(list(self.ticket.request.prompt_ids), entries, self.service.piece)
 
     def _logprobs(self, entries: list[Any] | None, prompt: list[Any] | None = None, offset: int = 0
                   ) -> dict[str, Any] | None:
@@ -231,7 +241,8 @@ class _Generation(Response):
         if self.parsed.chat:
             return protocol.chat_logprobs(entries, piece)
         ids = [e.token_id for e in entries]
-        if prompt is not None:
+        if prompt is not None:  # echo: the prompt's tokens with logprobs k (prompt_logprobs may have asked more)
+            prompt = [None if e is None else dataclasses.replace(e, top=e.top[: self.parsed.logprobs]) for e in prompt]
             ids, entries = list(self.ticket.request.prompt_ids) + ids, list(prompt) + list(entries)
         return protocol.completion_logprobs(ids, entries, piece, offset)
 
@@ -265,6 +276,8 @@ class _Generation(Response):
             await body(chunk(text=echo))
             echo = None
 
+        pending_prompt = True  # the prompt's scores come with the first event
+
         def scores(entries: list[Any] | None, prompt: list[Any] | None = None) -> dict[str, Any] | None:
             nonlocal offset, scored
             lp = self._logprobs(entries, prompt, offset)
@@ -283,9 +296,14 @@ class _Generation(Response):
                 return
             done = message[0] == "done"
             result = message[2] if done else None
+            first_scores = (result.prompt_logprobs if done else message[4]) if pending_prompt else None
+            pending_prompt = False
             if echo is not None:  # the prompt first, with its tokens' scores (they come with the first event)
-                await body(chunk(text=echo, logprobs=scores([], result.prompt_logprobs if done else message[4])))
+                await body(chunk(text=echo, logprobs=scores([], first_scores),
+                                 prompt_scores=self._prompt_scores(first_scores)))
                 echo = None
+            elif parsed.prompt_logprobs is not None and first_scores is not None:
+                await body(chunk(text="", prompt_scores=self._prompt_scores(first_scores)))
             if done:
                 generated = len(result.token_ids)
             else:

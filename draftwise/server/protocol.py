@@ -22,7 +22,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
            "draftwise",
            # vLLM's extensions that benchmark and evaluation clients send (guidellm, lm-eval)
-           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "response_format")
+           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "response_format", "prompt_logprobs")
 COMPLETION_PARAMS = frozenset(_COMMON + ("prompt", "logprobs", "echo"))
 CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
 
@@ -89,6 +89,7 @@ class Parsed:
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     echo: bool = False  # completions: the prompt is part of the answer (with logprobs, its tokens' too)
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt tokens' log-probabilities (and the k best)
     response_format: Any = None  # OpenAI's, checked with the grammar (grammar.grammar_from)
     override: dict[str, Any] = field(default_factory=dict)  # the `draftwise` field
 
@@ -152,8 +153,8 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     parsed.stop = _stop(body.get("stop"))
     seed = body.get("seed")
     if seed is not None:
-        if not _is_int(seed) or not 0 <= seed < 2**63:
-            raise ApiError(400, f"seed must be an integer in [0, 2**63), got {short(seed)}", param="seed")
+        if not _is_int(seed) or not 0 <= seed < 2**64:  # generate()'s range: a seed gives the same tokens in both
+            raise ApiError(400, f"seed must be an integer in [0, 2**64), got {short(seed)}", param="seed")
         parsed.seed = int(seed)
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
@@ -179,6 +180,9 @@ def parse(body: Any, *, chat: bool) -> Parsed:
         raise ApiError(400, f"user must be a string, got {short(user)}", param="user")
     _extensions(body, parsed)
     _logprobs(body, parsed)
+    if parsed.max_tokens is not None and parsed.min_tokens > parsed.max_tokens:
+        raise ApiError(400, f"min_tokens ({parsed.min_tokens}) must be at most max_tokens ({parsed.max_tokens})",
+                       param="min_tokens")
     parsed.response_format = body.get("response_format")
     override = body.get("draftwise")
     if override is not None:
@@ -215,12 +219,15 @@ def _extensions(body: dict[str, Any], parsed: Parsed) -> None:
 
 
 def _logprobs(body: dict[str, Any], parsed: Parsed) -> None:
-    """Chat: logprobs (true / false) and top_logprobs (0..20). Completions: logprobs (0..20) and echo."""
+    """Chat: logprobs (true / false) and top_logprobs (0..20). Completions: logprobs (0..20) and echo. Both:
+    prompt_logprobs (0..20, vLLM's)."""
     def top(value: Any, name: str) -> int:
         if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
             raise ApiError(400, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {short(value)}", param=name)
         return int(value)
 
+    if body.get("prompt_logprobs") is not None:  # vLLM's extension, both endpoints
+        parsed.prompt_logprobs = top(body["prompt_logprobs"], "prompt_logprobs")
     value = body.get("logprobs")
     if parsed.chat:
         if value is not None and not isinstance(value, bool):
@@ -383,22 +390,39 @@ def completion_logprobs(token_ids: list[int], entries: list[Any], piece: Any, of
             "top_logprobs": [None if e is None else top(e) for e in entries], "text_offset": offsets}
 
 
+def prompt_logprobs(prompt_ids: list[int], entries: list[Any], piece: Any) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` of a choice: None for the first token, then for each prompt token a map from token
+    id (a string, in JSON) to {logprob, rank, decoded_token}, for the token itself and the k best."""
+    out: list[dict[str, Any] | None] = []
+    for token_id, e in zip(prompt_ids, entries):
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {t: (lp, i + 1) for i, (t, lp) in enumerate(e.top)}
+        ranked.setdefault(token_id, (e.logprob, e.rank))
+        out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": piece(t)} for t, (lp, rank) in ranked.items()})
+    return out
+
+
 def completion_body(request_id: str, model: str, chat: bool, text: str, finish_reason: str,
-                    usage_body: dict[str, Any], created: int, logprobs: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:
+                    usage_body: dict[str, Any], created: int, logprobs: dict[str, Any] | None = None,
+                    prompt_scores: list[Any] | None = None) -> dict[str, Any]:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_scores is not None:
+        choice["prompt_logprobs"] = prompt_scores
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage_body}
 
 
 def chunk(request_id: str, model: str, chat: bool, created: int, *, text: str | None = None,
           role: bool = False, finish_reason: str | None = None, with_usage: bool = False,
-          usage_body: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> bytes:
-    """One server-sent event in OpenAI's chunk format."""
+          usage_body: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
+          prompt_scores: list[Any] | None = None) -> bytes:
+    """One server-sent event in OpenAI's chunk format (vLLM's prompt_logprobs on the first that has them)."""
     if chat:
         delta: dict[str, Any] = {}
         if role:
@@ -408,6 +432,8 @@ def chunk(request_id: str, model: str, chat: bool, created: int, *, text: str | 
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_scores is not None:
+        choice["prompt_logprobs"] = prompt_scores
     body = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice]}
     if with_usage:

@@ -58,6 +58,12 @@ def _key_value(value: Any) -> Any:
         return id(value)
 
 
+def _prompt_scores(parsed: protocol.Parsed) -> int | None:
+    """The alternatives a prompt token's score needs: echo with logprobs k, vLLM's prompt_logprobs k (the larger)."""
+    asked = [k for k in (parsed.logprobs if parsed.echo else None, parsed.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
+
+
 class Service:
     """What the app serves: the loaded models, the methods they can run, and the engine thread.
 
@@ -258,6 +264,12 @@ class Service:
         if len(prompt_ids) >= base.window:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens and the context window is {base.window} "
                            f"tokens: shorten the {source}", param=source, code="context_length_exceeded")
+        if parsed.max_tokens is not None and len(prompt_ids) + parsed.max_tokens > base.window:  # vLLM's answer too
+            name = "max_completion_tokens" if parsed.chat else "max_tokens"
+            raise ApiError(400, f"the context window is {base.window} tokens and this request asks for "
+                           f"{len(prompt_ids) + parsed.max_tokens} ({len(prompt_ids)} in the {source}, "
+                           f"{parsed.max_tokens} to generate): lower {name} or shorten the {source}",
+                           param="max_tokens", code="context_length_exceeded")
         budget = parsed.max_tokens or base.window  # chat without max_tokens: until the window ends it
         plan = dataclasses.replace(
             base, options=options, sampling=sampling, gamma=gamma, stop=stops, seed=parsed.seed, prompt_ids=prompt_ids,
@@ -265,7 +277,7 @@ class Service:
             requested_new_tokens=budget, max_new_tokens=budget)
         try:
             plan = plan_module.with_processors(plan, parsed.repetition_penalty, parsed.min_tokens, parsed.logprobs,
-                                        parsed.logprobs if parsed.echo else None, grammar)
+                                        _prompt_scores(parsed), grammar)
         except DraftwiseError as error:
             param = "response_format" if grammar is not None else "logprobs" if parsed.logprobs is not None else \
                 "repetition_penalty"
