@@ -221,7 +221,8 @@ def _no_draft_message(method: str, target: Any) -> str:
 
 
 def _missing_path(target: Any) -> str | None:
-    """'target not found' for a target given as a path that does not exist (before any draft question)."""
+    """What is wrong with a target named by a path, asked before any draft question: 'not found' for a path that
+    does not exist; for one that does, what loading it would say first (not a GGUF file, no config.json)."""
     if not isinstance(target, (str, os.PathLike)) or (isinstance(target, str) and target in registry.names()):
         return None
     text = os.fspath(target)
@@ -231,6 +232,13 @@ def _missing_path(target: Any) -> str | None:
     if looks_like_path and not path.exists():
         return f"target {text!r} not found: give a registry name ({', '.join(registry.names())}), a model directory, " \
                "a .gguf file or a hub id"
+    if path.exists():
+        from .models.loading import check_model_spec
+
+        try:
+            check_model_spec(text)
+        except DraftwiseError as error:
+            return str(error)
     return None
 
 

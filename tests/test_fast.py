@@ -506,6 +506,8 @@ def test_gguf_formats_lm_head_runs_the_file_weights(vocab, codes, tmp_path):
     _write_gguf(path, {"output.weight": (raw, "q4_0")})
     formats = GGUFFormats(path, model, torch.float32)
     formats.codes = codes
+    # before any projection is built (issue 39's probe read "gguf ( projections)"): the file's tensors
+    assert formats.describe().startswith("gguf (1 q4_0 projections; ")
     weights = torch.from_numpy(_gguf_dequantize(raw, "q4_0"))
     linear = formats.linear("lm_head", [("lm_head", weights)], weights, None)
     assert isinstance(linear, qkernel.CodesLinear if codes else Int4Linear if vocab % 16 == 0 else FloatLinear)

@@ -267,6 +267,14 @@ def test_cli_errors_are_one_line(models, capsys, tmp_path):
     one_line(["generate", "--bogus", "hi"], "unrecognized arguments: --bogus", code="exit")
     one_line(["serve", "--port", "x"], "invalid int value", code="exit")
     one_line(["generate", "--target", target, "--method", "ar", "--json", "hi"], "--json took 'hi'")
+    # issue 39's probe: an output nothing can be written to is refused before any work (not a traceback after it)
+    one_line(["generate", "--target", target, "--method", "ar", "--json", "/proc/x.json", "hi"],
+             "--json /proc/x.json: cannot write in /proc")
+    # ... and a target that is no model is reported as such, not as what the default method (sd) would need
+    (tmp_path / "not-a-model.gguf").write_text("hello")
+    (tmp_path / "empty").mkdir()
+    one_line(["generate", "--target", str(tmp_path / "not-a-model.gguf"), "hi"], "not a GGUF file")
+    one_line(["generate", "--target", str(tmp_path / "empty"), "hi"], "directory has no config.json")
 
 
 def test_generate_json_takes_a_path_like_bench(models, capsys, tmp_path):

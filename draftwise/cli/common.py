@@ -6,6 +6,7 @@ import argparse
 import inspect
 import json
 import os
+import tempfile
 import sys
 import warnings
 from pathlib import Path
@@ -103,6 +104,13 @@ def check_output(path: str, flag: str) -> None:
             from None
     if not os.access(file.parent, os.W_OK | os.X_OK) or (file.exists() and not os.access(file, os.W_OK)):
         raise DraftwiseError(f"{flag} {path}: not writable")
+    # What the atomic write will do, tried now: a temporary file beside the target (os.access says yes to root
+    # even where nothing can be created, /proc or a read-only mount)
+    try:
+        with tempfile.NamedTemporaryFile(dir=file.parent, prefix=f".{file.name}.", suffix=".check"):
+            pass
+    except OSError as error:
+        raise DraftwiseError(f"{flag} {path}: cannot write in {file.parent} ({error.strerror or error})") from None
     if flag == "--plot":
         import matplotlib
 

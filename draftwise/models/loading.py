@@ -412,27 +412,49 @@ def _not_a_model(spec: str) -> None:
         )
 
 
-def _load_from_string(spec: str, dtype: torch.dtype) -> LoadedModel:
+def check_model_spec(spec: object) -> None:
+    """What `load_model` checks of a target named by a string before it reads any weight, done now (cheap): a
+    registry name, a .gguf file that starts with GGUF's magic bytes, a directory with config.json or one .gguf
+    file, or a hub id. The CLI runs it before a method's needs, so a wrong path is reported as itself."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return
+    spec = str(spec)
     _not_a_model(spec)
     if spec in registry.names():
-        return _load_directory(registry.resolve(spec), dtype, name=spec)
+        return
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise DraftwiseError(f"{spec}: a model file must be a .gguf file; for safetensors pass its directory")
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as error:
+            raise DraftwiseError(f"{spec}: cannot read it ({error.strerror or error})") from None
+        if magic != b"GGUF":
+            raise DraftwiseError(f"{spec}: not a GGUF file (it does not start with GGUF's magic bytes)")
+        return
+    if path.is_dir():
+        if not (path / "config.json").exists() and len(list(path.glob("*.gguf"))) != 1:
+            raise DraftwiseError(f"{spec}: directory has no config.json (and not exactly one .gguf file)")
+        return
+    if not _looks_like_hub_id(spec):
+        raise DraftwiseError(f"{spec!r} is not a local directory, a .gguf file, a registry name ({_registry_list()}) "
+                             "or a hub id (org/name)")
+
+
+def _load_from_string(spec: str, dtype: torch.dtype) -> LoadedModel:
+    check_model_spec(spec)
+    if spec in registry.names():
+        return _load_directory(registry.resolve(spec), dtype, name=spec)
+    path = Path(spec).expanduser()
+    if path.is_file():
         return _load_gguf(path, dtype)
     if path.is_dir():
         if (path / "config.json").exists():
             return _load_directory(path, dtype, name=path.name)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], dtype)
-        raise DraftwiseError(f"{spec}: directory has no config.json (and not exactly one .gguf file)")
-    if _looks_like_hub_id(spec):
-        return _load_from_hub(spec, dtype)
-    raise DraftwiseError(
-        f"{spec!r} is not a local directory, a .gguf file, a registry name ({_registry_list()}) or a hub id (org/name)"
-    )
+        return _load_gguf(next(path.glob("*.gguf")), dtype)
+    return _load_from_hub(spec, dtype)
 
 
 @contextlib.contextmanager

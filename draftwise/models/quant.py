@@ -300,7 +300,13 @@ class GGUFFormats:
 
     def describe(self) -> str:
         kernel = "draftwise's codes kernel" if self.codes else "PyTorch's kernels"
-        return "gguf (" + ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) + f" projections; {kernel})"
+        kinds = self.kinds
+        if not kinds:  # before the first forward builds the projections: the file's quantised projection tensors
+            kinds = {}
+            for name, tensor in self.tensors.items():
+                if name != "token_embd.weight" or self.tied:
+                    kinds[tensor.kind] = kinds.get(tensor.kind, 0) + 1
+        return "gguf (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + f" projections; {kernel})"
 
 
 class Int8Formats:
