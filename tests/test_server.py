@@ -573,3 +573,47 @@ def _port_open(url) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
         return sock.connect_ex((host, int(port))) == 0
+
+
+def test_requests_above_t0_draft_with_the_sampled_answer_head(tmp_path):
+    """Issue 39: the server picked its draft once, without a temperature, so T > 0 requests drafted with the greedy
+    head. With both heads loaded, a T=0 request drafts with the greedy one and a T=1 request with the sampled one,
+    each on its own engine; methods that take no head are unaffected."""
+    import torch
+    from conftest import tiny_llama, tiny_tokenizer
+    from test_eagle3 import _head
+
+    from draftwise.server import protocol
+    from draftwise.server.service import ServerConfig, Service
+
+    tiny_llama(0, layers=4, width=32).save_pretrained(tmp_path / "target")
+    tiny_tokenizer(64).save_pretrained(tmp_path / "target")
+    target = load_model(str(tmp_path / "target"), dtype="float32")
+    greedy, sampled = _head(target.model, torch.arange(64), seed=3), _head(target.model, torch.arange(64), seed=4)
+    calls = {"greedy": 0, "sampled": 0}
+    for name, head in (("greedy", greedy), ("sampled", sampled)):
+        logits = head.logits  # every drafted token goes through the head's logits
+
+        def counted(*args, _name=name, _logits=logits, **kwargs):
+            calls[_name] += 1
+            return _logits(*args, **kwargs)
+
+        head.logits = counted
+    service = Service(ServerConfig(model_name="tiny", method="sd"), target, greedy, sampled_draft=sampled)
+    keys = []
+    for temperature, used in ((0.0, "greedy"), (1.0, "sampled")):
+        parsed = protocol.parse({"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": temperature,
+                                 "seed": 1}, chat=False)
+        key, make_engine, request, spec = service.prepare(parsed)
+        assert service.draft_for(spec, request.sampling) is {"greedy": greedy, "sampled": sampled}[used]
+        before = dict(calls)
+        engine = make_engine()
+        engine.submit(request)
+        engine.run()
+        assert calls[used] > before[used] and calls[{"greedy": "sampled", "sampled": "greedy"}[used]] == \
+            before[{"greedy": "sampled", "sampled": "greedy"}[used]]
+        keys.append(key)
+    assert keys[0] != keys[1]
+    suffix = protocol.parse({"model": "tiny", "prompt": [5, 6], "temperature": 1.0, "draftwise": {"method": "suffix"}},
+                            chat=False)
+    assert service.prepare(suffix)[3].name == "suffix"

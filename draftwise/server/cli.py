@@ -116,6 +116,11 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
         target = load_model(args.target, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
         draft_spec = args.draft or (plan.default_draft(target, spec.name) if spec.needs_draft else None)
         draft = load_draft(draft_spec, target, device=args.device, dtype=args.dtype) if draft_spec else None
+        # the registry's head for sampled answers, where it ships one: requests at T > 0 draft with it (both heads
+        # stay loaded; they are small)
+        sampled_spec = plan.default_draft(target, spec.name, 1.0) if args.draft is None and spec.needs_draft else None
+        sampled = load_draft(sampled_spec, target, device=args.device, dtype=args.dtype) \
+            if sampled_spec and sampled_spec != draft_spec else None
         if companion_spec is None and spec.needs_companion:
             companion_spec = registry.default_companion(target.name) if target.name in registry.names() else None
         companion = None
@@ -126,10 +131,12 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
                               gamma=args.gamma, api_key=api_key, max_batch_size=args.max_batch_size,
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_engines=args.max_engines,
                               prefix_cache_mb=args.prefix_cache_mb, body_timeout_s=args.body_timeout)
-        service = Service(config, target, draft, companion)
+        service = Service(config, target, draft, companion, sampled_draft=sampled)
         host, port = sock.getsockname()[:2]
         print(f"draftwise: serving {config.model_name!r} with {args.method} on http://{_url_host(host)}:{port}/v1 "
-              f"(methods: {', '.join(service.runnable())})", file=sys.stderr, flush=True)
+              f"(methods: {', '.join(service.runnable())})"
+              + (f"; drafts: {draft_spec} at T=0, {sampled_spec} at T>0" if sampled is not None else ""),
+              file=sys.stderr, flush=True)
         serve(create_app(service), sock, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
               access_log=args.access_log)
     finally:

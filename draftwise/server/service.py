@@ -72,10 +72,13 @@ class Service:
     ever loads a model or names a file."""
 
     def __init__(self, config: ServerConfig, target: LoadedModel, draft: Any = None,
-                 companion: LoadedModel | None = None) -> None:
+                 companion: LoadedModel | None = None, sampled_draft: Any = None) -> None:
         self.config = config
         self.target = target
         self.draft = draft  # a LoadedModel, an EagleHead, or None
+        # an EAGLE head trained on sampled answers: the draft of requests at T > 0 (their own engines); None: the
+        # draft above drafts for every request
+        self.sampled_draft = sampled_draft
         self.companion = companion
         self.metrics = Metrics(config.model_name)
         self.worker = EngineWorker(metrics=self.metrics, max_batch_size=config.max_batch_size,
@@ -84,6 +87,7 @@ class Service:
         self.stopping = False
         self.created = protocol.now()
         self._plans: dict[tuple[str, Any], plan_module.Plan] = {}  # (method, sampling or None) -> plan, options apart
+        self._sampled_plans: dict[tuple[str, Any], plan_module.Plan] = {}  # the same with the sampled-answer head
         self.refused: dict[str, str] = {}  # method -> why this server cannot run it
         self._pieces: dict[int, str] = {}
         self._check_methods()
@@ -176,19 +180,33 @@ class Service:
             return spec.name, None
         return spec.name, SamplingConfig(0.0) if sampling.greedy else sampling  # greedy ignores top-k / top-p
 
+    def _heads_by_temperature(self, spec: Method) -> bool:
+        """Whether this method's requests at T > 0 draft with the sampled-answer head."""
+        return self.sampled_draft is not None and spec.needs_draft and spec.name in plan_module.EAGLE_METHODS
+
+    def draft_for(self, spec: Method, sampling: SamplingConfig) -> Any:
+        """The draft a request of this method and sampling setting drafts with."""
+        return self.sampled_draft if self._heads_by_temperature(spec) and not sampling.greedy else self.draft
+
     def _build(self, spec: Method, sampling: SamplingConfig) -> None:
         probe = [next(iter(self.target.eos_token_ids), 0)]  # any valid prompt: each request brings its own
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DraftwiseWarning)
-            self._plans[self._key(spec, sampling)] = plan_module.make_plan(
-                target=self.target, prompt=probe, draft=self.draft if spec.needs_draft else None, method=spec.name,
-                max_new_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                seed=None, gamma=self.config.gamma, stop=None, ignore_eos=False,
-                method_options=self._startup_options(spec))
+        drafts = [(self._plans, self.draft)]
+        if self._heads_by_temperature(spec):
+            drafts.append((self._sampled_plans, self.sampled_draft))
+        for plans, draft in drafts:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DraftwiseWarning)
+                plans[self._key(spec, sampling)] = plan_module.make_plan(
+                    target=self.target, prompt=probe, draft=draft if spec.needs_draft else None, method=spec.name,
+                    max_new_tokens=1, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                    seed=None, gamma=self.config.gamma, stop=None, ignore_eos=False,
+                    method_options=self._startup_options(spec))
 
     def _plan(self, spec: Method, sampling: SamplingConfig) -> plan_module.Plan:
-        """The method's plan over the loaded models, built at start (per sampling setting for an SV profile)."""
-        plan = self._plans.get(self._key(spec, sampling))
+        """The method's plan over the loaded models, built at start (per sampling setting for an SV profile), with
+        the draft of this sampling setting (`draft_for`)."""
+        sampled = self._heads_by_temperature(spec) and not sampling.greedy
+        plan = (self._sampled_plans if sampled else self._plans).get(self._key(spec, sampling))
         if plan is not None:
             return plan
         have = [s for (name, s), _ in self._plans.items() if name == spec.name and s is not None]
@@ -290,7 +308,7 @@ class Service:
         # end-of-sequence tokens are the request's own (ignore_eos): requests that differ in them share an engine,
         # whose drafters stop a draft at the target's EOS tokens (a shorter draft; verification decides)
         key = (method, tuple(sorted((k, _key_value(v)) for k, v in options.items())), window,
-               self._key(spec, sampling)[1])
+               self._key(spec, sampling)[1], id(self.draft_for(spec, sampling)))  # T > 0: its own head and engine
         size = self.config.max_batch_size
         prefix_mb = self.config.prefix_cache_mb
         shared = dataclasses.replace(plan, eos_token_ids=self.target.eos_token_ids)
