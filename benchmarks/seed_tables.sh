@@ -8,6 +8,10 @@
 # gain is printed by `draftwise profile-sv` when the shipped profiles are rebuilt (benchmarks/README.md).
 # A table whose JSON is in $OUT is skipped, so a cut-short run resumes at the next table. Run it alone on the
 # cores: every figure is a ratio to `ar` (or `sd`) timed in the same run, and a second job skews it.
+# PAIR=1: the Qwen2.5-Coder pair (issue 36): the 1.5B as target, the 0.5B as every table's draft, HumanEval as
+# the prompts (pass@1 by running each answer's tests: the quality axis of every table), answers up to 256 tokens,
+# JSON in out/seed-tables-pair. The sprinter table needs the pair's verifiers (`draftwise train-verifier`, see
+# benchmarks/README.md) and the sv table its profiles; cascades and mtad need no trained helper.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DW=${DW:-.venv/bin/draftwise}
@@ -15,7 +19,17 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-out/seed-tables}
 DTYPE=${DTYPE:-auto}        # the default format (on a CPU with native bf16: the GGUF's int4)
 TABLES=${TABLES:-"sprinter mtad cascades sv"}
+TARGET=smollm2-135m
 DRAFT=smollm2-135m-draft    # the independent draft: SPRINTER's verifiers, MTAD's beams and SV's goodput use it
+data=()                     # Spec-Bench (every category), the sweep its summarisation and translation
+sweep_data=(--categories summarization,translation)
+TOKENS=1                    # answer lengths: the tables' own (x1), or 256 on HumanEval
+if [ "${PAIR:-0}" = 1 ]; then
+    TARGET=qwen2.5-coder-1.5b DRAFT=qwen2.5-coder-0.5b TOKENS=256
+    [ "$OUT" != out/seed-tables ] || OUT=out/seed-tables-pair
+    data=(--dataset humaneval) sweep_data=(--dataset humaneval)
+fi
+tokens() { [ "$TOKENS" = 1 ] && echo "$1" || echo "$TOKENS"; }
 # QUICK=1: fewer prompts, one repeat and coarser grids (about 35 minutes on 2 cores instead of about 2 hours)
 if [ "${QUICK:-0}" = 1 ]; then
     SPRINTER_PROMPTS=10 SPRINTER_REPEATS=1 MTAD_PROMPTS=12 ABLATION_PROMPTS=8
@@ -29,7 +43,7 @@ SWEEP_PROMPTS=${SWEEP_PROMPTS:-12} ALPHAS=${ALPHAS:-0,0.3,0.6,0.9} OPT_GRID=${OP
 BILD_GRID=${BILD_GRID:-2,4,6,8} TC_GRID=${TC_GRID:-0.1,0.3,0.5,0.7}
 SV_BATCH_SIZES=${SV_BATCH_SIZES:-4,16,32} SV_PROMPTS=${SV_PROMPTS:-32}
 mkdir -p "$OUT"
-common=(--target smollm2-135m --dtype "$DTYPE" --threads 2)
+common=(--target "$TARGET" --dtype "$DTYPE" --threads 2 "${data[@]}")
 
 run() {  # $1: the JSON; the rest: the command, which writes it with --json
     local json=$1; shift
@@ -44,25 +58,25 @@ for table in $TABLES; do
             for T in 1 0; do
                 run "$OUT/sprinter-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
                     --methods ar,sd,sprinter,sprinter/tau=0.7,sprinter/tau=0.9,sprinter/tau=0.95,adaedl,specdec++,lossy \
-                    --compare-to sd --num-prompts "$SPRINTER_PROMPTS" --max-new-tokens 48 --temperature $T --gamma 3 \
+                    --compare-to sd --num-prompts "$SPRINTER_PROMPTS" --max-new-tokens "$(tokens 48)" --temperature $T --gamma 3 \
                     --repeats "$SPRINTER_REPEATS"
             done ;;
         mtad)
             run "$OUT/mtad-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
-                --methods ar,sd,cascade:bild@2,mtad,mtjd --num-prompts "$MTAD_PROMPTS" --max-new-tokens 128 --repeats 1 \
+                --methods ar,sd,cascade:bild@2,mtad,mtjd --num-prompts "$MTAD_PROMPTS" --max-new-tokens "$(tokens 128)" --repeats 1 \
                 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 --compare-to sd
             run "$OUT/mtad-ablation-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
-                --methods "$ABLATION" --num-prompts "$ABLATION_PROMPTS" --max-new-tokens 128 --repeats 1 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 \
+                --methods "$ABLATION" --num-prompts "$ABLATION_PROMPTS" --max-new-tokens "$(tokens 128)" --repeats 1 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 \
                 --compare-to sd
             [ -s "$OUT/mtad-t1.txt" ] || "$PY" benchmarks/mtad_tables.py "$OUT/mtad-t1.json" \
                 --ablation "$OUT/mtad-ablation-t1.json" --plot "$OUT/mtad-ablation-t1.png" --out "$OUT/mtad-t1.txt" ;;
         cascades)
             for T in 1 0.5; do
-                run "$OUT/sweep-t$T.json" "$DW" sweep "${common[@]}" \
+                run "$OUT/sweep-t$T.json" "$DW" sweep --target "$TARGET" --draft "$DRAFT" --dtype "$DTYPE" --threads 2 \
                     --methods cascade:token-v3,cascade:opt,cascade:bild,lossy,token-cascade \
                     --alpha-grid "$ALPHAS" --grid cascade:opt="$OPT_GRID" --grid cascade:bild="$BILD_GRID" \
-                    --grid token-cascade="$TC_GRID" --categories summarization,translation --num-prompts "$SWEEP_PROMPTS" \
-                    --max-new-tokens 64 --repeats 1 --gamma 4 --temperatures $T
+                    --grid token-cascade="$TC_GRID" "${sweep_data[@]}" --num-prompts "$SWEEP_PROMPTS" \
+                    --max-new-tokens "$(tokens 64)" --repeats 1 --gamma 4 --temperatures $T
             done
             [ -s "$OUT/sweep-cascades.json" ] || "$PY" benchmarks/merge_sweeps.py "$OUT/sweep-t1.json" \
                 "$OUT/sweep-t0.5.json" --json "$OUT/sweep-cascades.json" --plot "$OUT/sweep-cascades.png" ;;
