@@ -26,10 +26,10 @@ demo: install
 
 # Two worker processes (the tests run their tiny models on one thread each): about half the wall time on 2 cores.
 test: install
-	$(PY) -m pytest -q -m "not slow" -n 2
+	$(PY) -m pytest -q -m "not slow and not cuda" -n 2
 
 test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not cuda"
 
 # Opt-in: draftwise against llama.cpp and vLLM's CPU build (benchmarks/README.md). Installs the peers into .peers/ on
 # first use (llama-cpp-python is built from source: several minutes) and takes about half an hour on 2 cores.
