@@ -17,7 +17,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-data/answers/qwen2.5-coder-1.5b}
 BATCH=${BATCH:-16}
 common=(--target qwen2.5-coder-1.5b --answers --out "$OUT" --max-new-tokens 256 --batch-size "$BATCH"
-        --shard-size 128)
+        --shard-size 32)  # a chunk of 32 answers: a session cut off loses at most the answers in flight
 # 1. greedy: Spec-Bench's train split (384 prompts, every category)
 "$PY" -m draftwise train-data "${common[@]}" --sources spec-bench
 # 2. greedy: 1,500 prompts the 1.5B writes itself from its user-turn prefix (Magpie; kept in $OUT/magpie.jsonl):
