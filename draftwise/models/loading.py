@@ -415,7 +415,7 @@ def _not_a_model(spec: str) -> None:
 def check_model_spec(spec: object) -> None:
     """What `load_model` checks of a target named by a string before it reads any weight, done now (cheap): a
     registry name, a .gguf file that starts with GGUF's magic bytes, a directory with config.json or one .gguf
-    file, or a hub id. The CLI runs it before a method's needs, so a wrong path is reported as itself."""
+    file, or a hub id. `plan` asks it before a method's needs, so a wrong path is reported as itself."""
     if not isinstance(spec, (str, os.PathLike)):
         return
     spec = str(spec)

@@ -205,8 +205,8 @@ class Service:
     def _plan(self, spec: Method, sampling: SamplingConfig) -> plan_module.Plan:
         """The method's plan over the loaded models, built at start (per sampling setting for an SV profile), with
         the draft of this sampling setting (`draft_for`)."""
-        sampled = self._heads_by_temperature(spec) and not sampling.greedy
-        plan = (self._sampled_plans if sampled else self._plans).get(self._key(spec, sampling))
+        plans = self._plans if self.draft_for(spec, sampling) is self.draft else self._sampled_plans
+        plan = plans.get(self._key(spec, sampling))
         if plan is not None:
             return plan
         have = [s for (name, s), _ in self._plans.items() if name == spec.name and s is not None]
