@@ -39,7 +39,10 @@ HEADERS = [Path(__file__).resolve().parent / "csrc" / "simd.h"]  # included by t
 
 
 def _build_dir() -> Path:
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    # the sources' folder is part of the key: torch's build files name the sources by path, so two checkouts sharing
+    # one folder would rebuild it in turn (and a build killed midway leaves a lock that stalls the next load)
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + torch.__version__.encode()
+                         + sys.version.encode() + str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:16]
     return cache_root() / "kernels" / f"qmm-{key}"
 
 
