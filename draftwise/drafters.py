@@ -4,15 +4,15 @@ drafters share it)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .batched import sample_rows, warp_rows
 from .grammar import mask_rows, push_rows
-from .models.runner import ModelRunner
+from .models.runner import ModelRunner, full_vocabulary_logits
 from .policies import FixedLength, LengthPolicy
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, unwarped
 from .protocols import RowsDraft, empty_draft, one_hot_draft, pad_rows
 from .rows import Row, cut_at_eos
 
@@ -131,62 +131,32 @@ class ModelRowsDrafter:
             self.prefill_calls += len(prefill_row(self.runner, row, prompt_ids[:-1]))
 
     def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
-        from .sampling import unwarped
-
         width = max(limits, default=0)
         n = len(rows)
         if width == 0:
             return empty_draft(n, self.vocab_size, self.runner.device)
         if self.tree_nodes > 0:
             return self._propose_trees(rows, limits)
-        device = self.runner.device
-        policy = self.policy
         # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
         # nothing until its cache has caught up, so its prompt never stalls the other rows' step
         feed, counts, limits = self.pending_feed(rows, limits)
+        device = self.runner.device
+        needs_hidden = self.policy.needs_hidden
         at = torch.tensor(counts, device=device)[:, None] - 1  # [rows, 1] the last fed position
-        configs = [r.request.sampling for r in rows]
-        greedy = [c.greedy for c in configs]
-        generators = [r.generator for r in rows]
-        active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
-        limit_t = torch.tensor(list(limits), device=device)
-        drafted = torch.zeros(n, dtype=torch.long, device=device)
-        tokens, probs, raws, verdicts = [], [], [], []
-        policy.start(n, device)
-        for step in range(width):
-            out = self.runner.forward_rows(feed, counts, logits_at=at, hidden=policy.needs_hidden)
-            logits, active = mask_rows(rows, out.logits[:, -1], active)  # [rows, vocab]; a grammar's mask
-            raw = unwarped(logits) if self.keep_raw or policy.needs_raw else None  # [rows, vocab]
-            active &= ~policy.stop_before(raw)
-            if self.keep_raw:
-                raws.append(raw)
-            step_probs = warp_rows(logits, configs)  # [rows, vocab]
-            token = sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
-            active = push_rows(rows, token, active)
-            drafted += active.long()
-            tokens.append(token)
-            probs.append(step_probs)
+
+        def scored(out) -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden = out.hidden.gather(1, at[:, :, None].expand(-1, -1, out.hidden.shape[-1]))[:, -1] \
-                if policy.needs_hidden else None  # [rows, hidden] at the last fed position
-            stop, verdict = policy.after(hidden, token, raw)
-            if verdict is not None:
-                verdicts.append(verdict)
-            # a row stops after drafting EOS, on its policy's word, or at its limit; the rest go on
-            active &= ~torch.isin(token, self.eos) & ~stop & (drafted < limit_t)
-            if step + 1 < width:
-                if not bool(active.any()):
-                    break
-                feed, counts = token[:, None], [1] * n
-                at = torch.zeros(n, 1, dtype=torch.long, device=device)
-        counts_out = drafted.tolist()
-        k = max(counts_out)
-        if k == 0:
-            return empty_draft(n, self.vocab_size, device)
-        return RowsDraft(
-            torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
-            torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
-            torch.stack(verdicts, 1)[:, :k] if verdicts else None,
-        )
+                if needs_hidden else None  # [rows, hidden] at the last fed position
+            return out.logits[:, -1], hidden
+
+        def advance(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            nonlocal at
+            at = torch.zeros(n, 1, dtype=torch.long, device=device)
+            return scored(self.runner.forward_rows(token[:, None], [1] * n, logits_at=at, hidden=needs_hidden))
+
+        first = scored(self.runner.forward_rows(feed, counts, logits_at=at, hidden=needs_hidden))
+        return draft_chains(rows, limits, first, advance, vocab_size=self.vocab_size, eos=self.eos,
+                            policy=self.policy, keep_raw=self.keep_raw)
 
     def _propose_trees(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
         """EAGLE-2's dynamic tree from the draft model's log-probabilities (tree.grow_on), depth at most each
@@ -239,6 +209,74 @@ class ModelRowsDrafter:
         self.runner.cache.drop_rows(live)
 
     def observe(self, row, start, states) -> None: pass
+
+
+def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.Tensor, torch.Tensor | None],
+                 advance: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]], *, vocab_size: int,
+                 eos: torch.Tensor, policy: LengthPolicy, keep_raw: bool = False, ids: torch.Tensor | None = None
+                 ) -> RowsDraft:
+    """The draft loop of every model-based chain drafter (a draft model, an EAGLE head): up to max(limits) tokens
+    per row, each row sampling from its own warped distribution with its own generator. A row stops at its limit,
+    after drafting EOS, or when its length policy says so.
+
+    first: (logits [rows, V], the drafter's state behind them [rows, H] or None) scoring each row's first drafted
+    token; V is the vocabulary, or the columns `ids` names (a head's smaller draft vocabulary, zero probability
+    elsewhere). advance(tokens [rows]) feeds every row its drafted token and returns the next (logits, state).
+    When every row is greedy (and nothing reads the distributions: no grammar, no unwarped copy kept, no verifier
+    policy) a token is the argmax and the draft carries no distributions (one-hot, `RowsDraft.probs` None)."""
+    n = len(rows)
+    width = max(limits, default=0)
+    device = first[0].device
+    configs = [r.request.sampling for r in rows]
+    greedy = [c.greedy for c in configs]
+    generators = [r.generator for r in rows]
+    fast = all(greedy) and not keep_raw and not policy.needs_hidden \
+        and not any(getattr(r, "grammar", None) is not None for r in rows)
+    active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
+    limit_t = torch.tensor(list(limits), device=device)
+    drafted = torch.zeros(n, dtype=torch.long, device=device)
+    tokens, probs, raws, verdicts = [], [], [], []
+    policy.start(n, device)
+    logits, state = first
+    for step in range(width):
+        raw = None
+        if fast:  # the argmax only: no full-vocabulary tensor
+            if policy.needs_raw:  # stop rules read the max / entropy: over V, the same as over the vocabulary
+                raw = torch.softmax(logits.float(), dim=-1)
+                active &= ~policy.stop_before(raw)
+            pick = logits.argmax(-1)  # [rows]
+            token = pick if ids is None else ids[pick]
+        else:
+            # zero probability outside a head's draft vocabulary (and past a padded target vocabulary): exact
+            full = logits if ids is None else full_vocabulary_logits(logits, ids, vocab_size)  # [rows, vocab]
+            full, active = mask_rows(rows, full, active)  # a grammar row drafts only what it allows
+            raw = unwarped(full) if keep_raw or policy.needs_raw else None  # [rows, vocab]
+            if policy.needs_raw:
+                active &= ~policy.stop_before(raw)
+            if keep_raw:
+                raws.append(raw)
+            step_probs = warp_rows(full, configs)  # [rows, vocab]
+            token = sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
+            active = push_rows(rows, token, active)
+            probs.append(step_probs)
+        drafted += active.long()
+        tokens.append(token)
+        stop, verdict = policy.after(state if policy.needs_hidden else None, token, raw)
+        if verdict is not None:
+            verdicts.append(verdict)
+        # a row stops after drafting EOS, on its policy's word, or at its limit; the rest go on
+        active &= ~torch.isin(token, eos) & ~stop & (drafted < limit_t)
+        if step + 1 < width:
+            if not bool(active.any()):
+                break
+            logits, state = advance(token)
+    counts = drafted.tolist()
+    k = max(counts, default=0)
+    if k == 0:
+        return empty_draft(n, vocab_size, device)
+    return RowsDraft(torch.stack(tokens, 1)[:, :k], None if fast else torch.stack(probs, 1)[:, :k], counts,
+                     torch.stack(raws, 1)[:, :k] if keep_raw else None,
+                     torch.stack(verdicts, 1)[:, :k] if verdicts else None, vocab_size=vocab_size)
 
 
 def prefill_row(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:

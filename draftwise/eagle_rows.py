@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from .drafters import draft_chains
 from .eagle import DraftHead
 from .errors import DraftwiseError
 from .models.runner import ModelRunner, full_vocabulary_logits
@@ -140,11 +141,7 @@ class EagleRowsDrafter:
 
     @torch.inference_mode()
     def propose(self, rows, limits) -> "RowsDraft":
-        from .batched import warp_rows
-        from .batched import sample_rows
-        from .grammar import mask_rows, push_rows
-        from .protocols import RowsDraft, empty_draft
-        from .sampling import unwarped
+        from .protocols import empty_draft
 
         n = len(rows)
         width = max(limits, default=0)
@@ -154,57 +151,20 @@ class EagleRowsDrafter:
         if self.tree_nodes > 0:
             return self._propose_trees(predicted, limits)
         dtype = self.head.fc.weight.dtype
-        configs = [r.request.sampling for r in rows]
-        all_greedy = all(c.greedy for c in configs)
-        generators = [r.generator for r in rows]
-        active = torch.tensor([limit > 0 for limit in limits], device=self.device)
-        limit_t = torch.tensor(list(limits), device=self.device)
-        drafted = torch.zeros(n, dtype=torch.long, device=self.device)
-        tokens, probs, raws, verdicts = [], [], [], []
-        self.policy.start(n, self.device)
-        # a verifier policy (SPRINTER, SpecDec++) reads the head's state behind each drafted token and its
-        # unwarped distribution, as it reads a draft model's last hidden state
-        grammar = any(getattr(r, "grammar", None) is not None for r in rows)
-        fast = all_greedy and not self.keep_raw and not self.policy.needs_hidden and not grammar
-        for step in range(width):
-            logits = self.head.logits(predicted)[:, self.usable]  # [rows, usable draft vocabulary]
-            raw = None
-            if fast:  # one-hot drafts: the argmax only, no full-vocabulary tensors
-                if self.policy.needs_raw:  # the stop rules read max / entropy: the same over the draft vocabulary
-                    active &= ~self.policy.stop_before(torch.softmax(logits.float(), dim=-1))
-                token = self.usable_ids[logits.argmax(-1)]  # [rows]
-                step_probs = torch.zeros(n, self.vocab_size, device=self.device).scatter_(-1, token[:, None], 1.0)
-            else:
-                # zero probability outside the draft vocabulary (and past a padded target vocabulary): exact
-                full = full_vocabulary_logits(logits, self.usable_ids, self.vocab_size)  # [rows, vocab]
-                full, active = mask_rows(rows, full, active)  # a grammar row drafts only what it allows
-                raw = unwarped(full) if self.policy.needs_raw or self.keep_raw else None
-                if self.policy.needs_raw:
-                    active &= ~self.policy.stop_before(raw)
-                if self.keep_raw:
-                    raws.append(raw)
-                step_probs = warp_rows(full, configs)  # [rows, vocab], zero outside the draft vocabulary
-                token = sample_rows(step_probs, generators, active.tolist(), [c.greedy for c in configs])
-                active = push_rows(rows, token, active)
-            drafted += active.long()
-            tokens.append(token)
-            probs.append(step_probs)
-            stop, verdict = self.policy.after(predicted if self.policy.needs_hidden else None, token, raw)
-            if verdict is not None:
-                verdicts.append(verdict)
-            active &= ~torch.isin(token, self.eos) & ~stop & (drafted < limit_t)
-            if step + 1 < width:
-                if not bool(active.any()):
-                    break
-                fused = self._embed_fuse(predicted[:, None].to(dtype), token[:, None])
-                predicted = self.runner.forward_states(fused, [1] * n)[:, 0]
-        counts_out = drafted.tolist()
-        k = max(counts_out)
-        if k == 0:
-            return empty_draft(n, self.vocab_size, self.device)
-        return RowsDraft(torch.stack(tokens, 1)[:, :k], torch.stack(probs, 1)[:, :k], counts_out,
-                         torch.stack(raws, 1)[:, :k] if self.keep_raw else None,
-                         torch.stack(verdicts, 1)[:, :k] if verdicts else None)
+
+        def scored(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.head.logits(state)[:, self.usable], state  # [rows, usable draft vocabulary]
+
+        def advance(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal predicted
+            fused = self._embed_fuse(predicted[:, None].to(dtype), token[:, None])
+            predicted = self.runner.forward_states(fused, [1] * n)[:, 0]
+            return scored(predicted)
+
+        # a verifier policy (SPRINTER, SpecDec++) reads the head's state behind each drafted token, as it reads a
+        # draft model's last hidden state
+        return draft_chains(rows, limits, scored(predicted), advance, vocab_size=self.vocab_size, eos=self.eos,
+                            policy=self.policy, keep_raw=self.keep_raw, ids=self.usable_ids)
 
     def _propose_trees(self, predicted: torch.Tensor, limits: Sequence[int]) -> "RowsDraft":
         """EAGLE-2's dynamic tree (tree.grow_on): a node's head input is its parent's predicted state and its own

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .acceptance import ExactRule, StepDistributions, TargetRule
-from .batched import speculative_sample_rows, warp_rows
+from .batched import RowsAcceptance, accept_greedy, speculative_sample_rows, warp_rows
 from .errors import DraftwiseError
 from .grammar import compiler_for, mask_logits
 from .models.kvcache import release_heap
@@ -199,42 +199,38 @@ class Engine:
         target_logits = self._processed(rows, draft, verified.logits)  # [rows, k + 1, vocab]
         if grammars:  # the target's distribution at every verified position, masked by the grammar there
             target_logits = self._grammar_masked(rows, grammars, draft, target_logits)
-        target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
-
         drafted = draft.counts
         greedy_host = [row.request.sampling.greedy for row in rows]  # per row, read once a step
-        greedy = torch.tensor(greedy_host, device=target_probs.device)
-        if self.rule.cuts_draft and k:  # MTAD: the rule keeps a prefix of each draft; the target's token follows it
-            draft = draft.prefix(self.rule.prefix(self._step_distributions(draft, target_probs, target_logits,
-                                                                           greedy), greedy))
-            k = draft.width
-        # accept: pi = rule(draft, target) at the drafted positions, one rule call with per-row greedy flags
-        pi = self.rule(self._step_distributions(draft, target_probs, target_logits, greedy)) if k \
-            else target_probs[:, :0]
-        bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
-        if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
-            bonus = self._bonus_maker(rows, draft, target_probs, target_logits, greedy)
-
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
-        if draft.deterministic and self.exact and k:  # lookup, suffix: the target's own draw at each position
-            outcome = accept_chains(drafted_host, draft.counts, target_probs, [row.generator for row in rows],
-                                    greedy_host)
+        if self.exact and all(greedy_host) and not self.selector.observes:
+            # temperature 0, exact rule: argmax tokens compared, no distribution built (batched.accept_greedy)
+            outcome = accept_greedy(draft.tokens, draft.counts, target_logits)
         else:
-            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts,
-                                              [row.generator for row in rows], greedy_host)
-        self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
+            outcome, draft = self._accept(rows, draft, target_logits, greedy_host, drafted_host)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
+        committed = [drafted_host[b][:a] + [t] for b, (a, t) in enumerate(zip(outcome.num_accepted,
+                                                                            outcome.next_tokens))]
+        verifier = [sum(v[:c]) for v, c in zip(verdicts_host, draft.counts)] if verdicts_host else [0] * len(rows)
 
+        def record(b: int, row: Row, accepted: int) -> None:  # nothing past an EOS or a stop string is accepted
+            row.counters.record(drafted[b], accepted)
+
+        return self._commit_rows(rows, committed, list(verified.logits), outcome.num_accepted, record, verifier,
+                                 counts, proposed, drafter_calls, verified.hidden, plan, started)
+
+    def _commit_rows(self, rows: Sequence[Row], committed: list[list[int]], logits: Sequence[torch.Tensor],
+                     accepted: Sequence[int], record: Callable[[int, Row, int], None], verifier: Sequence[int],
+                     counts: Sequence[int], proposed: Sequence[int], drafter_calls: int, hidden: torch.Tensor | None,
+                     plan: list[int], started: float) -> list[Event]:
+        """Commit, record and rewind, for chains and trees alike: row b appends committed[b] (cut at EOS and stop
+        strings; logits[b][j] came before its token j), its counters record the step (`record(b, row, accepted
+        tokens kept)`), and every cache keeps the row's sequence minus its new pending token."""
         events, done = [], []
         now = time.perf_counter()
         for b, row in enumerate(rows):
-            accepted = outcome.num_accepted[b]
-            committed = drafted_host[b][:accepted] + [outcome.next_tokens[b]]
-            verifier = sum(verdicts_host[b][: draft.counts[b]]) if verdicts_host is not None else 0
-            kept = self._conclude(b, row, committed, verified.logits[b], now, drafter_calls, verifier)
-            # record: nothing past an EOS or a stop string counts as accepted
-            row.counters.record(drafted[b], min(accepted, len(kept)))
+            kept = self._conclude(b, row, committed[b], logits[b], now, drafter_calls, verifier[b])
+            record(b, row, min(accepted[b], len(kept)))
             row.counters.target_tokens += counts[b]
             row.counters.proposed += proposed[b]
             events.append(self._event(row, kept))
@@ -244,9 +240,35 @@ class Engine:
             if row.finish_reason is not None:
                 done.append(b)
         if self.prefixes is not None:
-            self._store_last_blocks(rows, verified.hidden)
+            self._store_last_blocks(rows, hidden)
         self._end_step(done, started, plan)
         return events
+
+    def _accept(self, rows: Sequence[Row], draft: RowsDraft, target_logits: torch.Tensor, greedy_host: list[bool],
+                drafted_host: list[list[int]]) -> tuple[RowsAcceptance, RowsDraft]:
+        """The accept phase with distributions: pi = rule(draft, target) at the drafted positions (one rule call with
+        per-row greedy flags), then the speculative sampler; the selector observes what the target said. Returns the
+        outcome and the draft it decided (a rule that cuts drafts shortens it)."""
+        target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
+        greedy = torch.tensor(greedy_host, device=target_probs.device)
+        k = draft.width
+        if self.rule.cuts_draft and k:  # MTAD: the rule keeps a prefix of each draft; the target's token follows it
+            draft = draft.prefix(self.rule.prefix(self._step_distributions(draft, target_probs, target_logits,
+                                                                           greedy), greedy))
+            k = draft.width
+        pi = self.rule(self._step_distributions(draft, target_probs, target_logits, greedy)) if k \
+            else target_probs[:, :0]
+        bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
+        if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
+            bonus = self._bonus_maker(rows, draft, target_probs, target_logits, greedy)
+        if draft.deterministic and self.exact and k:  # lookup, suffix: the target's own draw at each position
+            outcome = accept_chains(drafted_host, draft.counts, target_probs, [row.generator for row in rows],
+                                    greedy_host)
+        else:
+            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi,
+                                              bonus, draft.counts, [row.generator for row in rows], greedy_host)
+        self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
+        return outcome, draft
 
     def _verify(self, rows: Sequence[Row], draft: RowsDraft, counts: list[int], tree: bool = False
                 ) -> tuple[RowsOutput, list[int]]:
@@ -335,37 +357,30 @@ class Engine:
         starts = self.target.lengths[: len(rows)]
         verified, plan = self._verify(rows, draft, counts, tree=True)
         target_logits = self._processed(rows, draft, verified.logits)  # [rows, k + 1, vocab]
-        target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
+        greedy = [row.request.sampling.greedy for row in rows]
+        # greedy rows walk the tree by the target's argmax: its logits serve, no distribution is built
+        target_probs = target_logits if all(greedy) else warp_rows(target_logits, [r.request.sampling for r in rows])
         tokens_host = draft.tokens.tolist() if k else [[] for _ in rows]
         tokens_host = [t[:c] for t, c in zip(tokens_host, draft.counts)]
-        outcome = accept_tree(draft.parents, tokens_host, target_probs, [row.generator for row in rows],
-                              [row.request.sampling.greedy for row in rows])
+        outcome = accept_tree(draft.parents, tokens_host, target_probs, [row.generator for row in rows], greedy)
         drafter_calls = self.drafter.calls - drafter_calls
-        events, done = [], []
-        now = time.perf_counter()
-        for b, row in enumerate(rows):
-            path = outcome.paths[b]
-            slots = [0] + [i + 1 for i in path]
-            start = starts[b]
-            if self.drafter.wants_features:  # the target's features of the pending token and the accepted path
-                self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, slots])
-            committed = [tokens_host[b][i] for i in path] + [outcome.next_tokens[b]]
-            kept = self._conclude(b, row, committed, verified.logits[b, slots], now, drafter_calls, 0)
+        slots = [[0] + [i + 1 for i in path] for path in outcome.paths]  # the pending token's and the path's
+        if self.drafter.wants_features:  # the target's features of the pending token and the accepted path
+            for b, row in enumerate(rows):
+                self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, slots[b]])
+        # the accepted paths' keys and values follow the pending tokens (one gather per layer); the rest is dropped
+        self.target.cache.compact_rows([(b, starts[b] + 1, [starts[b] + s for s in slots[b][1:]])
+                                        for b in range(len(rows))])
+        committed = [[tokens_host[b][i] for i in path] + [outcome.next_tokens[b]]
+                     for b, path in enumerate(outcome.paths)]
+
+        def record(b: int, row: Row, accepted: int) -> None:
             parents = draft.parents[b]
-            row.counters.record_tree(len(parents), max(depths(parents), default=0), min(len(path), len(kept)))
-            row.counters.target_tokens += counts[b]
-            row.counters.proposed += proposed[b]
-            events.append(self._event(row, kept))
-            # the accepted path's keys and values follow the pending token; everything else is dropped
-            self.target.cache.compact(b, start + 1, [start + s for s in slots[1:]])
-            self.target.trim_row(b, len(row.sequence) - 1)
-            self.drafter.rewind(b, len(row.sequence) - 1)
-            if row.finish_reason is not None:
-                done.append(b)
-        if self.prefixes is not None:
-            self._store_last_blocks(rows, verified.hidden)
-        self._end_step(done, started, plan)
-        return events
+            row.counters.record_tree(len(parents), max(depths(parents), default=0), accepted)
+
+        return self._commit_rows(rows, committed, [verified.logits[b, slots[b]] for b in range(len(rows))],
+                                 [len(path) for path in outcome.paths], record, [0] * len(rows), counts, proposed,
+                                 drafter_calls, verified.hidden, plan, started)
 
     def run(self) -> dict[int, Result]:
         while self.has_work:

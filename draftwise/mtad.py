@@ -185,8 +185,7 @@ class BeamRowsDrafter:
         for b, values in enumerate(done_joint):
             if values is not None:
                 joint[b, : values.shape[0]] = values
-        probs = torch.zeros(n, k, vocab, device=self.device).scatter_(-1, draft_tokens[..., None], 1.0)
-        return RowsDraft(draft_tokens, probs, counts, joint=joint)
+        return RowsDraft(draft_tokens, None, counts, joint=joint, vocab_size=vocab)  # one-hot: the beams' tokens
 
     @staticmethod
     def _finish(limits: Sequence[int], length: int, history: torch.Tensor, joints: torch.Tensor,

@@ -15,7 +15,9 @@ from .rows import Row
 @dataclass(frozen=True)
 class RowsDraft:
     tokens: torch.Tensor  # [rows, k] int64, padded past counts[b]
-    probs: torch.Tensor  # [rows, k, vocab] the distributions the tokens were drawn from
+    # [rows, k, vocab] the distributions the tokens were drawn from; None: one-hot at `tokens` (lookup, suffix tries,
+    # greedy model drafts, beams), built only when a consumer reads `probs`
+    q: torch.Tensor | None
     counts: list[int]  # [rows] drafted tokens per row (k = max)
     draft_raw: torch.Tensor | None = None  # [rows, k, vocab] unwarped, when the rule reads them
     verdicts: torch.Tensor | None = None  # [rows, k] bool: a verifier's word per drafted token (SPRINTER)
@@ -32,10 +34,25 @@ class RowsDraft:
     # the engine then draws the target's token at each position and accepts a candidate equal to it, one uniform
     # per committed token (tree.accept_tree on chains): a row's tokens do not depend on how many were drafted
     deterministic: bool = False
+    vocab_size: int = 0  # the vocabulary `probs` spans when `q` is None
 
     @property
     def width(self) -> int:
         return int(self.tokens.shape[1])
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """[rows, k, vocab] the draft distributions: `q`, or one-hot at the tokens (built once, on first read)."""
+        if self.q is not None:
+            return self.q
+        dense = self.__dict__.get("_one_hot")
+        if dense is None:
+            if not self.vocab_size:
+                raise ValueError("a draft without distributions needs its vocab_size")
+            dense = torch.zeros(*self.tokens.shape, self.vocab_size, device=self.tokens.device).scatter_(
+                -1, self.tokens[..., None], 1.0)
+            object.__setattr__(self, "_one_hot", dense)
+        return dense
 
     def prefix(self, counts: Sequence[int]) -> "RowsDraft":
         """The draft cut to its first counts[b] tokens per row (the select phase's choice; of a tree, its first
@@ -48,9 +65,9 @@ class RowsDraft:
 
         parents = None if self.parents is None else tuple(row[:c] for row, c in zip(self.parents, counts))
         scores = None if self.scores is None else tuple(row[:c] for row, c in zip(self.scores, counts))
-        return RowsDraft(self.tokens[:, :k], self.probs[:, :k], counts, cut(self.draft_raw), cut(self.verdicts),
+        return RowsDraft(self.tokens[:, :k], cut(self.q), counts, cut(self.draft_raw), cut(self.verdicts),
                          cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint), parents,
-                         scores, self.deterministic)
+                         scores, self.deterministic, self.vocab_size)
 
 
 class RowsDrafter(Protocol):
@@ -88,6 +105,7 @@ class VerifySelector(Protocol):
     rest are discarded). Reads draft-side information only, so exact rules stay exact."""
 
     discards: bool  # may discard drafted tokens unverified (a request's stats then report what was proposed)
+    observes: bool  # `observe` reads the target's distributions (False: a greedy step may never build them)
 
     def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         """Each row's drafting limit this step (at most the engine's)."""
@@ -103,6 +121,7 @@ class VerifyAll:
     """The default select phase: every drafted token is verified."""
 
     discards = False
+    observes = False
 
     def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         return limits
@@ -115,18 +134,15 @@ class VerifyAll:
 
 
 def empty_draft(rows: int, vocab: int, device: torch.device) -> RowsDraft:
-    return RowsDraft(torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab, device=device),
-                     [0] * rows)
+    return RowsDraft(torch.zeros(rows, 0, dtype=torch.long, device=device), None, [0] * rows, vocab_size=vocab)
 
 
 def one_hot_draft(found: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> RowsDraft:
-    """Deterministic drafts (lookup, suffix tries): each row's tokens with one-hot distributions."""
+    """Deterministic drafts (lookup, suffix tries): each row's tokens, one-hot (no distributions built)."""
     tokens, counts = pad_rows(found)
     if tokens.shape[1] == 0:
         return empty_draft(len(found), vocab_size, device)
-    tokens = tokens.to(device)
-    probs = torch.zeros(*tokens.shape, vocab_size, device=device).scatter_(-1, tokens[..., None], 1.0)
-    return RowsDraft(tokens, probs, counts, deterministic=True)
+    return RowsDraft(tokens.to(device), None, counts, deterministic=True, vocab_size=vocab_size)
 
 
 def pad_rows(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:

@@ -119,6 +119,7 @@ class GoodputSelector:
     """SV: estimate each drafted token's acceptance from (S, A), then schedule the batch (§5)."""
 
     discards = True  # the select phase may drop drafted tokens unverified
+    observes = True
 
     uses_companion = True
 
@@ -244,6 +245,7 @@ class SmartSpecSelector:
     estimated time (k drafting forwards + verifying k + 1 tokens a row). Everything drafted is verified."""
 
     discards = True  # the select phase may drop drafted tokens unverified
+    observes = True
 
     def __init__(self, latency: LatencyModel, gamma: int, *, decay: float = 0.7, prior: float = 0.5) -> None:
         self.latency, self.gamma, self.decay, self.prior = latency, gamma, decay, prior

@@ -403,15 +403,18 @@ class HybridRowsDrafter:
         if k == 0:
             return empty_draft(n, self.suffix.vocab_size, self.suffix.device)
         tokens = torch.zeros(n, k, dtype=torch.long, device=self.suffix.device)
-        probs = torch.zeros(n, k, self.suffix.vocab_size, device=self.suffix.device)
+        # the head's greedy drafts carry no distributions: one-hot, like the suffix's, so the merge has none either
+        probs = None if head.q is None else torch.zeros(n, k, self.suffix.vocab_size, device=self.suffix.device)
         for b in range(n):
             c = counts[b]
             if c == 0:
                 continue
             if use_suffix[b]:
                 tokens[b, :c] = torch.tensor(found[b], dtype=torch.long)
-                probs[b, torch.arange(c), tokens[b, :c]] = 1.0
+                if probs is not None:
+                    probs[b, torch.arange(c), tokens[b, :c]] = 1.0
             else:
                 tokens[b, :c] = head.tokens[b, :c]
-                probs[b, :c] = head.probs[b, :c]
-        return RowsDraft(tokens, probs, counts)
+                if probs is not None:
+                    probs[b, :c] = head.probs[b, :c]
+        return RowsDraft(tokens, probs, counts, vocab_size=self.suffix.vocab_size)

@@ -43,6 +43,7 @@ class RecordingSelector:
     """Verifies every drafted token (plain SD) and records one sample per drafted token."""
 
     discards = False
+    observes = True
 
     def __init__(self) -> None:
         self.samples: dict[str, list[float]] = {f: [] for f in FIELDS}

@@ -27,6 +27,7 @@ models that mix full and windowed layers are refused by `check_supported`.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 from dataclasses import dataclass
 
@@ -161,15 +162,28 @@ class PositionCache(Cache):
         return torch.where((rel >= 0)[:, None], picked, causal)[:, None]
 
     @torch.inference_mode()
-    def compact(self, row: int, dest: int, sources: list[int]) -> None:
-        """Row `row`'s positions `sources` (ascending, each >= dest + its index) move to `dest ..` in order (a
-        tree's accepted path becomes contiguous); nothing else moves. The row's length is left to `trim`."""
-        if not sources or sources == list(range(dest, dest + len(sources))):
+    def compact(self, row: int, dest: int, sources: Sequence[int]) -> None:
+        """One row's `compact_rows`."""
+        self.compact_rows([(row, dest, sources)])
+
+    def compact_rows(self, moves: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """For each (row, dest, sources): the row's positions `sources` (ascending, each >= dest + its index) move to
+        `dest ..` in order (a tree's accepted path becomes contiguous); nothing else moves. One gather and one
+        scatter per layer's keys and values for every row together. The rows' lengths are left to `trim`."""
+        rows, dests, srcs = [], [], []
+        for row, dest, sources in moves:
+            if sources and list(sources) != list(range(dest, dest + len(sources))):
+                rows += [row] * len(sources)
+                dests += range(dest, dest + len(sources))
+                srcs += sources
+        if not rows:
             return
-        index = torch.tensor(sources, dtype=torch.long)
+        index = torch.tensor([rows, dests, srcs], dtype=torch.long)
         for store in (self.keys, self.values):
             for buf in store:
-                buf[row, :, dest: dest + len(sources)] = buf[row, :, index.to(buf.device)]
+                if index.device != buf.device:
+                    index = index.to(buf.device)
+                buf[index[0], :, index[1]] = buf[index[0], :, index[2]]  # the gather is read whole before the scatter
 
     def commit(self, counts: list[int]) -> None:
         """Advance the rows of the finished forward by the tokens they really fed."""
