@@ -30,7 +30,7 @@ import torch
 import draftwise
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import encode_bench_prompt, machine_description
-from draftwise.bench.report import write_json
+from draftwise.atomic import write_json
 from draftwise.engine import Engine
 from draftwise.models import registry
 from draftwise.models import runner as runner_module

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from draftwise.bench.report import write_json
+from draftwise.atomic import write_json
 from draftwise.bench.sweep import format_sweep, plot_sweep
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import draftwise  # noqa: E402
 from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.bench.harness import machine_description  # noqa: E402
-from draftwise.bench.report import write_json  # noqa: E402
+from draftwise.atomic import write_json  # noqa: E402
 from draftwise.models.loading import load_draft, load_model  # noqa: E402
 from draftwise.models.runner import ModelRunner  # noqa: E402
 from draftwise.training.eagle3_train import frequency_vocabulary  # noqa: E402

@@ -1264,7 +1264,7 @@ def main() -> int:
     print()
     print(table)
     if args.json:
-        from draftwise.bench.report import write_json
+        from draftwise.atomic import write_json
 
         write_json(result, args.json)
         print(f"\nwrote {args.json}")

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from draftwise.bench.report import write_json  # noqa: E402
+from draftwise.atomic import write_json  # noqa: E402
 
 PEERS = ROOT / ".peers"
 GUIDELLM_VERSION = "0.8.1"

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from draftwise.bench.report import write_json  # noqa: E402
+from draftwise.atomic import write_json  # noqa: E402
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ import torch
 
 import draftwise
 from draftwise.bench.harness import machine_description
-from draftwise.bench.report import write_json
+from draftwise.atomic import write_json
 from draftwise.models.runner import ModelRunner
 
 

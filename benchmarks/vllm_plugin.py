@@ -127,7 +127,7 @@ def main() -> int:
     report = compare(args.max_new_tokens, args.gamma, args.num_prompts)
     print(json.dumps(report, indent=1))
     if args.json:
-        from draftwise.bench.report import write_json
+        from draftwise.atomic import write_json
 
         write_json(report, args.json)
     return 0

@@ -1,4 +1,4 @@
-"""Atomic file writes: a temporary file beside the target, renamed over it only once it is whole.
+"""Atomic file writes (every layer's one helper: text, JSON, torch checkpoints): a temporary file beside the target, renamed over it only once it is whole.
 
 An interrupted write (a crash, a full disk, a killed job) never leaves a half-written file, and a failed
 one leaves the old file as it was. The file gets the permissions an ordinary `open` would give it
@@ -8,10 +8,11 @@ one leaves the old file as it was. The file gets the permissions an ordinary `op
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @contextlib.contextmanager
@@ -38,3 +39,18 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """`Path.write_text`, atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(obj: Any, path: str | os.PathLike) -> None:
+    """JSON with an indent of 2 and a final newline, atomically."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """`torch.save`, atomically: an interruption never leaves half a checkpoint."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)

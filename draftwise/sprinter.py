@@ -126,7 +126,7 @@ class Verifier(torch.nn.Module):
         return sum(p.numel() for p in self.net.parameters())
 
     def save(self, path: str | Path) -> None:
-        from .training.loop import atomic_save
+        from .atomic import save_torch as atomic_save
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -396,7 +396,7 @@ class SVProfile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic: written to a temporary file beside `path`, then renamed over it."""
-        from .bench.report import write_json
+        from .atomic import write_json
 
         write_json(self.to_dict(), path)
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_path
+from ..atomic import atomic_path, write_json  # noqa: F401  write_json: the harness's writer is atomic's
 
 
 QUALITY_COLUMNS = (("pass_at_1", "pass@1"), ("perplexity", "ppl"), ("target_agreement", "agree"), ("rougeL_ref", "ROUGE-L ref"),
@@ -35,13 +34,6 @@ def format_table(results: dict[str, Any]) -> str:
     if energy and not energy.get("available"):
         lines.append(f"energy: unavailable ({energy.get('reason', 'no counter')})")
     return "\n".join(lines)
-
-
-def write_json(results: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write atomically: a crash or a full disk never leaves a half-written file behind."""
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-        f.write("\n")
 
 
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:

@@ -67,7 +67,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from ..bench.datasets import expand_categories, load_prompts
     from ..bench.harness import BenchConfig, check_methods, run_bench
-    from ..bench.report import format_table, write_json
+    from ..atomic import write_json
+    from ..bench.report import format_table
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     check_methods(methods)
@@ -149,7 +150,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..bench.datasets import expand_categories, load_prompts
-    from ..bench.report import write_json
+    from ..atomic import write_json
     from ..bench.sweep import SweepConfig, format_sweep, plot_sweep, run_sweep, sweep_labels
 
     grids = {}
@@ -208,7 +209,7 @@ def add_theory(sub: argparse._SubParsersAction) -> None:
 
 def run_theory(args: argparse.Namespace) -> int:
     from .. import theory
-    from ..bench.report import write_json
+    from ..atomic import write_json
 
     try:
         result = {

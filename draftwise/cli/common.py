@@ -62,7 +62,7 @@ def json_out(value: Any, path: str) -> None:
     if path == "-":
         print(json.dumps(value, indent=2))
         return
-    from ..bench.report import write_json
+    from ..atomic import write_json
 
     write_json(value, path)
     print(f"wrote {path}", file=sys.stderr)

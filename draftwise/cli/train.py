@@ -20,7 +20,7 @@ def _features_from(args: argparse.Namespace, out, sources: set[str] | None) -> i
     when given), one prefill pass."""
     from tqdm import tqdm
 
-    from ..bench.report import write_json
+    from ..atomic import write_json
     from ..training.answers import features_from_answers, read_answers
 
     tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
@@ -75,7 +75,7 @@ def run_train_verifier(args: argparse.Namespace) -> int:
 
     from ..bench.datasets import load_prompts
     from ..bench.harness import encode_bench_prompt
-    from ..bench.report import write_json
+    from ..atomic import write_json
     from ..training.verifier import (VerifierDataConfig, VerifierTrainConfig, collect, load_data, plot_roc,
                                     save_data, spec_base, train)
 
@@ -225,7 +225,7 @@ def run_train_data(args: argparse.Namespace) -> int:
         print(f"{len(prompts)} prompts written to {args.write_prompts}")
         return 0
     if args.features or args.answers:
-        from ..bench.report import write_json
+        from ..atomic import write_json
         from ..training.answers import generate_answers_chunks
         from ..training.shards import generate_shards
 

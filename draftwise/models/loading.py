@@ -330,7 +330,7 @@ def read_output_vocabulary(path: Path, vocab_size: int) -> torch.Tensor:
 
 def write_output_vocabulary(directory: Path, ids: torch.Tensor, **meta: Any) -> Path:
     """Write `output-vocab.json` atomically."""
-    from ..bench.report import write_json
+    from ..atomic import write_json
 
     path = Path(directory) / OUTPUT_VOCAB_FILE
     write_json({**meta, "ids": sorted(int(i) for i in ids)}, path)

@@ -274,7 +274,7 @@ def run(url: str, *, concurrency: Sequence[int], num_requests: int, max_tokens: 
 
 def write_json(path: str, data: Any) -> None:
     """Atomically (a temporary file in the same folder, then os.replace): the benchmarks' writer."""
-    from ..bench.report import write_json as write_atomically
+    from ..atomic import write_json as write_atomically
 
     write_atomically(data, path)
 

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..atomic import save_torch as atomic_save
 from ..errors import DraftwiseError
 
 
@@ -47,14 +48,6 @@ def epoch_order(rng: random.Random, num_examples: int, batch_size: int,
     rng.shuffle(batches)
     rest.sort(key=lambda i: lengths[i])
     return [i for batch in batches for i in batch] + rest
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file, then rename: an interruption never leaves half a checkpoint."""
-    from ..atomic import atomic_path
-
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
 
 
 def train_loop(

@@ -33,7 +33,7 @@ from ..errors import DraftwiseError
 from ..models.runner import full_vocabulary_logits
 from ..sampling import SamplingConfig, make_generator, sample, unwarped, warp
 from ..sprinter import FEATURES, Verifier, VerifierSpec, draft_fingerprint, verifier_features
-from .loop import atomic_save
+from ..atomic import save_torch as atomic_save
 
 KINDS = ("prompt", "draft", "target", "mixed")
 
