@@ -76,6 +76,9 @@ class RowsDrafter(Protocol):
     calls: int
     wants_features: bool  # the verify forward hands it the target's states (`observe`)
     feature_layers: tuple[int, ...]  # which target layers those states come from (EAGLE-3: several; () the last)
+    # token trees (a drafter that grows them): the engine sets both before each `propose` from its TreeBudget
+    tree_nodes: int  # > 0: propose trees of at most this many nodes per row; 0: chains
+    tree_min_prob: float  # grow no node whose path probability is below this
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None: ...
 
