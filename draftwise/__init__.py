@@ -1,10 +1,10 @@
 """draftwise: faster LLM decoding with draft, companion and verifier models."""
 
-from .api import Generation, StreamEvent, batched_methods, generate, stream
-from .errors import DraftwiseError, ModelNotAvailableError
-from .methods import METHODS
-from .models import LoadedModel, load_model
-from .sampling import SamplingConfig
+from draftwise.api import Generation, StreamEvent, batched_methods, generate, stream
+from draftwise.errors import DraftwiseError, ModelNotAvailableError
+from draftwise.methods import METHODS
+from draftwise.models import LoadedModel, load_model
+from draftwise.sampling import SamplingConfig
 
 __all__ = [
     "METHODS", "DraftwiseError", "Generation", "LoadedModel", "ModelNotAvailableError", "SamplingConfig",

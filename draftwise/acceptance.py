@@ -41,8 +41,8 @@ from typing import Protocol
 
 import torch
 
-from .errors import DraftwiseError
-from .sampling import unwarped
+from draftwise.errors import DraftwiseError
+from draftwise.sampling import unwarped
 
 ZERO_RESIDUAL = 1e-5
 

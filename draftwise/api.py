@@ -9,14 +9,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from .errors import DraftwiseError, DraftwiseWarning
-from .engine import kv_bytes_per_token
-from .rows import Result, TokenLogprob
-from .methods import METHODS, Method
-from .grammar import grammar_from
-from .builder import build_engine
-from .plan import Plan, check_batch_size, check_processors, make_plan, request_for, with_processors
-from .prompts import check_prompt, encode_prompt, split_prompts
+from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.engine import kv_bytes_per_token
+from draftwise.rows import Result, TokenLogprob
+from draftwise.methods import METHODS, Method
+from draftwise.grammar import grammar_from
+from draftwise.builder import build_engine
+from draftwise.plan import Plan, check_batch_size, check_processors, make_plan, request_for, with_processors
+from draftwise.prompts import check_prompt, encode_prompt, split_prompts
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .acceptance import ZERO_RESIDUAL
-from .sampling import SamplingConfig, invert_cdf, warp
+from draftwise.acceptance import ZERO_RESIDUAL
+from draftwise.sampling import SamplingConfig, invert_cdf, warp
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from .bench.harness import BenchConfig, run_bench
-from .bench.report import format_table
-from .models import registry
-from .models.loading import load_model
+from draftwise.bench.harness import BenchConfig, run_bench
+from draftwise.bench.report import format_table
+from draftwise.models import registry
+from draftwise.models.loading import load_model
 
 TARGET = "smollm2-135m"
 # The sample is a chat, as users meet an instruct model: OpenAI-style messages through the chat template.
@@ -42,7 +42,7 @@ def main() -> int:
     results = run_bench(config)
     print(format_table(results))
     _batched_section()
-    from .api import generate
+    from draftwise.api import generate
 
     sample = generate(target, SAMPLE_CHAT, method=SAMPLE_METHOD, temperature=0, max_new_tokens=48)
     print(f"\nsample chat ({SAMPLE_METHOD}, {sample.stats['new_tokens']} tokens, "

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
-from .errors import DraftwiseError
-from .models.qkernel import out_rows, weight_rows
+from draftwise.errors import DraftwiseError
+from draftwise.models.qkernel import out_rows, weight_rows
 
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "eagle.safetensors"

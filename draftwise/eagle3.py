@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .eagle import DraftHead
-from .errors import DraftwiseError
-from .models.qkernel import out_rows, weight_rows
+from draftwise.eagle import DraftHead
+from draftwise.errors import DraftwiseError
+from draftwise.models.qkernel import out_rows, weight_rows
 
 CONFIG_FILE = "eagle3.json"
 WEIGHTS_FILE = "eagle3.safetensors"
@@ -228,7 +228,7 @@ class Eagle3Head(DraftHead):
         plain F.linear): q|k|v and gate|up fused, o, down, fc and the LM head. At batch 1 a draft step is a dozen
         small products, where F.linear's per-call weight handling costs as much as the arithmetic. Used in eval
         mode without autograd only; moving the head, training it or loading weights drops them."""
-        from .models.fast import FloatLinear
+        from draftwise.models.fast import FloatLinear
 
         layer = self.body.midlayer
 

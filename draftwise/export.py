@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .eagle import CONFIG_FILE as EAGLE_CONFIG, DraftHead, EagleHead
-from .eagle3 import Eagle3Config, Eagle3Head, is_eagle3_dir
-from .errors import DraftwiseError
+from draftwise.eagle import CONFIG_FILE as EAGLE_CONFIG, DraftHead, EagleHead
+from draftwise.eagle3 import Eagle3Config, Eagle3Head, is_eagle3_dir
+from draftwise.errors import DraftwiseError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _RENAMES = (("body.midlayer.", "midlayer."),)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .errors import DraftwiseError, short
+from draftwise.errors import DraftwiseError, short
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 MAX_GRAMMAR_CHARS = 64 * 1024  # a grammar or schema larger than this is refused before compiling

@@ -48,12 +48,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .acceptance import Rule, StepDistributions
-from .batched import warp_rows
-from .drafters import ModelRowsDrafter
-from .protocols import RowsDraft, empty_draft, pad_rows
-from .errors import DraftwiseError
-from .sampling import SamplingConfig, unwarped
+from draftwise.acceptance import Rule, StepDistributions
+from draftwise.batched import warp_rows
+from draftwise.drafters import ModelRowsDrafter
+from draftwise.protocols import RowsDraft, empty_draft, pad_rows
+from draftwise.errors import DraftwiseError
+from draftwise.sampling import SamplingConfig, unwarped
 
 
 def beam_log_probs(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:

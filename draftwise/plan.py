@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import DraftwiseError, DraftwiseWarning
-from .rows import MAX_LOGPROBS, Request
-from .methods import MAX_GAMMA, METHODS, Method, get_method
-from .eagle import DraftHead
-from .grammar import Grammar, compiler_for
-from .models import registry
-from .models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
-from .sampling import SamplingConfig
-from .prompts import check_messages, check_prompt, check_text, encode_prompt
+from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.rows import MAX_LOGPROBS, Request
+from draftwise.methods import MAX_GAMMA, METHODS, Method, get_method
+from draftwise.eagle import DraftHead
+from draftwise.grammar import Grammar, compiler_for
+from draftwise.models import registry
+from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
+from draftwise.sampling import SamplingConfig
+from draftwise.prompts import check_messages, check_prompt, check_text, encode_prompt
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ def _missing_path(target: Any) -> str | None:
         return f"target {text!r} not found: give a registry name ({', '.join(registry.names())}), a model directory, " \
                "a .gguf file or a hub id"
     if path.exists():
-        from .models.loading import check_model_spec
+        from draftwise.models.loading import check_model_spec
 
         try:
             check_model_spec(text)
@@ -301,7 +301,7 @@ def make_plan(
 
     verifier = None
     if spec.kind.objective:  # loaded now, so a bad file fails at the call, not mid-stream
-        from .sprinter import Verifier
+        from draftwise.sprinter import Verifier
 
         path = next(options[o.name] for o in spec.options if o.required)  # the trained file's option
         drafter_model = draft_model if isinstance(draft_model, DraftHead) else draft_model.model
@@ -354,7 +354,7 @@ def _load_companion(spec: str, target: LoadedModel, draft: Any) -> LoadedModel:
 def _load_profile(spec: Method, options: dict[str, Any], target: LoadedModel, draft: Any, companion: Any,
                   sampling: SamplingConfig) -> Any:
     """The SV profile a selector reads, checked against the models and the sampling setting."""
-    from . import sv
+    from draftwise import sv
 
     setting = sv.profile_setting(target.name, getattr(draft, "name", None),
                                  companion.name if companion is not None else None, sampling)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .errors import DraftwiseError
-from .models.loading import LoadedModel
+from draftwise.errors import DraftwiseError
+from draftwise.models.loading import LoadedModel
 
 
 PROMPT_FORMS = (

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .grammar import Grammar, GrammarState
-from .sampling import SamplingConfig
+from draftwise.grammar import Grammar, GrammarState
+from draftwise.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)

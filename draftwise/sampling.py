@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import DraftwiseError
+from draftwise.errors import DraftwiseError
 
 
 @dataclass(frozen=True)

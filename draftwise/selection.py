@@ -28,13 +28,13 @@ from typing import Sequence
 
 import torch
 
-from .batched import speculative_sample_rows, warp_rows
-from .drafters import ModelRowsDrafter, prefill_row
-from .protocols import RowsDraft, pad_rows
-from .rows import Row
-from .models.runner import ModelRunner
-from .sampling import unwarped
-from .sv import LatencyModel, AcceptanceTable, indicators, schedule
+from draftwise.batched import speculative_sample_rows, warp_rows
+from draftwise.drafters import ModelRowsDrafter, prefill_row
+from draftwise.protocols import RowsDraft, pad_rows
+from draftwise.rows import Row
+from draftwise.models.runner import ModelRunner
+from draftwise.sampling import unwarped
+from draftwise.sv import LatencyModel, AcceptanceTable, indicators, schedule
 
 
 class CompanionRowsDrafter:

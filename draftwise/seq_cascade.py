@@ -21,8 +21,8 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .engine import Engine
-from .rows import Event, Request, Result
+from draftwise.engine import Engine
+from draftwise.rows import Event, Request, Result
 
 
 @dataclass

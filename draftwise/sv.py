@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import DraftwiseError
+from draftwise.errors import DraftwiseError
 
 PROFILE_VERSION = 1
 SETTING_KEYS = ("target", "draft", "companion", "temperature", "top_p", "top_k")
@@ -396,7 +396,7 @@ class SVProfile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic: written to a temporary file beside `path`, then renamed over it."""
-        from .atomic import write_json
+        from draftwise.atomic import write_json
 
         write_json(self.to_dict(), path)
 

@@ -20,16 +20,16 @@ from typing import Any, Sequence
 
 import torch
 
-from .drafters import ModelRowsDrafter
-from .engine import Engine
-from .protocols import RowsDraft
-from .rows import Request, Row
-from .errors import DraftwiseError
-from .acceptance import ExactRule
-from .models.runner import ModelRunner, draft_runner
-from .sampling import SamplingConfig, unwarped
-from .selection import CompanionRowsDrafter, indicator_pair
-from .sv import (AcceptanceTable, LatencyModel, SVProfile, acceptance_probability, bucket, discretise, equal_edges,
+from draftwise.drafters import ModelRowsDrafter
+from draftwise.engine import Engine
+from draftwise.protocols import RowsDraft
+from draftwise.rows import Request, Row
+from draftwise.errors import DraftwiseError
+from draftwise.acceptance import ExactRule
+from draftwise.models.runner import ModelRunner, draft_runner
+from draftwise.sampling import SamplingConfig, unwarped
+from draftwise.selection import CompanionRowsDrafter, indicator_pair
+from draftwise.sv import (AcceptanceTable, LatencyModel, SVProfile, acceptance_probability, bucket, discretise, equal_edges,
                  information_gain, quantile_edges)
 
 X_BINS = 10  # X (an acceptance probability in [0, 1]) is discretised in this many equal bins for entropies

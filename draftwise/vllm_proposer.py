@@ -33,7 +33,7 @@ OPTIONS_ENV = "DRAFTWISE_VLLM_OPTIONS"
 
 
 def _options(method: str) -> dict[str, Any]:
-    from .methods import METHODS
+    from draftwise.methods import METHODS
 
     given = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
     if not isinstance(given, dict):
@@ -84,7 +84,7 @@ class PromptLookupProposer(_Proposer):
         self.ngrams = {"max_ngram": self.options["max_ngram"], "min_ngram": self.options["min_ngram"]}
 
     def draft(self, row: int, tokens: np.ndarray, limit: int) -> list[int]:
-        from .lookup import prompt_lookup
+        from draftwise.lookup import prompt_lookup
 
         return prompt_lookup(tokens.tolist(), limit, **self.ngrams)
 
@@ -96,15 +96,15 @@ class SuffixProposer(_Proposer):
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
-        from .methods import suffix_options
-        from .suffix import GlobalSuffix
+        from draftwise.methods import suffix_options
+        from draftwise.suffix import GlobalSuffix
 
         self.suffix = suffix_options(self.options)
         self.store = GlobalSuffix(self.suffix.depth, self.suffix.global_tokens)
         self.rows: dict[int, Any] = {}  # batch row -> RequestSuffix
 
     def _state(self, row: int, tokens: np.ndarray) -> Any:
-        from .suffix import RequestSuffix
+        from draftwise.suffix import RequestSuffix
 
         state = self.rows.get(row)
         seen = len(state.tokens) if state is not None else 0

@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import DraftwiseError
+from draftwise.errors import DraftwiseError
 
 STAT_KEYS = ("new_tokens", "target_calls", "target_tokens", "prompt_tokens", "wall_time_s",
              "time_to_first_token_s", "drafted", "accepted", "finish_reason", "proposed")
@@ -151,10 +151,10 @@ def run_batched(config: Any, target: Any, draft_of: dict[str, Any], encoded: lis
     """Every method at every batch size on the same prompts (token ids); see the module docstring."""
     import torch
 
-    from ..api import Generation, generate
-    from ..methods import METHODS
-    from ..sampling import SamplingConfig
-    from .labels import DRAFT_ONLY, run_options
+    from draftwise.api import Generation, generate
+    from draftwise.methods import METHODS
+    from draftwise.sampling import SamplingConfig
+    from draftwise.bench.labels import DRAFT_ONLY, run_options
 
     def run(label: str, b: int, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[Any]:
         name, options = run_options(label, config.method_options, config.gamma)

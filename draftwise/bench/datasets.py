@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from ..errors import DraftwiseError
+from draftwise.errors import DraftwiseError
 
 EVAL_FRACTION = 0.2
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")

@@ -18,17 +18,17 @@ from typing import Any, Callable
 
 import torch
 
-from ..api import generate
-from ..errors import DraftwiseError
-from ..methods import METHODS
-from ..eagle import DraftHead
-from ..models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
-from ..sampling import SamplingConfig
-from .datasets import Prompt, load_prompts
-from .labels import DRAFT_ONLY, HF_METHODS, parse_label, run_options
-from .energy import find_meter
-from .metrics import RunRecord, report
-from .quality import target_score
+from draftwise.api import generate
+from draftwise.errors import DraftwiseError
+from draftwise.methods import METHODS
+from draftwise.eagle import DraftHead
+from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
+from draftwise.sampling import SamplingConfig
+from draftwise.bench.datasets import Prompt, load_prompts
+from draftwise.bench.labels import DRAFT_ONLY, HF_METHODS, parse_label, run_options
+from draftwise.bench.energy import find_meter
+from draftwise.bench.metrics import RunRecord, report
+from draftwise.bench.quality import target_score
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -206,8 +206,8 @@ def plan_drafts(config: BenchConfig) -> dict[str, str | None]:
     draft for a registry target (the EAGLE head where the method drafts with one, else the
     independent draft). `draft-only` and `hf-assisted` need an independent draft model.
     """
-    from ..plan import EAGLE_METHODS, check_options, default_draft
-    from ..models import registry
+    from draftwise.plan import EAGLE_METHODS, check_options, default_draft
+    from draftwise.models import registry
 
     check_methods(config.methods)
     if config.batch_sizes:
@@ -284,7 +284,7 @@ def _score(record: RunRecord, target: LoadedModel, ids: list[int], prompt: Promp
 
 def resolve_drafts(config: BenchConfig) -> BenchConfig:
     """Fill in the registry's default drafts for a registry target when none were given."""
-    from ..models import registry
+    from draftwise.models import registry
 
     draft = config.draft or registry.default_draft(config.target)
     hf_draft = config.hf_draft or registry.default_independent_draft(config.target)
@@ -314,7 +314,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
 
     meter, energy_reason = find_meter(target.device)
     if config.batch_sizes:
-        from .batched import run_batched
+        from draftwise.bench.batched import run_batched
 
         return {
             "config": {**asdict(config), "prompts": [p.question_id for p in prompts], "drafts": drafts},
@@ -361,7 +361,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
                     progress(1)
     tested = [(r, p) for r, p in zip(records, record_prompts) if p.tests is not None]
     if tested and target.tokenizer is not None:  # HumanEval: each answer's code against its tests, in subprocesses
-        from .execution import pass_all
+        from draftwise.bench.execution import pass_all
 
         texts = [target.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r, _ in tested]
         outcome = pass_all([(text, p.code_prompt, p.tests, p.entry_point) for text, (_, p) in zip(texts, tested)],

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import DraftwiseError
-from ..methods import MAX_GAMMA, METHODS
+from draftwise.errors import DraftwiseError
+from draftwise.methods import MAX_GAMMA, METHODS
 
 HF_METHODS = ("hf-assisted", "prompt-lookup-hf")
 DRAFT_ONLY = "draft-only"  # the draft model decoding alone (`ar` with the draft as the model): quality's lower end

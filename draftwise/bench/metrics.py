@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from .quality import corpus_bleu, perplexity, rouge2, rouge_l, rouge_n
+from draftwise.bench.quality import corpus_bleu, perplexity, rouge2, rouge_l, rouge_n
 
 
 @dataclass

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_path, write_json  # noqa: F401  write_json: the harness's writer is atomic's
+from draftwise.atomic import atomic_path, write_json  # noqa: F401  write_json: the harness's writer is atomic's
 
 
 QUALITY_COLUMNS = (("pass_at_1", "pass@1"), ("perplexity", "ppl"), ("target_agreement", "agree"), ("rougeL_ref", "ROUGE-L ref"),

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from ..errors import DraftwiseError
-from .harness import BenchConfig, check_methods, run_bench
-from .labels import DRAFT_ONLY, parse_label
+from draftwise.errors import DraftwiseError
+from draftwise.bench.harness import BenchConfig, check_methods, run_bench
+from draftwise.bench.labels import DRAFT_ONLY, parse_label
 
 QUALITY_METRICS = ("pass_at_1", "rouge2", "bleu", "perplexity", "target_agreement")
 LOWER_IS_BETTER = {"perplexity"}
@@ -74,7 +74,7 @@ def run_sweep(config: SweepConfig, *, progress: Callable[[int], Any] | None = No
     labels = sweep_labels(config)
     runs: dict[str, Any] = {}
     machine: dict[str, Any] = {}
-    from ..models import registry
+    from draftwise.models import registry
 
     # Cascades need a draft language model (unwarped q over the whole vocabulary): the registry's
     # independent draft by default, not its EAGLE head.

@@ -7,11 +7,11 @@ import sys
 import warnings
 from typing import Sequence
 
-from ..errors import DraftwiseError, DraftwiseWarning
-from .bench import add_bench, add_profile_sv, add_sweep, add_theory, run_bench, run_profile_sv, run_sweep, run_theory
-from .common import DEFAULT_TARGET, HelpFormatter, check_outputs, method_options, option_help
-from .generate import add_generate, read_prompts_file, run_generate, run_methods, run_models
-from .train import add_distill, add_export_eagle, add_train_data, add_train_eagle3, add_train_verifier, run_distill, run_export_eagle, run_train_data, run_train_eagle3, run_train_verifier
+from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.cli.bench import add_bench, add_profile_sv, add_sweep, add_theory, run_bench, run_profile_sv, run_sweep, run_theory
+from draftwise.cli.common import DEFAULT_TARGET, HelpFormatter, check_outputs, method_options, option_help
+from draftwise.cli.generate import add_generate, read_prompts_file, run_generate, run_methods, run_models
+from draftwise.cli.train import add_distill, add_export_eagle, add_train_data, add_train_eagle3, add_train_verifier, run_distill, run_export_eagle, run_train_data, run_train_eagle3, run_train_verifier
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,7 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from draftwise import __version__
 
     parser = _Parser(prog="draftwise", description="Faster LLM decoding with draft models.",
                      formatter_class=HelpFormatter)
@@ -60,19 +60,19 @@ _COMMANDS = {"generate": run_generate, "methods": run_methods, "bench": run_benc
 
 def _add_serving(sub: argparse._SubParsersAction) -> None:
     """`serve` (the OpenAI-compatible server) and `loadtest` (its load test): draftwise.server.cli."""
-    from ..server.cli import add_parsers
+    from draftwise.server.cli import add_parsers
 
     add_parsers(sub, default_target=DEFAULT_TARGET, method_options=method_options(), option_help=option_help)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from ..server.cli import run_serve
+    from draftwise.server.cli import run_serve
 
     return run_serve(args, method_options())
 
 
 def _run_loadtest(args: argparse.Namespace) -> int:
-    from ..server.cli import run_loadtest
+    from draftwise.server.cli import run_loadtest
 
     return run_loadtest(args, read_prompts_file)
 

@@ -6,15 +6,15 @@ import argparse
 import json
 import sys
 
-from ..errors import DraftwiseError
-from ..models.loading import DTYPE_HELP, load_draft, load_model
-from ..sampling import SamplingConfig
-from .common import DEFAULT_TARGET, floats, parse_option_values, plot_safely, warn_if_fewer
+from draftwise.errors import DraftwiseError
+from draftwise.models.loading import DTYPE_HELP, load_draft, load_model
+from draftwise.sampling import SamplingConfig
+from draftwise.cli.common import DEFAULT_TARGET, floats, parse_option_values, plot_safely, warn_if_fewer
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
-    from ..bench.datasets import CATEGORIES, DATASETS, GROUPS
-    from ..bench.harness import BenchConfig
+    from draftwise.bench.datasets import CATEGORIES, DATASETS, GROUPS
+    from draftwise.bench.harness import BenchConfig
 
     d = BenchConfig(target="")
     p = sub.add_parser("bench", help="measure methods on Spec-Bench prompts (speed, target calls, acceptance)")
@@ -65,17 +65,17 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..bench.datasets import expand_categories, load_prompts
-    from ..bench.harness import BenchConfig, check_methods, run_bench
-    from ..atomic import write_json
-    from ..bench.report import format_table
+    from draftwise.bench.datasets import expand_categories, load_prompts
+    from draftwise.bench.harness import BenchConfig, check_methods, run_bench
+    from draftwise.atomic import write_json
+    from draftwise.bench.report import format_table
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     check_methods(methods)
     categories = tuple(c.strip() for c in args.categories.split(",") if c.strip())
     if args.dataset != "humaneval":  # HumanEval's one category is checked where its prompts load
         expand_categories(list(categories))
-    from ..bench.batched import parse_batch_sizes
+    from draftwise.bench.batched import parse_batch_sizes
 
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes is not None else ()
     config = BenchConfig(
@@ -96,14 +96,14 @@ def run_bench(args: argparse.Namespace) -> int:
         raise DraftwiseError("--gamma, --repeats and --max-new-tokens must be >= 1")
     n_prompts = len(load_prompts(config.dataset, categories=list(categories) or None, num_prompts=config.num_prompts))
     warn_if_fewer(n_prompts, config.num_prompts, config.dataset, categories)
-    from ..bench.harness import plan_drafts
+    from draftwise.bench.harness import plan_drafts
 
     plan_drafts(config)  # every method and its draft checked before any model loads
     runs = len(batch_sizes) if batch_sizes else n_prompts  # a batched run decodes every prompt at once
     with tqdm(total=runs * len(methods) * config.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
         results = run_bench(config, progress=bar.update)
     if batch_sizes:
-        from ..bench.batched import format_batched_table
+        from draftwise.bench.batched import format_batched_table
 
         print(format_batched_table(results["batched"]))
     else:
@@ -112,7 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
         write_json(results, args.json)
         print(f"wrote {args.json}")
     if args.plot:  # after the JSON: a plotting failure never loses the results
-        from ..bench.report import plot, plot_batched
+        from draftwise.bench.report import plot, plot_batched
 
         draw = plot_batched if batch_sizes else plot
         plot_safely(lambda: draw(results, args.plot), args)
@@ -120,8 +120,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_sweep(sub: argparse._SubParsersAction) -> None:
-    from ..bench.datasets import CATEGORIES, DATASETS
-    from ..bench.sweep import SweepConfig
+    from draftwise.bench.datasets import CATEGORIES, DATASETS
+    from draftwise.bench.sweep import SweepConfig
 
     d = SweepConfig(target="", methods=(), alpha_grid=())
     p = sub.add_parser("sweep", help="quality against latency for lossy methods over alpha grids (Narasimhan et al. Fig. 4, "
@@ -149,9 +149,9 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
 def run_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..bench.datasets import expand_categories, load_prompts
-    from ..atomic import write_json
-    from ..bench.sweep import SweepConfig, format_sweep, plot_sweep, run_sweep, sweep_labels
+    from draftwise.bench.datasets import expand_categories, load_prompts
+    from draftwise.atomic import write_json
+    from draftwise.bench.sweep import SweepConfig, format_sweep, plot_sweep, run_sweep, sweep_labels
 
     grids = {}
     for item in args.grid or []:
@@ -208,8 +208,8 @@ def add_theory(sub: argparse._SubParsersAction) -> None:
 
 
 def run_theory(args: argparse.Namespace) -> int:
-    from .. import theory
-    from ..atomic import write_json
+    from draftwise import theory
+    from draftwise.atomic import write_json
 
     try:
         result = {
@@ -223,8 +223,8 @@ def run_theory(args: argparse.Namespace) -> int:
             result["sprinter_tv_to_target"] = args.eta_fp * args.tv
     except ValueError as error:
         raise DraftwiseError(str(error)) from None
-    from ..models import registry
-    from ..models.loading import resolve_path
+    from draftwise.models import registry
+    from draftwise.models.loading import resolve_path
     from transformers import AutoConfig
 
     shapes = {}
@@ -236,7 +236,7 @@ def run_theory(args: argparse.Namespace) -> int:
     f_t, f_d = (theory.forward_flops(shapes[r], args.context) for r in ("target", "draft"))
     f_v = 2.0 * shapes["draft"].width
     if args.verifier:
-        from ..sprinter import Verifier
+        from draftwise.sprinter import Verifier
 
         v = Verifier.load(args.verifier)
         f_v = theory.verifier_flops(v.spec.input_size, v.spec.arch, v.spec.mlp_width)
@@ -286,13 +286,13 @@ def run_profile_sv(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from .. import sv
-    from ..plan import check_same_tokenizer
-    from ..bench.batched import parse_batch_sizes
-    from ..bench.datasets import load_prompts
-    from ..bench.harness import encode_bench_prompt
-    from ..models import registry
-    from ..sv_profile import build_profile, collect_samples, measure_latency
+    from draftwise import sv
+    from draftwise.plan import check_same_tokenizer
+    from draftwise.bench.batched import parse_batch_sizes
+    from draftwise.bench.datasets import load_prompts
+    from draftwise.bench.harness import encode_bench_prompt
+    from draftwise.models import registry
+    from draftwise.sv_profile import build_profile, collect_samples, measure_latency
 
     if args.threads:
         torch.set_num_threads(args.threads)

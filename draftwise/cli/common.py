@@ -12,9 +12,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..api import generate
-from ..errors import DraftwiseError, DraftwiseWarning
-from ..methods import METHODS
+from draftwise.api import generate
+from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.methods import METHODS
 
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -62,7 +62,7 @@ def json_out(value: Any, path: str) -> None:
     if path == "-":
         print(json.dumps(value, indent=2))
         return
-    from ..atomic import write_json
+    from draftwise.atomic import write_json
 
     write_json(value, path)
     print(f"wrote {path}", file=sys.stderr)

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..api import generate, stream
-from ..plan import check_options, default_draft
-from ..errors import DraftwiseError
-from ..methods import METHODS
-from ..models.loading import DTYPE_HELP, load_draft, load_model
-from .common import API_DEFAULTS, DEFAULT_TARGET, json_out, method_options, option_help
+from draftwise.api import generate, stream
+from draftwise.plan import check_options, default_draft
+from draftwise.errors import DraftwiseError
+from draftwise.methods import METHODS
+from draftwise.models.loading import DTYPE_HELP, load_draft, load_model
+from draftwise.cli.common import API_DEFAULTS, DEFAULT_TARGET, json_out, method_options, option_help
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -132,8 +132,8 @@ def as_chat(prompts: list[Any], target: Any, args: argparse.Namespace) -> list[A
 
 def structure(args: argparse.Namespace) -> dict[str, Any]:
     """--json-schema / --regex / --lark and --logprobs as generate's arguments, checked now."""
-    from ..plan import check_logprobs
-    from ..grammar import grammar_from
+    from draftwise.plan import check_logprobs
+    from draftwise.grammar import grammar_from
 
     def text_or_file(value: str) -> str:
         path = Path(value).expanduser()
@@ -228,8 +228,8 @@ def run_methods(args: argparse.Namespace) -> int:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    from ..models import registry
-    from ..models.cache import cache_root, list_entries
+    from draftwise.models import registry
+    from draftwise.models.cache import cache_root, list_entries
 
     for name in args.pull:
         entry = registry.entry(name)

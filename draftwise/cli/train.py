@@ -7,10 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import DraftwiseError
-from ..models.loading import DTYPE_HELP, LoadedModel, load_draft, load_model, resolve_device
-from ..sampling import SamplingConfig
-from .common import floats
+from draftwise.errors import DraftwiseError
+from draftwise.models.loading import DTYPE_HELP, LoadedModel, load_draft, load_model, resolve_device
+from draftwise.sampling import SamplingConfig
+from draftwise.cli.common import floats
 
 SOURCES = ("spec-bench", "human-eval", "fortunes", "german", "docs", "magpie")  # train-data --sources
 
@@ -20,8 +20,8 @@ def _features_from(args: argparse.Namespace, out, sources: set[str] | None) -> i
     when given), one prefill pass."""
     from tqdm import tqdm
 
-    from ..atomic import write_json
-    from ..training.answers import features_from_answers, read_answers
+    from draftwise.atomic import write_json
+    from draftwise.training.answers import features_from_answers, read_answers
 
     tags = [t.strip() for t in args.tags.split(",") if t.strip()] if args.tags else None
     answers = [a for d in args.features_from.split(",") if d.strip()
@@ -40,7 +40,7 @@ def _features_from(args: argparse.Namespace, out, sources: set[str] | None) -> i
 
 
 def add_train_verifier(sub: argparse._SubParsersAction) -> None:
-    from ..training.verifier import VerifierDataConfig, VerifierTrainConfig
+    from draftwise.training.verifier import VerifierDataConfig, VerifierTrainConfig
 
     d, t = VerifierDataConfig(), VerifierTrainConfig()
     p = sub.add_parser("train-verifier", help="train SPRINTER's verifier for a (target, draft or head) pair")
@@ -73,10 +73,10 @@ def run_train_verifier(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from ..bench.datasets import load_prompts
-    from ..bench.harness import encode_bench_prompt
-    from ..atomic import write_json
-    from ..training.verifier import (VerifierDataConfig, VerifierTrainConfig, collect, load_data, plot_roc,
+    from draftwise.bench.datasets import load_prompts
+    from draftwise.bench.harness import encode_bench_prompt
+    from draftwise.atomic import write_json
+    from draftwise.training.verifier import (VerifierDataConfig, VerifierTrainConfig, collect, load_data, plot_roc,
                                     save_data, spec_base, train)
 
     features = tuple(f.strip() for f in args.features.split(",") if f.strip())
@@ -90,7 +90,7 @@ def run_train_verifier(args: argparse.Namespace) -> int:
         raise DraftwiseError("--num-prompts must be >= 3 (train, validation and test splits are by prompt)")
     target = load_model(args.target, dtype=args.dtype)
     draft = load_draft(args.draft, target, dtype=args.dtype)  # a draft model or a feature head
-    from ..plan import shared_vocab
+    from draftwise.plan import shared_vocab
 
     vocab = shared_vocab(target, draft if isinstance(draft, LoadedModel) else None)
     meta = {"target": args.target, "draft": args.draft, "num_prompts": args.num_prompts, **vars(data_config)}
@@ -180,7 +180,7 @@ def run_train_data(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from ..training.data import build_prompts, generate_answers, read_prompt_mix, synthesise_prompts, write_prompt_mix
+    from draftwise.training.data import build_prompts, generate_answers, read_prompt_mix, synthesise_prompts, write_prompt_mix
 
     sources = {x.strip() for x in (args.sources or "spec-bench,human-eval,fortunes").split(",") if x.strip()}
     if not sources or sources - set(SOURCES):
@@ -225,9 +225,9 @@ def run_train_data(args: argparse.Namespace) -> int:
         print(f"{len(prompts)} prompts written to {args.write_prompts}")
         return 0
     if args.features or args.answers:
-        from ..atomic import write_json
-        from ..training.answers import generate_answers_chunks
-        from ..training.shards import generate_shards
+        from draftwise.atomic import write_json
+        from draftwise.training.answers import generate_answers_chunks
+        from draftwise.training.shards import generate_shards
 
         log_path = out / "progress.jsonl"
         import signal
@@ -271,7 +271,7 @@ def _add_batch_order(p: argparse.ArgumentParser) -> None:
 
 
 def add_distill(sub: argparse._SubParsersAction) -> None:
-    from ..training.distill import DistillConfig
+    from draftwise.training.distill import DistillConfig
 
     d = DistillConfig(data="", out="")
     p = sub.add_parser("distill", help="train an independent draft model on the target's answers")
@@ -305,7 +305,7 @@ def add_distill(sub: argparse._SubParsersAction) -> None:
 
 
 def add_train_eagle3(sub: argparse._SubParsersAction) -> None:
-    from ..training.eagle3_train import Eagle3TrainConfig
+    from draftwise.training.eagle3_train import Eagle3TrainConfig
 
     d = Eagle3TrainConfig(data="", out="")
     p = sub.add_parser("train-eagle3", help="train an EAGLE-3-style head (training-time test) on feature shards "
@@ -339,7 +339,7 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ..training.eagle3_train import Eagle3TrainConfig, train_eagle3
+    from draftwise.training.eagle3_train import Eagle3TrainConfig, train_eagle3
 
     for name in ("draft_vocab", "intermediate_size", "max_len", "batch_size", "steps", "ttt_steps", "checkpoint_every"):
         if getattr(args, name) < 1:
@@ -383,10 +383,10 @@ def add_export_eagle(sub: argparse._SubParsersAction) -> None:
 def run_export_eagle(args: argparse.Namespace) -> int:
     import torch
 
-    from ..export import is_eagle_dir, load_head
-    from ..eagle3 import Eagle3Head
-    from ..export import export_eagle3
-    from ..models.loading import resolve_path
+    from draftwise.export import is_eagle_dir, load_head
+    from draftwise.eagle3 import Eagle3Head
+    from draftwise.export import export_eagle3
+    from draftwise.models.loading import resolve_path
 
     path = resolve_path(args.head)
     if path is None or not is_eagle_dir(path):
@@ -424,7 +424,7 @@ def run_distill(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from ..training.distill import DistillConfig, distill
+    from draftwise.training.distill import DistillConfig, distill
 
     target = load_model(args.target, dtype="fp32")
     pad = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None \
@@ -436,12 +436,12 @@ def run_distill(args: argparse.Namespace) -> int:
             bar.refresh()
 
         if args.kind == "eagle":
-            from ..training.eagle_train import EagleTrainConfig, train_eagle
+            from draftwise.training.eagle_train import EagleTrainConfig, train_eagle
 
             names = {f.name for f in dataclasses.fields(EagleTrainConfig)}
             values = {k: v for k, v in vars(args).items() if k in names and k != "target_name" and v is not None}
             if values.get("init_from"):
-                from ..models.loading import resolve_path
+                from draftwise.models.loading import resolve_path
 
                 values["init_from"] = str(resolve_path(values["init_from"]) or values["init_from"])
             config = EagleTrainConfig(**values, target_name=args.target)

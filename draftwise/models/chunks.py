@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..errors import ModelNotAvailableError
-from .cache import _lock, cache_root
+from draftwise.errors import ModelNotAvailableError
+from draftwise.models.cache import _lock, cache_root
 
 BLOCK = 1 << 20
 

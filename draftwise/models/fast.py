@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .qkernel import CodesLinear, CodesProjection, JoinedLinear, joined
+from draftwise.models.qkernel import CodesLinear, CodesProjection, JoinedLinear, joined
 
 FAST_FAMILIES = {"llama", "mistral", "qwen2"}
 PER_ROW_MAX_FILL = 0.75  # attention runs row by row when live keys or real queries fill at most this share
@@ -410,7 +410,7 @@ def invariant_kernel(name: str):
     move with the batch's shape)."""
     if os.environ.get("DRAFTWISE_INVARIANT", "1") in ("0", "false", "no"):
         return None
-    from . import qkernel
+    from draftwise.models import qkernel
 
     module = qkernel.load()
     return None if module is None else getattr(module, name)

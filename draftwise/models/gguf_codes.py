@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .quant import QUANTISED, GGUFTensor, _decode, codes_of
+from draftwise.models.quant import QUANTISED, GGUFTensor, _decode, codes_of
 
 CODES_FORMAT = 1  # the layout of a codes cache entry (a change makes new entries)
 CHUNK_WEIGHTS = 1 << 24  # weights decoded at a time (about 50 MB of scratch)
@@ -38,7 +38,7 @@ class Unsupported(Exception):
 
 def _file_key(path: Path) -> str:
     """The file's key in the cache (its path, size and modification time), as the dequantising loader keys it."""
-    from .loading import gguf_cache_name
+    from draftwise.models.loading import gguf_cache_name
 
     return gguf_cache_name(path)[1]
 
@@ -47,7 +47,7 @@ def _meta_dir(path: Path, name: str) -> Path:
     """The file's config and tokenizer as a Hugging Face folder, written once (small: no weights)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from .cache import ensure_entry
+    from draftwise.models.cache import ensure_entry
 
     key = _file_key(path)
 
@@ -195,7 +195,7 @@ def _all_blocks(tensors: "_File", config) -> bool:
     K-quant file's Q4_K, Q6_K, Q5_0 and Q8_0): then the model runs in llama.cpp's regime (int8 activations, see
     qkernel.BlockLinear) and nothing is decoded or cached. A file with any other kind (Q4_0, Q4_1) runs wholly on
     the codes kernel (float32 activations): one numerical regime a model."""
-    from .qkernel import BLOCK_KINDS
+    from draftwise.models.qkernel import BLOCK_KINDS
 
     return all(n in tensors and tensors[n][0] in BLOCK_KINDS for n in _quantised_names(tensors, config))
 
@@ -203,7 +203,7 @@ def _all_blocks(tensors: "_File", config) -> bool:
 def _gather(tensors: "_File", config, blocks: bool) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Every tensor the model needs, by key, and what each projection is: the file's own blocks, copied as they are
     (`blocks`), or its codes decoded and packed for the codes kernel."""
-    from . import qkernel
+    from draftwise.models import qkernel
 
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -274,7 +274,7 @@ def _drop_stale(entry: str) -> None:
     never read again): removed, under the cache's lock."""
     import shutil
 
-    from .cache import _lock, cache_root
+    from draftwise.models.cache import _lock, cache_root
 
     stale = cache_root() / "models" / entry
     if stale.is_dir():
@@ -290,9 +290,9 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from . import qkernel
-    from .cache import ensure_entry
-    from .fast import FAST_FAMILIES
+    from draftwise.models import qkernel
+    from draftwise.models.cache import ensure_entry
+    from draftwise.models.fast import FAST_FAMILIES
 
     if not qkernel.available():
         raise Unsupported(f"the codes kernel is not built ({qkernel.problem()})")
@@ -356,7 +356,7 @@ class CodesFormats:
     """The `draftwise_formats` of a model loaded in its codes (its projections are already in place)."""
 
     def __init__(self, model) -> None:
-        from .qkernel import BlockLinear
+        from draftwise.models.qkernel import BlockLinear
 
         self.kinds: dict[str, int] = {}
         self.blocks = False

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache
 
-from ..errors import DraftwiseError
+from draftwise.errors import DraftwiseError
 
 BLOCK = 256  # capacity grows in multiples of this many positions
 

@@ -22,8 +22,8 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..errors import DraftwiseError, ModelNotAvailableError
-from . import qkernel, registry
+from draftwise.errors import DraftwiseError, ModelNotAvailableError
+from draftwise.models import qkernel, registry
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -219,7 +219,7 @@ def loaded_gguf(spec: str) -> Path | None:
 def _load_codes(spec: str, dtype: torch.dtype) -> LoadedModel | None:
     """A GGUF file (or registry entry) loaded straight into its codes (models/gguf_codes.py); None where that
     path does not serve it (the dequantising loader then runs)."""
-    from . import gguf_codes
+    from draftwise.models import gguf_codes
 
     path = loaded_gguf(spec)
     if path is None:
@@ -238,14 +238,14 @@ def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None,
     """Give the model the weight format its fast forward runs (see `models.quant`). Where 'auto' chose a GGUF's
     quantisation and the fast forward cannot run the model, or the file holds no Q4_0 / Q4_1 / Q8_0 tensor, the
     model runs its float weights; an explicit 'gguf' or 'int8' says why it cannot."""
-    from .fast import supports
-    from .quant import GGUFFormats, Int8Formats, NoQuantisedTensors
+    from draftwise.models.fast import supports
+    from draftwise.models.quant import GGUFFormats, Int8Formats, NoQuantisedTensors
 
     model = loaded.model
     model.__dict__.pop("draftwise_formats", None)
     model.__dict__.pop("_draftwise_fast", None)
     if model.__dict__.get("draftwise_codes"):  # loaded in its codes: nothing to build
-        from .gguf_codes import CodesFormats
+        from draftwise.models.gguf_codes import CodesFormats
 
         model.__dict__["draftwise_formats"] = CodesFormats(model)
         model.__dict__["draftwise_weights"] = "gguf"
@@ -280,8 +280,8 @@ def load_draft(
     (a directory with eagle.json, or a registry name of one). Files load on the target's
     device and in its dtype unless `device` / `dtype` say otherwise.
     """
-    from ..eagle import DraftHead
-    from ..export import is_eagle_dir, load_head
+    from draftwise.eagle import DraftHead
+    from draftwise.export import is_eagle_dir, load_head
 
     if isinstance(dtype, str) and dtype.lower() in ("auto", *WEIGHT_FORMATS):
         dtype = None  # a draft runs in its target's float type
@@ -330,7 +330,7 @@ def read_output_vocabulary(path: Path, vocab_size: int) -> torch.Tensor:
 
 def write_output_vocabulary(directory: Path, ids: torch.Tensor, **meta: Any) -> Path:
     """Write `output-vocab.json` atomically."""
-    from ..atomic import write_json
+    from draftwise.atomic import write_json
 
     path = Path(directory) / OUTPUT_VOCAB_FILE
     write_json({**meta, "ids": sorted(int(i) for i in ids)}, path)
@@ -339,8 +339,8 @@ def write_output_vocabulary(directory: Path, ids: torch.Tensor, **meta: Any) -> 
 
 def is_eagle_spec(spec: Any) -> bool:
     """Whether `spec` names an EAGLE draft head, decided without loading or converting anything."""
-    from ..eagle import DraftHead
-    from ..export import is_eagle_dir
+    from draftwise.eagle import DraftHead
+    from draftwise.export import is_eagle_dir
 
     if isinstance(spec, DraftHead):
         return True
@@ -401,7 +401,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _not_a_model(spec: str) -> None:
-    from ..export import is_eagle_dir
+    from draftwise.export import is_eagle_dir
 
     entry = registry.entry(spec)
     path = Path(spec).expanduser()
@@ -490,7 +490,7 @@ def gguf_cache_name(path: Path) -> tuple[str, str]:
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     """Dequantise once into the draftwise cache (like the registry's model); later loads read that folder."""
-    from .cache import ensure_entry
+    from draftwise.models.cache import ensure_entry
 
     with open(path, "rb") as f:
         magic = f.read(4)

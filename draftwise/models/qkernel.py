@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import cache_root
+from draftwise.models.cache import cache_root
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("qmm.cpp", "qblocks.cpp", "attention.cpp",
                                                                               "floats.cpp")]
@@ -192,7 +192,7 @@ class BlockLinear(_Product):
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """The float32 weights of output rows `index`, as gguf's reference dequantises them."""
-        from .quant import _decode
+        from draftwise.models.quant import _decode
 
         return _decode(self.kind, self.blocks[index.reshape(-1)].numpy()).dequantized()
 

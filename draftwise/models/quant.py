@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DraftwiseError
-from . import qkernel
-from .fast import FloatLinear, Int4Linear, Int8Linear
+from draftwise.errors import DraftwiseError
+from draftwise.models import qkernel
+from draftwise.models.fast import FloatLinear, Int4Linear, Int8Linear
 
 GROUP = 32
 QK_K = 256

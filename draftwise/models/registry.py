@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ModelNotAvailableError
-from .cache import entry_dir, entry_problem, ensure_entry, sha256_file
-from .chunks import ChunkedFile, assemble, state as chunk_state
+from draftwise.errors import ModelNotAvailableError
+from draftwise.models.cache import entry_dir, entry_problem, ensure_entry, sha256_file
+from draftwise.models.chunks import ChunkedFile, assemble, state as chunk_state
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import DraftwiseError
-from .fast import FastModel, fast_disabled, supports
-from .kvcache import PositionCache, check_supported, sliding_window
+from draftwise.errors import DraftwiseError
+from draftwise.models.fast import FastModel, fast_disabled, supports
+from draftwise.models.kvcache import PositionCache, check_supported, sliding_window
 
 # Families whose decoder layer is exactly pre-norm attention + MLP with rotary q/k (Llama's): the runner can
 # run their position-wise parts on packed tokens (see `_packed`).

@@ -13,9 +13,9 @@ import threading
 import time
 from typing import Any
 
-from ..errors import DraftwiseError
-from .app import create_app
-from .service import ServerConfig, Service
+from draftwise.errors import DraftwiseError
+from draftwise.server.app import create_app
+from draftwise.server.service import ServerConfig, Service
 
 __all__ = ["ServerConfig", "Service", "ThreadedServer", "bind", "create_app", "serve"]
 

@@ -25,11 +25,11 @@ from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import protocol
-from .metrics import CONTENT_TYPE
-from .protocol import ApiError
-from .worker import Ticket
-from .service import Service
+from draftwise.server import protocol
+from draftwise.server.metrics import CONTENT_TYPE
+from draftwise.server.protocol import ApiError
+from draftwise.server.worker import Ticket
+from draftwise.server.service import Service
 
 
 log = logging.getLogger("draftwise.server")

@@ -9,9 +9,9 @@ import sys
 import warnings
 from typing import Any, Callable
 
-from ..errors import DraftwiseError, DraftwiseWarning
-from ..methods import METHODS
-from ..models.loading import DTYPE_HELP
+from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.methods import METHODS
+from draftwise.models.loading import DTYPE_HELP
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
 
@@ -83,10 +83,10 @@ def _positive(name: str, value: float) -> None:
 
 
 def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
-    from .. import plan
-    from ..models import registry
-    from ..models.loading import load_draft, load_model
-    from . import ServerConfig, Service, bind, create_app, serve
+    from draftwise import plan
+    from draftwise.models import registry
+    from draftwise.models.loading import load_draft, load_model
+    from draftwise.server import ServerConfig, Service, bind, create_app, serve
 
     for name in ("--max-batch-size", "--max-engines", "--gamma"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
@@ -158,7 +158,7 @@ def _url_host(host: str) -> str:
 
 
 def run_loadtest(args: argparse.Namespace, read_prompts: Callable[[str], list[Any]]) -> int:
-    from . import loadtest
+    from draftwise.server import loadtest
 
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]

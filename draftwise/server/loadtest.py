@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ..errors import DraftwiseError
+from draftwise.errors import DraftwiseError
 
 
 def check_url(url: str, *, allow_remote: bool = False) -> tuple[str, int, str]:
@@ -220,7 +220,7 @@ def summarize(records: list[dict[str, Any]], *, concurrency: int, wall_s: float,
 
 def default_prompts(count: int) -> list[str]:
     """Spec-Bench evaluation prompts (first turns), round-robin over its tasks."""
-    from ..bench.datasets import load_prompts
+    from draftwise.bench.datasets import load_prompts
 
     return [p.text for p in load_prompts(num_prompts=min(count, 96))]
 
@@ -274,7 +274,7 @@ def run(url: str, *, concurrency: Sequence[int], num_requests: int, max_tokens: 
 
 def write_json(path: str, data: Any) -> None:
     """Atomically (a temporary file in the same folder, then os.replace): the benchmarks' writer."""
-    from ..atomic import write_json as write_atomically
+    from draftwise.atomic import write_json as write_atomically
 
     write_atomically(data, path)
 

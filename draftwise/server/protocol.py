@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import short
+from draftwise.errors import short
 
 # What `finish_reason` the engine reports -> OpenAI's word for it.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}

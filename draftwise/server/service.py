@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from .. import api, builder, prompts
-from .. import plan as plan_module
-from ..errors import DraftwiseError, DraftwiseWarning
-from ..grammar import grammar_from
-from ..methods import METHODS, Method
-from ..models.loading import LoadedModel
-from ..sampling import SamplingConfig
-from . import protocol
-from .metrics import Metrics
-from .protocol import ApiError
-from .worker import EngineWorker, Ticket
+from draftwise import api, builder, prompts
+from draftwise import plan as plan_module
+from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.grammar import grammar_from
+from draftwise.methods import METHODS, Method
+from draftwise.models.loading import LoadedModel
+from draftwise.sampling import SamplingConfig
+from draftwise.server import protocol
+from draftwise.server.metrics import Metrics
+from draftwise.server.protocol import ApiError
+from draftwise.server.worker import EngineWorker, Ticket
 
 
 @dataclass
@@ -43,7 +43,7 @@ RESOURCE_OPTIONS = frozenset({"verifier", "head", "companion", "profile"})
 
 
 def resource_options(spec: Method) -> set[str]:
-    from .. import methods
+    from draftwise import methods
 
     model_type = getattr(methods, "model_spec", None)
     return {o.name for o in spec.options
@@ -151,7 +151,7 @@ class Service:
         settings = [SamplingConfig(1.0), SamplingConfig(0.0)]
         path = self._startup_options(spec).get("profile")
         if path:
-            from ..sv import SVProfile
+            from draftwise.sv import SVProfile
 
             try:
                 found = SVProfile.load(path).setting
@@ -167,7 +167,7 @@ class Service:
         return any(resolved[o.name] for o in spec.options if o.required)
 
     def _verifier_spec(self, spec: Method) -> Any:
-        from ..sprinter import Verifier
+        from draftwise.sprinter import Verifier
 
         resolved = spec.resolve_options(self._startup_options(spec))
         spec.check_required(resolved)

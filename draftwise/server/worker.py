@@ -21,9 +21,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from ..engine import Engine
-from ..rows import Request, Result
-from .metrics import Metrics
+from draftwise.engine import Engine
+from draftwise.rows import Request, Result
+from draftwise.server.metrics import Metrics
 
 log = logging.getLogger("draftwise.server")
 

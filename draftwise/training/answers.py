@@ -24,8 +24,8 @@ from typing import Any, Callable, Collection, Iterator, Sequence
 import numpy as np
 import torch
 
-from ..atomic import atomic_path
-from ..errors import DraftwiseError
+from draftwise.atomic import atomic_path
+from draftwise.errors import DraftwiseError
 
 CHUNK_GLOB = "answers-*.npz"
 
@@ -111,13 +111,13 @@ def generate_answers_chunks(
     """Answer `prompts` (objects with uid, source, category, text) with the batched engine (plain target decoding,
     continuous batching) into answer chunks. Re-running skips what earlier runs wrote. `deadline` (a
     `time.monotonic()` value): stop there, keeping every finished answer (in-flight ones are redone next run)."""
-    from ..acceptance import ExactRule
-    from ..drafters import NoRowsDrafter
-    from ..engine import Engine
-    from ..models.runner import ModelRunner
-    from ..rows import Request
-    from ..sampling import SamplingConfig
-    from .shards import stable_seed, encode_chat
+    from draftwise.acceptance import ExactRule
+    from draftwise.drafters import NoRowsDrafter
+    from draftwise.engine import Engine
+    from draftwise.models.runner import ModelRunner
+    from draftwise.rows import Request
+    from draftwise.sampling import SamplingConfig
+    from draftwise.training.shards import stable_seed, encode_chat
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,9 +189,9 @@ def features_from_answers(
     the inputs of `layers` and the final normed state captured, as the target computes a prompt. The last
     token's row is zero (it was never fed to produce a next token). Re-running skips the (uid, tag) already in a
     shard."""
-    from ..eagle3 import eagle3_layers
-    from ..models.runner import ModelRunner
-    from .shards import Sequence_, done_keys as shard_done, shard_paths, write_shard
+    from draftwise.eagle3 import eagle3_layers
+    from draftwise.models.runner import ModelRunner
+    from draftwise.training.shards import Sequence_, done_keys as shard_done, shard_paths, write_shard
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

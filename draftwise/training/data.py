@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..atomic import write_text
-from ..bench.datasets import HUMANEVAL_TEMPLATE, load_prompts, read_human_eval
+from draftwise.atomic import write_text
+from draftwise.bench.datasets import HUMANEVAL_TEMPLATE, load_prompts, read_human_eval
 
 FORTUNE_DIR = Path("/usr/share/games/fortunes")
 # Instructions that echo Spec-Bench's tasks; {text} is a fortune.
@@ -165,7 +165,7 @@ def write_prompt_mix(path: Path | str, prompts: Sequence[TrainPrompt]) -> None:
 
 def read_prompt_mix(path: Path | str) -> list[TrainPrompt]:
     """A `write_prompt_mix` file; a missing file or a bad line is a one-line error naming it."""
-    from ..errors import DraftwiseError
+    from draftwise.errors import DraftwiseError
 
     prompts = []
     try:
@@ -300,12 +300,12 @@ def synthesise_prompts(target, count: int, out: Path, *, batch_size: int = 32, s
 
     Batched engine, sampled; filtered by `keep_magpie` and deduplicated. Re-running tops the file
     up to `count` (it is rewritten atomically after each round)."""
-    from ..acceptance import ExactRule
-    from ..drafters import NoRowsDrafter
-    from ..engine import Engine
-    from ..rows import Request
-    from ..models.runner import ModelRunner
-    from ..sampling import SamplingConfig
+    from draftwise.acceptance import ExactRule
+    from draftwise.drafters import NoRowsDrafter
+    from draftwise.engine import Engine
+    from draftwise.rows import Request
+    from draftwise.models.runner import ModelRunner
+    from draftwise.sampling import SamplingConfig
 
     kept = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
     seen = {_dedup_key(r["text"]) for r in kept}

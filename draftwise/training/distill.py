@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ..atomic import write_text
-from ..errors import DraftwiseError
-from .data import read_answers
-from .loop import cosine_lr, train_loop
+from draftwise.atomic import write_text
+from draftwise.errors import DraftwiseError
+from draftwise.training.data import read_answers
+from draftwise.training.loop import cosine_lr, train_loop
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def read_examples(paths: str | Path, max_len: int, *, keep_prompt_only: bool = F
     out = []
     for path in [Path(p) for p in str(paths).split(",") if p]:
         if path.is_dir():
-            from .shards import read_shards
+            from draftwise.training.shards import read_shards
 
             records = ((s.tokens[: s.answer_start].tolist(), s.tokens[s.answer_start :].tolist())
                        for s in read_shards(path, features=False))
@@ -152,8 +152,8 @@ def _write_output_vocab(out: Path, size: int, train: list, val: list, target_con
     """The draft's restricted output vocabulary: the training data's most frequent tokens (special tokens
     always in). Decoding with it gives every other token probability zero, which keeps speculative decoding
     exact and cuts the draft's LM head to `size` rows; the model file itself stays a full-vocabulary model."""
-    from ..models.loading import write_output_vocabulary
-    from .eagle3_train import frequency_vocabulary
+    from draftwise.models.loading import write_output_vocabulary
+    from draftwise.training.eagle3_train import frequency_vocabulary
 
     vocab = target_config.vocab_size
     if not 0 < size <= vocab:

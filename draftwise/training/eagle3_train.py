@@ -29,12 +29,12 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..eagle3 import Eagle3Head
-from ..errors import DraftwiseError
-from ..atomic import write_text
-from .loop import cosine_lr, train_loop
-from ..eagle3 import eagle3_layers
-from .shards import ShardSequence, read_shards
+from draftwise.eagle3 import Eagle3Head
+from draftwise.errors import DraftwiseError
+from draftwise.atomic import write_text
+from draftwise.training.loop import cosine_lr, train_loop
+from draftwise.eagle3 import eagle3_layers
+from draftwise.training.shards import ShardSequence, read_shards
 
 
 @dataclass(frozen=True)
@@ -294,8 +294,8 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
 
 def _initial_head(config: Eagle3TrainConfig) -> Eagle3Head:
     """The head `--init-from` names (a registry name or a directory)."""
-    from ..export import load_head
-    from ..models import registry
+    from draftwise.export import load_head
+    from draftwise.models import registry
 
     try:
         start = load_head(registry.resolve(config.init_from) if registry.entry(config.init_from)

@@ -21,11 +21,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..eagle import EagleConfig, EagleHead
-from ..errors import DraftwiseError
-from .data import read_answers
-from .distill import pad_batch, read_examples, split_examples
-from .loop import cosine_lr, train_loop
+from draftwise.eagle import EagleConfig, EagleHead
+from draftwise.errors import DraftwiseError
+from draftwise.training.data import read_answers
+from draftwise.training.distill import pad_batch, read_examples, split_examples
+from draftwise.training.loop import cosine_lr, train_loop
 
 
 @dataclass(frozen=True)

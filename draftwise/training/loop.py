@@ -13,8 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..atomic import save_torch as atomic_save
-from ..errors import DraftwiseError
+from draftwise.atomic import save_torch as atomic_save
+from draftwise.errors import DraftwiseError
 
 
 def cosine_lr(step: int, *, peak: float, warmup: int, total: int) -> float:

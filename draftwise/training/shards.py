@@ -30,10 +30,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..atomic import atomic_path
-from ..eagle3 import eagle3_layers
-from ..drafters import NoRowsDrafter, RetiringRows
-from ..errors import DraftwiseError
+from draftwise.atomic import atomic_path
+from draftwise.eagle3 import eagle3_layers
+from draftwise.drafters import NoRowsDrafter, RetiringRows
+from draftwise.errors import DraftwiseError
 
 SHARD_GLOB = "shard-*.safetensors"
 
@@ -193,11 +193,11 @@ def generate_shards(
     `encode` turns a prompt's text into ids (default: the target's chat template, as a user turn).
     `deadline` (a `time.monotonic()` value): stop there, keeping every finished answer (in-flight ones are
     redone by the next run)."""
-    from ..acceptance import ExactRule
-    from ..engine import Engine
-    from ..rows import Request
-    from ..models.runner import ModelRunner
-    from ..sampling import SamplingConfig
+    from draftwise.acceptance import ExactRule
+    from draftwise.engine import Engine
+    from draftwise.rows import Request
+    from draftwise.models.runner import ModelRunner
+    from draftwise.sampling import SamplingConfig
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

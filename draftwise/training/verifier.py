@@ -29,11 +29,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import DraftwiseError
-from ..models.runner import full_vocabulary_logits
-from ..sampling import SamplingConfig, make_generator, sample, unwarped, warp
-from ..sprinter import FEATURES, Verifier, VerifierSpec, draft_fingerprint, verifier_features
-from ..atomic import save_torch as atomic_save
+from draftwise.errors import DraftwiseError
+from draftwise.models.runner import full_vocabulary_logits
+from draftwise.sampling import SamplingConfig, make_generator, sample, unwarped, warp
+from draftwise.sprinter import FEATURES, Verifier, VerifierSpec, draft_fingerprint, verifier_features
+from draftwise.atomic import save_torch as atomic_save
 
 KINDS = ("prompt", "draft", "target", "mixed")
 
@@ -54,7 +54,7 @@ def _head_outputs(target, head, ids: torch.Tensor, vocab_size: int) -> tuple[tor
     """A feature head's first-step outputs over a sequence, as when it drafts after each prefix: row i reads the
     target's features at position i and token i + 1 and predicts token i + 2. Returns the head's states [T-1, H]
     and full-vocabulary logits [T-1, vocab] (-inf outside its draft vocabulary)."""
-    from ..models.runner import ModelRunner
+    from draftwise.models.runner import ModelRunner
 
     runner = ModelRunner(target.model, vocab_size=vocab_size, rows=0)
     runner.feature_layers = head.feature_layers
@@ -74,9 +74,9 @@ def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataCon
 
     target, draft: LoadedModel. Keys: hidden, embedding, stats (features), q_x, p_x, prompt, kind.
     """
-    from ..api import generate
+    from draftwise.api import generate
 
-    from ..eagle import DraftHead
+    from draftwise.eagle import DraftHead
 
     sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
     generator = make_generator(config.seed)
