@@ -31,7 +31,7 @@ import draftwise
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import encode_bench_prompt, machine_description
 from draftwise.atomic import write_json
-from draftwise.engine import Engine
+from draftwise.engine.core import Engine
 from draftwise.models import registry
 from draftwise.models import runner as runner_module
 

@@ -54,8 +54,8 @@ def main() -> int:
                         "(default: the engine's PREFILL_SHARE)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from draftwise import drafters, engine
-
+    from draftwise.drafters import base as drafters
+    from draftwise.engine import core as engine
     if args.chunk:  # the engine's chunk and the prefill helper's
         engine.PREFILL_CHUNK = drafters.PREFILL_CHUNK = args.chunk
     if args.prefill_share:
@@ -92,8 +92,7 @@ def main() -> int:
             runs.append({"alone_s": alone, "beside_long_s": beside, "ratio": beside / alone, "long_s": results["long_s"],
                          "same_text": same, "completion_tokens": answer["usage"]["completion_tokens"]})
             print(json.dumps(runs[-1]), flush=True)
-    from draftwise import engine
-
+    from draftwise.engine import core as engine
     report = {"target": args.target, "method": args.method, "long_tokens": args.long_tokens, "delay_s": args.delay,
               "short_max_tokens": args.short_tokens, "short_ignore_eos": args.ignore_eos, "prefill_chunk": engine.PREFILL_CHUNK, "prefill_share": engine.PREFILL_SHARE,
               "weights": target.weights, "runs": runs,

@@ -21,7 +21,7 @@ import draftwise
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import BenchConfig, _load_bench_draft, encode_bench_prompt, machine_description, resolve_drafts
 from draftwise.atomic import write_json
-from draftwise.eagle import DraftHead
+from draftwise.heads.eagle import DraftHead
 from draftwise.models import runner as runner_module
 
 

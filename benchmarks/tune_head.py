@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import draftwise  # noqa: E402
 from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
-from draftwise.export import load_head  # noqa: E402
+from draftwise.heads.export import load_head  # noqa: E402
 from draftwise.models.loading import load_draft, load_model, resolve_path  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""draftwise's drafters inside vLLM (`draftwise.vllm_proposer`): acceptance against draftwise's own.
+"""draftwise's drafters inside vLLM (`draftwise.integrations.vllm_proposer`): acceptance against draftwise's own.
 
 The same prompts (Spec-Bench, greedy, `--max-new-tokens` each, `--gamma` draft tokens a step) are decoded
 by draftwise (`prompt-lookup`, `suffix`) and by vLLM's CPU build with the same drafters loaded as
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PROPOSERS = {"prompt-lookup": "draftwise.vllm_proposer.PromptLookupProposer",
-             "suffix": "draftwise.vllm_proposer.SuffixProposer"}
+PROPOSERS = {"prompt-lookup": "draftwise.integrations.vllm_proposer.PromptLookupProposer",
+             "suffix": "draftwise.integrations.vllm_proposer.SuffixProposer"}
 
 VLLM_SIDE = r"""
 import json, sys

@@ -4,7 +4,7 @@ from draftwise.api import Generation, StreamEvent, batched_methods, generate, st
 from draftwise.errors import DraftwiseError, ModelNotAvailableError
 from draftwise.methods import METHODS
 from draftwise.models import LoadedModel, load_model
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig
 
 __all__ = [
     "METHODS", "DraftwiseError", "Generation", "LoadedModel", "ModelNotAvailableError", "SamplingConfig",

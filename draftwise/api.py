@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from draftwise.errors import DraftwiseError, DraftwiseWarning
-from draftwise.engine import kv_bytes_per_token
-from draftwise.rows import Result, TokenLogprob
+from draftwise.engine.core import kv_bytes_per_token
+from draftwise.engine.rows import Result, TokenLogprob
 from draftwise.methods import METHODS, Method
-from draftwise.grammar import grammar_from
+from draftwise.engine.grammar import grammar_from
 from draftwise.builder import build_engine
 from draftwise.plan import Plan, check_batch_size, check_processors, make_plan, request_for, with_processors
 from draftwise.prompts import check_prompt, encode_prompt, split_prompts

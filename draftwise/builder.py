@@ -6,27 +6,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from draftwise.cascades import sequence_confidence
-from draftwise.drafters import LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter
-from draftwise.engine import Engine
+from draftwise.rules.cascades import sequence_confidence
+from draftwise.drafters.base import LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter
+from draftwise.engine.core import Engine
 from draftwise.methods import DRAFTERS, METHODS
-from draftwise.eagle import DraftHead
-from draftwise.eagle_rows import EagleRowsDrafter
+from draftwise.heads.eagle import DraftHead
+from draftwise.drafters.eagle import EagleRowsDrafter
 from draftwise.models.runner import ModelRunner, draft_runner
-from draftwise.policies import ConfidenceStop, FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
+from draftwise.drafters.policies import ConfidenceStop, FixedLength, LengthPolicy, StopBefore, StopHead, VerifierStop
 from draftwise.errors import DraftwiseError
 from draftwise.plan import Plan
-from draftwise.protocols import ScoringDrafter
+from draftwise.engine.protocols import ScoringDrafter
 
 
 def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, prefix_cache_mb: float = 0.0) -> Any:
     """The batched engine for a plan: the target's runner, the method's drafter and rule, and a prefix store of
     `prefix_cache_mb` megabytes (0: none). The sequence-level cascade is two engines behind one interface."""
-    from draftwise.prefix import PrefixStore
+    from draftwise.engine.prefix import PrefixStore
 
     spec = plan.method
     if spec.loop == "sequence":
-        from draftwise.seq_cascade import SequenceCascadeEngine
+        from draftwise.rules.seq_cascade import SequenceCascadeEngine
 
         draft_plan = dataclasses.replace(plan, target=plan.draft, method=METHODS["ar"], options={})
         aggregate, alpha = plan.options["aggregate"], plan.options["alpha"]
@@ -75,20 +75,20 @@ def _ngram(plan: Plan, rule: Any) -> Any:
 
 def _suffix(plan: Plan, rule: Any) -> Any:
     from draftwise.methods import suffix_options
-    from draftwise.suffix import SuffixRowsDrafter
+    from draftwise.drafters.suffix import SuffixRowsDrafter
 
     return SuffixRowsDrafter(plan.vocab_size, plan.target.device, suffix_options(plan.options),
                              eos_token_ids=plan.eos_token_ids)
 
 
 def _hybrid(plan: Plan, rule: Any) -> Any:
-    from draftwise.suffix import HybridRowsDrafter
+    from draftwise.drafters.suffix import HybridRowsDrafter
 
     return HybridRowsDrafter(_model(plan, rule), _suffix(plan, rule), plan.options["threshold"])
 
 
 def _companion(plan: Plan, rule: Any) -> Any:
-    from draftwise.selection import CompanionRowsDrafter, StagedRowsDrafter
+    from draftwise.selectors.selection import CompanionRowsDrafter, StagedRowsDrafter
 
     kind = StagedRowsDrafter if plan.method.drafter == "staged" else CompanionRowsDrafter
     inner = _model(plan, rule, keep_raw=kind is CompanionRowsDrafter)  # SV's companion reads the draft's raw q
@@ -96,7 +96,7 @@ def _companion(plan: Plan, rule: Any) -> Any:
 
 
 def _beams(plan: Plan, rule: Any) -> Any:
-    from draftwise.mtad import BeamRowsDrafter, ModelBeams
+    from draftwise.drafters.mtad import BeamRowsDrafter, ModelBeams
 
     if plan.method.drafter == "target-beam":  # MTJD: the target's weights in a cache of their own
         base: Any = ModelBeams(ModelRunner(plan.target.model, vocab_size=plan.vocab_size, rows=0), plan.vocab_size)
@@ -118,7 +118,7 @@ assert set(DRAFTER_BUILDERS) == set(DRAFTERS), "every drafter kind has a builder
 
 def _selector(plan: Plan, gamma: int) -> Any:
     """The select phase of SV and its history-based baselines (None: verify every drafted token)."""
-    from draftwise.selection import GoodputSelector, HistorySelector, SmartSpecSelector
+    from draftwise.selectors.selection import GoodputSelector, HistorySelector, SmartSpecSelector
 
     kind, profile = plan.method.selector, plan.sv_profile
     lookahead = plan.options.get("lookahead") or None  # 0: always draft gamma

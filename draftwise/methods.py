@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from draftwise.acceptance import ExactRule, LossyGreedyRule, LossyRule, TargetRule
-from draftwise.cascades import (CASCADE_RULES, AcceptDraftRule, BildRollbackRule, CascadeRule, FLyRule, chow_stop,
+from draftwise.rules.acceptance import ExactRule, LossyGreedyRule, LossyRule, TargetRule
+from draftwise.rules.cascades import (CASCADE_RULES, AcceptDraftRule, BildRollbackRule, CascadeRule, FLyRule, chow_stop,
                        sequence_confidence)
 from draftwise.errors import DraftwiseError, short
 
@@ -193,7 +193,7 @@ _SUFFIX_OPTIONS = (
 
 
 def suffix_options(options: dict[str, Any]):
-    from draftwise.suffix import SuffixOptions
+    from draftwise.drafters.suffix import SuffixOptions
 
     return SuffixOptions(depth=options["depth"], factor=options["factor"], min_prob=options["min_prob"],
                          global_tokens=options["global_tokens"], min_match=options["min_match"])
@@ -229,7 +229,7 @@ def _seq_rule(options: dict[str, Any]) -> TargetRule:
 
 
 def _sprinter_rule(options: dict[str, Any]) -> TargetRule:
-    from draftwise.sprinter import SprinterRule, check_tau
+    from draftwise.heads.sprinter import SprinterRule, check_tau
 
     check_tau(options["tau"])
     _positive_int("max_run", options["max_run"])
@@ -243,7 +243,7 @@ def _adaedl_rule(options: dict[str, Any]) -> TargetRule:
 
 
 def _adaedl_stop(options: dict[str, Any]):
-    from draftwise.sprinter import adaedl_stop
+    from draftwise.heads.sprinter import adaedl_stop
 
     return adaedl_stop(options["scale"], options["threshold"])
 
@@ -255,7 +255,7 @@ def _specdecpp_rule(options: dict[str, Any]) -> TargetRule:
 
 
 def _mtad_rule(options: dict[str, Any]) -> TargetRule:
-    from draftwise.mtad import MTADRule, check_beams, check_tau
+    from draftwise.drafters.mtad import MTADRule, check_beams, check_tau
 
     check_tau(options["tau"])
     check_beams(options["num_beams"])
@@ -263,7 +263,7 @@ def _mtad_rule(options: dict[str, Any]) -> TargetRule:
 
 
 def _mtjd_rule(options: dict[str, Any]) -> TargetRule:
-    from draftwise.mtad import check_beams
+    from draftwise.drafters.mtad import check_beams
 
     _positive_int("k", options["k"])
     check_beams(options["num_beams"])

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from draftwise.errors import DraftwiseError, DraftwiseWarning
-from draftwise.rows import MAX_LOGPROBS, Request
+from draftwise.engine.rows import MAX_LOGPROBS, Request
 from draftwise.methods import MAX_GAMMA, METHODS, Method, get_method
-from draftwise.eagle import DraftHead
-from draftwise.grammar import Grammar, compiler_for
+from draftwise.heads.eagle import DraftHead
+from draftwise.engine.grammar import Grammar, compiler_for
 from draftwise.models import registry
 from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig
 from draftwise.prompts import check_messages, check_prompt, check_text, encode_prompt
 
 
@@ -301,7 +301,7 @@ def make_plan(
 
     verifier = None
     if spec.kind.objective:  # loaded now, so a bad file fails at the call, not mid-stream
-        from draftwise.sprinter import Verifier
+        from draftwise.heads.sprinter import Verifier
 
         path = next(options[o.name] for o in spec.options if o.required)  # the trained file's option
         drafter_model = draft_model if isinstance(draft_model, DraftHead) else draft_model.model
@@ -354,8 +354,7 @@ def _load_companion(spec: str, target: LoadedModel, draft: Any) -> LoadedModel:
 def _load_profile(spec: Method, options: dict[str, Any], target: LoadedModel, draft: Any, companion: Any,
                   sampling: SamplingConfig) -> Any:
     """The SV profile a selector reads, checked against the models and the sampling setting."""
-    from draftwise import sv
-
+    from draftwise.selectors import sv
     setting = sv.profile_setting(target.name, getattr(draft, "name", None),
                                  companion.name if companion is not None else None, sampling)
     keys = sv.SETTING_KEYS if spec.selector == "sv" else ("target", "draft")  # baselines read the latency only

@@ -135,7 +135,7 @@ def speculative_sample(draft_tokens, draft_probs, pi, bonus_probs, generator):
     was accepted). Returns num_drafted, num_accepted, next_token and bonus (whether next_token is the bonus)."""
     from types import SimpleNamespace
 
-    from draftwise.batched import speculative_sample_rows
+    from draftwise.engine.sampler import speculative_sample_rows
 
     k = int(draft_tokens.shape[0])
 

@@ -35,7 +35,7 @@ def chat_tokenizer():
 
 def build(root: Path) -> dict[str, str]:
     """Save the tiny target (chat template), draft and EAGLE head; returns their directories by role."""
-    from draftwise.eagle import EagleConfig, EagleHead
+    from draftwise.heads.eagle import EagleConfig, EagleHead
 
     root = Path(root)
     tok = chat_tokenizer()

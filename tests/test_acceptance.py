@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-from draftwise.acceptance import (
+from draftwise.rules.acceptance import (
     ExactRule,
     LossyGreedyRule,
     LossyRule,
@@ -21,7 +21,7 @@ from draftwise.acceptance import (
     residual,
 )
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import SamplingConfig, make_generator, warp
+from draftwise.engine.sampling import SamplingConfig, make_generator, warp
 
 from conftest import speculative_sample
 

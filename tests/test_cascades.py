@@ -28,11 +28,11 @@ import torch
 from scipy.stats import binomtest
 
 import draftwise
-import draftwise.cascades as cascades
-from draftwise.acceptance import LossyRule, StepDistributions, residual
-from draftwise.cascades import CASCADE_RULES, CascadeRule, cascade_pi, tv_distance
+import draftwise.rules.cascades as cascades
+from draftwise.rules.acceptance import LossyRule, StepDistributions, residual
+from draftwise.rules.cascades import CASCADE_RULES, CascadeRule, cascade_pi, tv_distance
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import SamplingConfig, make_generator, sample, warp
+from draftwise.engine.sampling import SamplingConfig, make_generator, sample, warp
 
 from conftest import sweep, tiny_llama, speculative_sample
 from test_exactness import ALPHA, PAIRS, SD_PROMPTS, WARPED, next_token_probs, pooled_chisquare, tv
@@ -47,7 +47,7 @@ PROMPT = SD_PROMPTS[VOCAB]
 
 
 def numpy_pi(rule: str, alpha: float, q, p, qw, pw, greedy: bool = False) -> np.ndarray:
-    """Table 1 / eq. 11-16 / eq. 28 / §F.1, written out independently of draftwise.cascades."""
+    """Table 1 / eq. 11-16 / eq. 28 / §F.1, written out independently of draftwise.rules.cascades."""
     q, p, qw, pw = (np.asarray(a, dtype=float) for a in (q, p, qw, pw))
     tv_warped = np.clip(pw - qw, 0, None).sum()
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -88,7 +88,7 @@ def test_no_data_is_a_clear_error(tmp_path):
 def test_eagle_head_trains_and_drafts_exactly(tmp_path):
     """Tiny EAGLE run: agreement rises, the saved head loads, and sd with it stays exact at temperature 0."""
     import draftwise
-    from draftwise.eagle import EagleHead
+    from draftwise.heads.eagle import EagleHead
     from draftwise.training.eagle_train import EagleTrainConfig, train_eagle
 
     _write_records(tmp_path / "data.jsonl")
@@ -112,7 +112,7 @@ def test_eagle_head_trains_and_drafts_exactly(tmp_path):
 
 
 def test_eagle_head_refuses_another_target(tmp_path):
-    from draftwise.eagle import EagleConfig, EagleHead
+    from draftwise.heads.eagle import EagleConfig, EagleHead
 
     head = EagleHead(EagleConfig(hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64,
                                  target_vocab_size=64, target="other"), torch.arange(10))

@@ -8,10 +8,10 @@ import torch
 
 from types import SimpleNamespace
 
-from draftwise.eagle import EagleConfig, EagleHead
-from draftwise.eagle_rows import EagleRowsDrafter
+from draftwise.heads.eagle import EagleConfig, EagleHead
+from draftwise.drafters.eagle import EagleRowsDrafter
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import SamplingConfig, make_generator, warp
+from draftwise.engine.sampling import SamplingConfig, make_generator, warp
 
 from conftest import tiny_llama
 

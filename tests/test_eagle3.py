@@ -15,12 +15,12 @@ import torch
 
 import draftwise
 from conftest import tiny_llama, tiny_tokenizer
-from draftwise.eagle3 import Eagle3Head
-from draftwise.rows import Request
+from draftwise.heads.eagle3 import Eagle3Head
+from draftwise.engine.rows import Request
 from draftwise.errors import DraftwiseError
 from draftwise.models.loading import LoadedModel
 from draftwise.models.runner import ModelRunner
-from draftwise.sampling import SamplingConfig, make_generator
+from draftwise.engine.sampling import SamplingConfig, make_generator
 
 LAYERS = (0, 2, 3)
 GREEDY = SamplingConfig(temperature=0.0)
@@ -153,7 +153,7 @@ def test_training_losses_equal_the_per_step_teacher_computed_from_scratch():
 
 
 def test_row_drafter_with_eagle3_head_equals_cache_free_rollouts_under_forced_acceptance():
-    from draftwise.eagle_rows import EagleRowsDrafter
+    from draftwise.drafters.eagle import EagleRowsDrafter
 
     target = _target()
     head = _head(target, torch.arange(0, 64, 2))  # a reduced draft vocabulary
@@ -380,7 +380,7 @@ def test_confidence_stop_shortens_drafts_and_stays_exact_at_t0(tmp_path):
 def test_head_bonus_distribution_equals_a_cache_free_rollout_and_drafting_goes_on():
     """Cascades' bonus from pi: after verification the head catches up on the accepted positions and scores the
     next token exactly as a cache-free head would; the rewind that follows leaves drafting consistent."""
-    from draftwise.eagle_rows import EagleRowsDrafter
+    from draftwise.drafters.eagle import EagleRowsDrafter
 
     target = _target()
     head = _head(target, torch.arange(0, 64, 2))
@@ -454,8 +454,8 @@ def test_a_shared_lm_head_is_not_stored_and_comes_back_from_the_target(tmp_path)
 def test_mtad_beams_on_a_head_equal_a_brute_force_beam_search_under_forced_acceptance():
     """MTAD's drafter on the head: each proposal (best beam and its joint log-probabilities) equals a beam search
     whose every distribution is a cache-free head rollout; then a forced outcome and rewind, and again."""
-    from draftwise.eagle_rows import EagleRowsDrafter
-    from draftwise.mtad import BeamRowsDrafter, beam_log_probs
+    from draftwise.drafters.eagle import EagleRowsDrafter
+    from draftwise.drafters.mtad import BeamRowsDrafter, beam_log_probs
 
     target = _target()
     head = _head(target, torch.arange(0, 64, 2), scale=1.0)
@@ -544,7 +544,7 @@ def test_train_eagle3_and_export_cli_on_a_tiny_target(tmp_path):
     import subprocess
     import sys
 
-    from draftwise.eagle3 import eagle3_layers
+    from draftwise.heads.eagle3 import eagle3_layers
     from draftwise.training.shards import generate_shards
 
     target = _target()
@@ -602,8 +602,8 @@ def test_verifier_policy_on_a_head_reads_the_states_of_a_cache_free_rollout():
     """The head drafter hands a verifier policy the head state behind each drafted token (and the unwarped
     distribution), checked under forced acceptance against cache-free rollouts; the first-step state is the one
     `train-verifier` collects for that prefix."""
-    from draftwise.eagle_rows import EagleRowsDrafter
-    from draftwise.policies import FixedLength
+    from draftwise.drafters.eagle import EagleRowsDrafter
+    from draftwise.drafters.policies import FixedLength
     from draftwise.training.verifier import _head_outputs
 
     class Recording(FixedLength):
@@ -687,7 +687,7 @@ def test_sprinter_and_specdecpp_run_on_a_head(head_verifiers):
 
 
 def test_specdecpp_on_a_head_is_exact_at_t0(head_verifiers):
-    from draftwise.sprinter import Verifier, VerifierSpec, draft_fingerprint
+    from draftwise.heads.sprinter import Verifier, VerifierSpec, draft_fingerprint
 
     target, head, _ = head_verifiers
     spec = VerifierSpec(features=("hidden", "stats"), input_size=32 + 3, draft_fingerprint=draft_fingerprint(head),

@@ -13,15 +13,15 @@ from scipy.stats import chisquare
 
 import draftwise
 from conftest import sweep, tiny_gpt2, tiny_llama, tiny_tokenizer
-from draftwise.acceptance import ExactRule
-from draftwise.drafters import ModelRowsDrafter, NoRowsDrafter
-from draftwise.engine import Engine
-from draftwise.rows import Request
+from draftwise.rules.acceptance import ExactRule
+from draftwise.drafters.base import ModelRowsDrafter, NoRowsDrafter
+from draftwise.engine.core import Engine
+from draftwise.engine.rows import Request
 from draftwise.errors import DraftwiseError
 from draftwise.models.kvcache import PositionCache, check_supported
 from draftwise.models.loading import load_model
 from draftwise.models.runner import ModelRunner
-from draftwise.sampling import SamplingConfig, make_generator, warp
+from draftwise.engine.sampling import SamplingConfig, make_generator, warp
 
 def _tiny(config_class, model_class, **extra):
     def build():
@@ -168,8 +168,7 @@ def test_a_burst_is_prefilled_together_and_decodes_as_alone(llama_pair):
     """Requests waiting together are prefilled in one forward (not one prompt at a time), the shortest prompts
     first within the token budget; a prompt longer than its share finishes in the next forward, beside the
     rows already decoding; each request decodes token for token as it does alone."""
-    from draftwise import engine as engine_module
-
+    from draftwise.engine import core as engine_module
     target, draft = llama_pair
     prompts = [tuple(1 + i % 60 for i in range(n)) for n in (5, 40, 12, 90)]
     requests = [Request(p, GREEDY, max_new_tokens=6) for p in prompts]
@@ -198,8 +197,7 @@ def test_a_long_prompt_never_stalls_the_decoding_rows(llama_pair):
     own forward: the decoding request gets tokens at every step, a short request arriving later overtakes the
     long prompt, rows finishing or cancelled meanwhile keep every row's cache in place, and every request
     decodes token for token as alone. Once idle, the cache's memory is released."""
-    from draftwise import engine as engine_module
-
+    from draftwise.engine import core as engine_module
     target, draft = llama_pair
     first = Request((3, 4, 5), GREEDY, max_new_tokens=40)
     long = Request(tuple(1 + i % 50 for i in range(300)), GREEDY, max_new_tokens=5)
@@ -267,13 +265,13 @@ def test_counters_never_count_accepted_tokens_past_eos():
 
     class EosDrafter(NoRowsDrafter):
         def propose(self, rows, limits):
-            from draftwise.protocols import RowsDraft
+            from draftwise.engine.protocols import RowsDraft
 
             tokens = torch.tensor([[7, 7, 7]] * len(rows))
             probs = torch.zeros(len(rows), 3, 64).scatter_(-1, tokens[..., None], 1.0)
             return RowsDraft(tokens, probs, [3] * len(rows))
 
-    from draftwise.acceptance import Rule
+    from draftwise.rules.acceptance import Rule
 
     class AcceptAll(Rule):
         def __call__(self, step):
@@ -350,7 +348,7 @@ def test_batched_rows_follow_the_target_distribution_at_mixed_settings(method):
 
 def test_control_batched_residual_bug_is_rejected(monkeypatch):
     """Recovering from pi instead of max(0, pi - draft) in the batched sampler fails the same test."""
-    import draftwise.batched as batched
+    import draftwise.engine.sampler as batched
 
     monkeypatch.setattr(batched, "residual_rows", lambda pi, draft_probs: pi)
     assert min(_batched_p_values("sd", N)) < ALPHA
@@ -367,8 +365,8 @@ def _batched_p_values(method: str, n: int) -> list[float]:
     if method == "sd":
         drafter = ModelRowsDrafter(ModelRunner(kwargs["draft"].model, vocab_size=64, rows=0), 64)
     elif method == "eagle":
-        from draftwise.eagle import EagleConfig, EagleHead
-        from draftwise.eagle_rows import EagleRowsDrafter
+        from draftwise.heads.eagle import EagleConfig, EagleHead
+        from draftwise.drafters.eagle import EagleRowsDrafter
 
         torch.manual_seed(7)
         head = EagleHead(EagleConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=64,
@@ -379,7 +377,7 @@ def _batched_p_values(method: str, n: int) -> list[float]:
         head.attach(t.model)
         drafter = EagleRowsDrafter(head, 64, runner.device)
     else:
-        from draftwise.drafters import LookupRowsDrafter
+        from draftwise.drafters.base import LookupRowsDrafter
         drafter = LookupRowsDrafter(64, runner.device, max_ngram=3, min_ngram=1)
     engine = Engine(runner, drafter, ExactRule(), gamma=2, max_batch_size=4)
     counts = [np.zeros((64, 64)) for _ in prompts]
@@ -438,8 +436,8 @@ def test_batched_generate_api_returns_one_generation_per_prompt(llama_pair):
 def test_eagle_row_drafter_equals_a_cache_free_rollout_under_forced_acceptance():
     """The EAGLE row drafter over 3 rows, random accepted counts each round: every proposal equals a
     cache-free rollout of the head (true target features, then its own predicted ones)."""
-    from draftwise.eagle import EagleConfig, EagleHead
-    from draftwise.eagle_rows import EagleRowsDrafter
+    from draftwise.heads.eagle import EagleConfig, EagleHead
+    from draftwise.drafters.eagle import EagleRowsDrafter
 
     target = tiny_llama(0, width=16, vocab=64)
     torch.manual_seed(3)
@@ -494,7 +492,7 @@ def test_eagle_row_drafter_equals_a_cache_free_rollout_under_forced_acceptance()
 
 
 def test_a_kv_budget_limits_the_live_rows_without_changing_outputs(llama_pair):
-    from draftwise.engine import kv_bytes_per_token
+    from draftwise.engine.core import kv_bytes_per_token
 
     target, _ = llama_pair
     t = load_model(target)
@@ -550,7 +548,7 @@ def test_a_stop_string_cut_records_no_accepted_token_past_it(llama_pair):
 
 
 def test_prompt_lookup_rows_stop_drafting_at_eos():
-    from draftwise.drafters import LookupRowsDrafter
+    from draftwise.drafters.base import LookupRowsDrafter
 
     class Row:
         sequence = [1, 2, 7, 3, 4, 5, 1, 2]

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftwise.acceptance import ExactRule
-from draftwise.drafters import LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter
-from draftwise.engine import Engine
-from draftwise.protocols import one_hot_draft
-from draftwise.rows import Request
+from draftwise.rules.acceptance import ExactRule
+from draftwise.drafters.base import LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter
+from draftwise.engine.core import Engine
+from draftwise.engine.protocols import one_hot_draft
+from draftwise.engine.rows import Request
 from draftwise.models.runner import ModelRunner
-from draftwise.sampling import SamplingConfig, make_generator
+from draftwise.engine.sampling import SamplingConfig, make_generator
 
 from conftest import tiny_llama
 

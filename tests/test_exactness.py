@@ -6,7 +6,7 @@ exactly (the correctness contract of lossless methods). For each configuration w
 distribution of the first `length` generated tokens with the exact one, computed
 independently of the package's decoding loop: the target model is run directly
 (no cache, plain `model(input_ids).logits`) on prompt + prefix for every prefix,
-warped with `draftwise.sampling.warp` and the same `SamplingConfig`, and the
+warped with `draftwise.engine.sampling.warp` and the same `SamplingConfig`, and the
 conditionals are multiplied.
 
 Models: tiny random Llamas (1 layer, width 16, `init` 0.3) over 6 and 12 tokens;
@@ -58,10 +58,10 @@ import torch
 from scipy.stats import chisquare
 
 import draftwise
-import draftwise.acceptance as acceptance
-import draftwise.batched as batched
-from draftwise.acceptance import ExactRule, Rule, StepDistributions, output_distribution
-from draftwise.sampling import SamplingConfig, warp
+import draftwise.rules.acceptance as acceptance
+import draftwise.engine.sampler as batched
+from draftwise.rules.acceptance import ExactRule, Rule, StepDistributions, output_distribution
+from draftwise.engine.sampling import SamplingConfig, warp
 
 from conftest import sweep, tiny_llama
 
@@ -295,7 +295,7 @@ def test_control_reseeded_walk_is_rejected_for_deterministic_drafts(method: str,
     (tree.accept_chains). Drawing every position with one reseeded uniform (the reference codes' pitfall) must fail
     the same test. (A slot off by one is caught by test_tree and test_ragged_corners; with gamma 1 these cases accept
     too rarely for it to show here.)"""
-    import draftwise.tree as tree_module
+    import draftwise.engine.tree as tree_module
 
     case = CONTROL_CASES[method]
     bug = "reseeded-uniform"
@@ -441,7 +441,7 @@ def _feature_head(kind: str, target):
     vocab_ids = torch.tensor([0, 2, 3, 5, 6, 8, 9, 11])
     torch.manual_seed(7)
     if kind == "eagle":
-        from draftwise.eagle import EagleConfig, EagleHead
+        from draftwise.heads.eagle import EagleConfig, EagleHead
 
         head = EagleHead(EagleConfig(hidden_size=16, num_heads=4, num_kv_heads=2, intermediate_size=32,
                                      target_vocab_size=12), vocab_ids)
@@ -449,7 +449,7 @@ def _feature_head(kind: str, target):
             for p in head.parameters():
                 p.mul_(3.0)
         return head.attach(target)
-    from draftwise.eagle3 import Eagle3Head  # fused layer inputs, its own LM head
+    from draftwise.heads.eagle3 import Eagle3Head  # fused layer inputs, its own LM head
 
     head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=32, feature_layers=(0, 0, 0))
     with torch.no_grad():

@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 import draftwise
 from conftest import tiny_llama
-from draftwise.export import load_head
-from draftwise.eagle3 import Eagle3Head
+from draftwise.heads.export import load_head
+from draftwise.heads.eagle3 import Eagle3Head
 from draftwise.errors import DraftwiseError
-from draftwise.export import export_eagle3, import_eagle3
+from draftwise.heads.export import export_eagle3, import_eagle3
 
 
 def expected_layout(H: int, heads: int, kv_heads: int, head_dim: int, inter: int, draft_vocab: int, vocab: int):

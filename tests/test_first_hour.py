@@ -435,7 +435,7 @@ def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(tmp_path, ch
 @pytest.mark.parametrize("objective, method, option", [("sprinter", "specdec++", "head"),
                                                        ("acceptance", "sprinter", "verifier")])
 def test_a_head_trained_for_the_other_method_is_refused(tmp_path, chat_target, objective, method, option):
-    from draftwise.sprinter import Verifier, VerifierSpec, draft_fingerprint
+    from draftwise.heads.sprinter import Verifier, VerifierSpec, draft_fingerprint
 
     draft = draftwise.load_model(tiny_llama(1, layers=1))
     spec = VerifierSpec(features=("stats",), input_size=3, draft_fingerprint=draft_fingerprint(draft.model),
@@ -623,7 +623,7 @@ def test_cli_sprinter_needs_no_file_for_the_registry_pair(capsys, dirs, shipped_
 
 
 def test_registry_verifier_refuses_other_settings_and_targets(capsys, dirs, shipped_verifiers, root):
-    from draftwise.sprinter import Verifier
+    from draftwise.heads.sprinter import Verifier
 
     # a sampling setting the registry has no file for: the error says what it ships
     code, out, err = _run(capsys, ["generate", "--method", "sprinter", "--temperature", "0", "the cat"])

@@ -24,7 +24,7 @@ import draftwise
 from conftest import json_tokenizer, near_copy, tiny_llama
 from test_exactness import pooled_chisquare
 from draftwise.errors import DraftwiseError
-from draftwise.grammar import GrammarCompiler, grammar_from
+from draftwise.engine.grammar import GrammarCompiler, grammar_from
 from draftwise.models.loading import load_model
 
 ALPHA = 1e-3  # significance of each goodness-of-fit test
@@ -97,7 +97,7 @@ def test_sd_with_a_grammar_samples_the_masked_target_distribution(pair):
 
 
 def test_negative_control_an_unmasked_target_is_caught(pair, monkeypatch):
-    from draftwise.engine import Engine
+    from draftwise.engine.core import Engine
 
     target, draft, tok = pair
     grammar = {"regex": "[a-z]+[0-9]"}
@@ -221,7 +221,7 @@ def test_server_response_format_and_grammar_field(server):
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "response_format"),
-    ({"draftwise": {"grammar": {"regex": "(("}}}, "draftwise.grammar"),
+    ({"draftwise": {"grammar": {"regex": "(("}}}, "draftwise.engine.grammar"),
     ({"draftwise": {"method": "ar"}, "ignore_eos": True, "response_format": {"type": "json_object"}},
      "response_format")])
 def test_server_bad_grammars_are_400(server, body, param):

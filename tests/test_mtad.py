@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import draftwise
-from draftwise.acceptance import StepDistributions
+from draftwise.rules.acceptance import StepDistributions
 from draftwise.bench.energy import EnergyMeter, find_meter, rapl_meter
 from draftwise.bench.labels import parse_label
 from draftwise.bench.metrics import RunRecord, quality_fields, summarize
@@ -32,8 +32,8 @@ from draftwise.bench.quality import perplexity, target_score
 from draftwise.bench.report import format_table
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
-from draftwise.mtad import BeamRowsDrafter, MTADRule, ModelBeams, beam_log_probs, passing_prefixes
-from draftwise.sampling import SamplingConfig, make_generator
+from draftwise.drafters.mtad import BeamRowsDrafter, MTADRule, ModelBeams, beam_log_probs, passing_prefixes
+from draftwise.engine.sampling import SamplingConfig, make_generator
 
 from conftest import tiny_llama
 from test_exactness import ALPHA, pooled_chisquare
@@ -192,7 +192,7 @@ def test_one_beam_sampling_is_ancestral_sampling():
 
 
 def test_control_beam_sampling_without_noise_is_rejected(monkeypatch):
-    import draftwise.mtad as mtad
+    import draftwise.drafters.mtad as mtad
 
     monkeypatch.setattr(mtad, "select_candidates",
                         lambda scores, n, configs, generators, drawing=None:

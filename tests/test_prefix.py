@@ -18,13 +18,13 @@ import numpy as np
 import torch
 import pytest
 
-from draftwise.acceptance import ExactRule
-from draftwise.drafters import ModelRowsDrafter, NoRowsDrafter
-from draftwise.engine import Engine
-from draftwise.rows import Request
+from draftwise.rules.acceptance import ExactRule
+from draftwise.drafters.base import ModelRowsDrafter, NoRowsDrafter
+from draftwise.engine.core import Engine
+from draftwise.engine.rows import Request
 from draftwise.models.runner import ModelRunner
-from draftwise.prefix import PrefixStore
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.prefix import PrefixStore
+from draftwise.engine.sampling import SamplingConfig
 from test_exactness import ALPHA, exact_joint, pooled_chisquare, target_and_draft
 
 GREEDY = SamplingConfig(0.0)

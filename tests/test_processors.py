@@ -75,9 +75,9 @@ def test_the_penalty_at_each_drafted_position_counts_the_drafts_before_it():
     """Engine._processed against transformers' processor applied to each prefix (sequence + drafts[:j])."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from draftwise.engine import Engine
-    from draftwise.protocols import RowsDraft
-    from draftwise.rows import Request
+    from draftwise.engine.core import Engine
+    from draftwise.engine.protocols import RowsDraft
+    from draftwise.engine.rows import Request
 
     class Row:
         def __init__(self, sequence, penalty):

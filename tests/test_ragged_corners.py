@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import draftwise
-import draftwise.engine as engine_module
-import draftwise.tree as tree_module
-from draftwise.sampling import SamplingConfig
-from draftwise.tree import TreeAcceptance
+import draftwise.engine.core as engine_module
+import draftwise.engine.tree as tree_module
+from draftwise.engine.sampling import SamplingConfig
+from draftwise.engine.tree import TreeAcceptance
 
 from conftest import json_tokenizer, near_copy, tiny_llama
 from test_exactness import ALPHA, exact_joint, pooled_chisquare
@@ -48,7 +48,7 @@ def issue_pair():
 
 
 def _eagle_head(target):
-    from draftwise.eagle import EagleConfig, EagleHead
+    from draftwise.heads.eagle import EagleConfig, EagleHead
 
     torch.manual_seed(3)
     head = EagleHead(EagleConfig(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=32,
@@ -230,7 +230,7 @@ def test_control_suffix_chains_sampled_as_drafts_of_their_own_depend_on_the_batc
     """Suffix tries are shared across the batch, so a row's draft depends on its batch-mates' answers: verified as
     one-hot proposals (a uniform per drafted token) rather than by the target's own draw, the row's tokens follow
     its batch-mates, and the same check catches it."""
-    import draftwise.suffix as suffix_module
+    import draftwise.drafters.suffix as suffix_module
     from dataclasses import replace
 
     target, _ = issue_pair

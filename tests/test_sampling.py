@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import SamplingConfig, make_generator, one_hot_argmax, sample, unwarped, warp
+from draftwise.engine.sampling import SamplingConfig, make_generator, one_hot_argmax, sample, unwarped, warp
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -207,7 +207,7 @@ TOP_PS = (1e-6, 0.1, 0.3, 0.5, 0.9, 0.95, 0.999, 0.9999999)
 
 @pytest.mark.parametrize("candidates", [(1,), (2,), (8,), (33,), (4, 40), (2, 8, 96)])
 def test_top_p_on_candidates_equals_the_full_sort(candidates: tuple[int, ...]):
-    from draftwise.sampling import _top_p
+    from draftwise.engine.sampling import _top_p
 
     for seed in range(3):
         for probs in top_p_cases(vocab=97, rows=6, seed=seed):
@@ -219,7 +219,7 @@ def test_top_p_on_candidates_equals_the_full_sort(candidates: tuple[int, ...]):
 
 def test_top_p_equals_the_full_sort_at_a_49k_vocabulary():
     """The default candidate count on the real vocabulary size, through `warp` (top-k on and off)."""
-    from draftwise.sampling import _top_p
+    from draftwise.engine.sampling import _top_p
 
     vocab = 49152
     gen = torch.Generator().manual_seed(7)
@@ -237,7 +237,7 @@ def test_top_p_equals_the_full_sort_at_a_49k_vocabulary():
 
 def test_top_p_candidate_path_is_taken(monkeypatch):
     """Peaked rows never reach the full sort (else the speed-up would be gone without any test noticing)."""
-    import draftwise.sampling as sampling
+    import draftwise.engine.sampling as sampling
 
     calls = []
     full = sampling._top_p_kept_full

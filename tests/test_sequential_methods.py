@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import draftwise
-from draftwise.acceptance import StepDistributions
-from draftwise.cascades import AcceptDraftRule, BildRollbackRule, FLyRule, aligned_ahead, chow_stop, sequence_confidence
-from draftwise.sampling import SamplingConfig, make_generator, sample, unwarped, warp
+from draftwise.rules.acceptance import StepDistributions
+from draftwise.rules.cascades import AcceptDraftRule, BildRollbackRule, FLyRule, aligned_ahead, chow_stop, sequence_confidence
+from draftwise.engine.sampling import SamplingConfig, make_generator, sample, unwarped, warp
 
 from conftest import near_copy, tiny_llama, speculative_sample
 
@@ -325,7 +325,7 @@ def test_negative_control_a_target_bonus_is_caught(models, monkeypatch):
     """The same runs with the bonus drawn from the target (not pi) are rejected by the same test."""
     from test_exactness import ALPHA
     from draftwise import methods
-    from draftwise.cascades import CascadeRule
+    from draftwise.rules.cascades import CascadeRule
 
     spec = methods.METHODS["oracle-diff"]
     monkeypatch.setitem(methods.METHODS, "oracle-diff", dataclasses.replace(

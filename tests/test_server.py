@@ -279,7 +279,8 @@ def test_unknown_method_override_is_400(client):
 
 
 def test_an_override_never_loads_a_model_or_reads_a_file(models, bare, served, monkeypatch, tmp_path):
-    from draftwise import plan, sprinter
+    from draftwise import plan
+    from draftwise.heads import sprinter
     from draftwise.models import loading
 
     calls = []

@@ -10,7 +10,7 @@ import pytest
 
 from draftwise.models import registry
 from draftwise.models.loading import read_output_vocabulary
-from draftwise.sprinter import Verifier
+from draftwise.heads.sprinter import Verifier
 
 SHIPPED = [(target, draft, objective, temperature)
            for (target, draft), temperatures in registry._TRAINED_FILES.items()

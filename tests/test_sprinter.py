@@ -18,10 +18,10 @@ from scipy.stats import binomtest, norm
 
 import draftwise
 from draftwise import theory
-from draftwise.acceptance import StepDistributions
+from draftwise.rules.acceptance import StepDistributions
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import make_generator, sample
-from draftwise.sprinter import SprinterRule, Verifier
+from draftwise.engine.sampling import make_generator, sample
+from draftwise.heads.sprinter import SprinterRule, Verifier
 
 from conftest import tiny_llama, speculative_sample
 from test_exactness import ALPHA, pooled_chisquare
@@ -164,7 +164,7 @@ def test_roc_auc_matches_mann_whitney():
 
 
 def test_verifier_file_refuses_another_draft_and_other_sampling(trained):
-    from draftwise.sampling import SamplingConfig
+    from draftwise.engine.sampling import SamplingConfig
 
     target, draft, _, _, path = trained
     verifier = Verifier.load(path, draft.model)
@@ -175,7 +175,7 @@ def test_verifier_file_refuses_another_draft_and_other_sampling(trained):
     # a file written before fingerprints were rounded to bf16 still loads with its draft, and only with it
     from dataclasses import replace
 
-    from draftwise.sprinter import draft_fingerprint
+    from draftwise.heads.sprinter import draft_fingerprint
 
     legacy = path.parent / "legacy.pt"
     Verifier(replace(verifier.spec, draft_fingerprint=draft_fingerprint(draft.model, legacy=True))).save(legacy)

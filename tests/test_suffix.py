@@ -10,7 +10,7 @@ import torch
 import draftwise
 from conftest import tiny_llama
 from draftwise.errors import DraftwiseError
-from draftwise.suffix import GlobalSuffix, RequestSuffix, SuffixTrie
+from draftwise.drafters.suffix import GlobalSuffix, RequestSuffix, SuffixTrie
 
 
 def _occurrences(seq, pattern):
@@ -135,15 +135,15 @@ def test_suffix_sd_equals_ar_token_for_token_at_t0(method):
 
 
 def test_hybrid_with_an_eagle3_head_equals_ar_at_t0_and_uses_both_drafters():
-    from draftwise.acceptance import ExactRule
-    from draftwise.eagle3 import Eagle3Head
-    from draftwise.eagle_rows import EagleRowsDrafter
-    from draftwise.drafters import NoRowsDrafter
-    from draftwise.engine import Engine
-    from draftwise.rows import Request
+    from draftwise.rules.acceptance import ExactRule
+    from draftwise.heads.eagle3 import Eagle3Head
+    from draftwise.drafters.eagle import EagleRowsDrafter
+    from draftwise.drafters.base import NoRowsDrafter
+    from draftwise.engine.core import Engine
+    from draftwise.engine.rows import Request
     from draftwise.models.runner import ModelRunner
-    from draftwise.sampling import SamplingConfig
-    from draftwise.suffix import HybridRowsDrafter, SuffixRowsDrafter
+    from draftwise.engine.sampling import SamplingConfig
+    from draftwise.drafters.suffix import HybridRowsDrafter, SuffixRowsDrafter
 
     target = tiny_llama(0, layers=4, width=32)
     torch.manual_seed(3)

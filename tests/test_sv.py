@@ -50,17 +50,18 @@ from scipy.stats import chisquare
 import draftwise
 import draftwise.bench.report as report
 from conftest import near_copy, tiny_llama
-from draftwise import sv, sv_profile
-from draftwise.acceptance import ExactRule
-from draftwise.drafters import ModelRowsDrafter
-from draftwise.engine import Engine
-from draftwise.protocols import RowsDraft
-from draftwise.rows import Request
+from draftwise.selectors import sv
+from draftwise.selectors import sv_profile
+from draftwise.rules.acceptance import ExactRule
+from draftwise.drafters.base import ModelRowsDrafter
+from draftwise.engine.core import Engine
+from draftwise.engine.protocols import RowsDraft
+from draftwise.engine.rows import Request
 from draftwise.errors import DraftwiseError
 from draftwise.models.loading import LoadedModel
 from draftwise.models.runner import ModelRunner
-from draftwise.sampling import SamplingConfig, make_generator, unwarped, warp
-from draftwise.selection import CompanionRowsDrafter, GoodputSelector, StagedRowsDrafter, indicator_pair
+from draftwise.engine.sampling import SamplingConfig, make_generator, unwarped, warp
+from draftwise.selectors.selection import CompanionRowsDrafter, GoodputSelector, StagedRowsDrafter, indicator_pair
 from test_exactness import ALPHA, exact_joint, model as small_llama, pooled_chisquare
 
 V = 8  # vocabulary of the exactness models

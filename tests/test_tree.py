@@ -1,4 +1,4 @@
-"""Token trees (draftwise/tree.py): the tree forward and the cache compaction against cache-free forwards, the
+"""Token trees (draftwise/engine/tree.py): the tree forward and the cache compaction against cache-free forwards, the
 tree drafters against cache-free rollouts, tree acceptance's exactness (goodness of fit, with negative controls
 that the same test catches) and token-for-token greedy equality through the engine.
 
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import draftwise
-import draftwise.engine as engine_module
-import draftwise.tree as tree_module
+import draftwise.engine.core as engine_module
+import draftwise.engine.tree as tree_module
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
-from draftwise.tree import (TreeBudget, accept_tree, depths, grow_trees, merge_trees, slot_structure, verify_mask)
+from draftwise.engine.tree import (TreeBudget, accept_tree, depths, grow_trees, merge_trees, slot_structure, verify_mask)
 
 from conftest import sweep, near_copy, tiny_llama
 from test_exactness import (ALPHA, WARPED, _feature_head, exact_joint, pooled_chisquare, sample_joint,
@@ -175,8 +175,8 @@ def _cache_free_tree(logprobs_after, tokens_so_far, nodes, depth):
 
 class _Row:
     def __init__(self, sequence):
-        from draftwise.rows import Request
-        from draftwise.sampling import SamplingConfig, make_generator
+        from draftwise.engine.rows import Request
+        from draftwise.engine.sampling import SamplingConfig, make_generator
 
         self.sequence = sequence
         self.request = Request(tuple(sequence), SamplingConfig(temperature=0.0))
@@ -185,7 +185,7 @@ class _Row:
 
 
 def test_draft_model_trees_equal_cache_free_trees_under_forced_acceptance():
-    from draftwise.drafters import ModelRowsDrafter
+    from draftwise.drafters.base import ModelRowsDrafter
 
     draft = tiny_llama(1, layers=1)
     drafter = ModelRowsDrafter(ModelRunner(draft, vocab_size=64, rows=0), 64)
@@ -214,8 +214,8 @@ def test_draft_model_trees_equal_cache_free_trees_under_forced_acceptance():
 
 
 def test_eagle_head_trees_equal_cache_free_trees_under_forced_acceptance():
-    from draftwise.eagle import EagleConfig, EagleHead
-    from draftwise.eagle_rows import EagleRowsDrafter
+    from draftwise.heads.eagle import EagleConfig, EagleHead
+    from draftwise.drafters.eagle import EagleRowsDrafter
 
     target = tiny_llama(0, width=16, vocab=64)
     torch.manual_seed(3)
@@ -287,7 +287,7 @@ def test_eagle_head_trees_equal_cache_free_trees_under_forced_acceptance():
 
 
 def test_suffix_trees_follow_the_counts_best_first():
-    from draftwise.suffix import SuffixTrie
+    from draftwise.drafters.suffix import SuffixTrie
 
     trie = SuffixTrie(8)
     trie.add([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 5])
@@ -386,7 +386,7 @@ def pair():
 def test_tree_methods_at_temperature_0_equal_target_greedy_token_for_token(method, pair):
     target, draft = pair
     if method == "eagle":
-        from draftwise.eagle import EagleConfig, EagleHead
+        from draftwise.heads.eagle import EagleConfig, EagleHead
 
         torch.manual_seed(3)
         draft = EagleHead(EagleConfig(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=64,

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.lookup import prompt_lookup
+from draftwise.drafters.lookup import prompt_lookup
 from draftwise.methods import METHODS, suffix_options
-from draftwise.suffix import SuffixRowsDrafter
-from draftwise.vllm_proposer import PromptLookupProposer, SuffixProposer
+from draftwise.drafters.suffix import SuffixRowsDrafter
+from draftwise.integrations.vllm_proposer import PromptLookupProposer, SuffixProposer
 
 
 def _config(k=4, max_len=64):

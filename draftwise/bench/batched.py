@@ -153,7 +153,7 @@ def run_batched(config: Any, target: Any, draft_of: dict[str, Any], encoded: lis
 
     from draftwise.api import Generation, generate
     from draftwise.methods import METHODS
-    from draftwise.sampling import SamplingConfig
+    from draftwise.engine.sampling import SamplingConfig
     from draftwise.bench.labels import DRAFT_ONLY, run_options
 
     def run(label: str, b: int, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[Any]:

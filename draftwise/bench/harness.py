@@ -21,9 +21,9 @@ import torch
 from draftwise.api import generate
 from draftwise.errors import DraftwiseError
 from draftwise.methods import METHODS
-from draftwise.eagle import DraftHead
+from draftwise.heads.eagle import DraftHead
 from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig
 from draftwise.bench.datasets import Prompt, load_prompts
 from draftwise.bench.labels import DRAFT_ONLY, HF_METHODS, parse_label, run_options
 from draftwise.bench.energy import find_meter

@@ -8,7 +8,7 @@ import sys
 
 from draftwise.errors import DraftwiseError
 from draftwise.models.loading import DTYPE_HELP, load_draft, load_model
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig
 from draftwise.cli.common import DEFAULT_TARGET, floats, parse_option_values, plot_safely, warn_if_fewer
 
 
@@ -236,7 +236,7 @@ def run_theory(args: argparse.Namespace) -> int:
     f_t, f_d = (theory.forward_flops(shapes[r], args.context) for r in ("target", "draft"))
     f_v = 2.0 * shapes["draft"].width
     if args.verifier:
-        from draftwise.sprinter import Verifier
+        from draftwise.heads.sprinter import Verifier
 
         v = Verifier.load(args.verifier)
         f_v = theory.verifier_flops(v.spec.input_size, v.spec.arch, v.spec.mlp_width)
@@ -286,13 +286,13 @@ def run_profile_sv(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from draftwise import sv
+    from draftwise.selectors import sv
     from draftwise.plan import check_same_tokenizer
     from draftwise.bench.batched import parse_batch_sizes
     from draftwise.bench.datasets import load_prompts
     from draftwise.bench.harness import encode_bench_prompt
     from draftwise.models import registry
-    from draftwise.sv_profile import build_profile, collect_samples, measure_latency
+    from draftwise.selectors.sv_profile import build_profile, collect_samples, measure_latency
 
     if args.threads:
         torch.set_num_threads(args.threads)

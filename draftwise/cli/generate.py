@@ -133,7 +133,7 @@ def as_chat(prompts: list[Any], target: Any, args: argparse.Namespace) -> list[A
 def structure(args: argparse.Namespace) -> dict[str, Any]:
     """--json-schema / --regex / --lark and --logprobs as generate's arguments, checked now."""
     from draftwise.plan import check_logprobs
-    from draftwise.grammar import grammar_from
+    from draftwise.engine.grammar import grammar_from
 
     def text_or_file(value: str) -> str:
         path = Path(value).expanduser()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from draftwise.errors import DraftwiseError
 from draftwise.models.loading import DTYPE_HELP, LoadedModel, load_draft, load_model, resolve_device
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig
 from draftwise.cli.common import floats
 
 SOURCES = ("spec-bench", "human-eval", "fortunes", "german", "docs", "magpie")  # train-data --sources
@@ -383,9 +383,9 @@ def add_export_eagle(sub: argparse._SubParsersAction) -> None:
 def run_export_eagle(args: argparse.Namespace) -> int:
     import torch
 
-    from draftwise.export import is_eagle_dir, load_head
-    from draftwise.eagle3 import Eagle3Head
-    from draftwise.export import export_eagle3
+    from draftwise.heads.export import is_eagle_dir, load_head
+    from draftwise.heads.eagle3 import Eagle3Head
+    from draftwise.heads.export import export_eagle3
     from draftwise.models.loading import resolve_path
 
     path = resolve_path(args.head)

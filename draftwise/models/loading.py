@@ -280,8 +280,8 @@ def load_draft(
     (a directory with eagle.json, or a registry name of one). Files load on the target's
     device and in its dtype unless `device` / `dtype` say otherwise.
     """
-    from draftwise.eagle import DraftHead
-    from draftwise.export import is_eagle_dir, load_head
+    from draftwise.heads.eagle import DraftHead
+    from draftwise.heads.export import is_eagle_dir, load_head
 
     if isinstance(dtype, str) and dtype.lower() in ("auto", *WEIGHT_FORMATS):
         dtype = None  # a draft runs in its target's float type
@@ -339,8 +339,8 @@ def write_output_vocabulary(directory: Path, ids: torch.Tensor, **meta: Any) -> 
 
 def is_eagle_spec(spec: Any) -> bool:
     """Whether `spec` names an EAGLE draft head, decided without loading or converting anything."""
-    from draftwise.eagle import DraftHead
-    from draftwise.export import is_eagle_dir
+    from draftwise.heads.eagle import DraftHead
+    from draftwise.heads.export import is_eagle_dir
 
     if isinstance(spec, DraftHead):
         return True
@@ -401,7 +401,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _not_a_model(spec: str) -> None:
-    from draftwise.export import is_eagle_dir
+    from draftwise.heads.export import is_eagle_dir
 
     entry = registry.entry(spec)
     path = Path(spec).expanduser()

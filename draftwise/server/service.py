@@ -12,10 +12,10 @@ from typing import Any
 from draftwise import api, builder, prompts
 from draftwise import plan as plan_module
 from draftwise.errors import DraftwiseError, DraftwiseWarning
-from draftwise.grammar import grammar_from
+from draftwise.engine.grammar import grammar_from
 from draftwise.methods import METHODS, Method
 from draftwise.models.loading import LoadedModel
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig
 from draftwise.server import protocol
 from draftwise.server.metrics import Metrics
 from draftwise.server.protocol import ApiError
@@ -151,7 +151,7 @@ class Service:
         settings = [SamplingConfig(1.0), SamplingConfig(0.0)]
         path = self._startup_options(spec).get("profile")
         if path:
-            from draftwise.sv import SVProfile
+            from draftwise.selectors.sv import SVProfile
 
             try:
                 found = SVProfile.load(path).setting
@@ -167,7 +167,7 @@ class Service:
         return any(resolved[o.name] for o in spec.options if o.required)
 
     def _verifier_spec(self, spec: Method) -> Any:
-        from draftwise.sprinter import Verifier
+        from draftwise.heads.sprinter import Verifier
 
         resolved = spec.resolve_options(self._startup_options(spec))
         spec.check_required(resolved)
@@ -258,7 +258,7 @@ class Service:
             grammar = grammar_from(grammar, response_format=parsed.response_format)
         except DraftwiseError as error:
             raise ApiError(400, str(error), param="response_format" if parsed.response_format is not None
-                           else "draftwise.grammar") from None
+                           else "draftwise.engine.grammar") from None
         options = {**self._startup_options(spec), **override}
         try:
             with warnings.catch_warnings():

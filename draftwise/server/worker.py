@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from draftwise.engine import Engine
-from draftwise.rows import Request, Result
+from draftwise.engine.core import Engine
+from draftwise.engine.rows import Request, Result
 from draftwise.server.metrics import Metrics
 
 log = logging.getLogger("draftwise.server")

@@ -111,12 +111,12 @@ def generate_answers_chunks(
     """Answer `prompts` (objects with uid, source, category, text) with the batched engine (plain target decoding,
     continuous batching) into answer chunks. Re-running skips what earlier runs wrote. `deadline` (a
     `time.monotonic()` value): stop there, keeping every finished answer (in-flight ones are redone next run)."""
-    from draftwise.acceptance import ExactRule
-    from draftwise.drafters import NoRowsDrafter
-    from draftwise.engine import Engine
+    from draftwise.rules.acceptance import ExactRule
+    from draftwise.drafters.base import NoRowsDrafter
+    from draftwise.engine.core import Engine
     from draftwise.models.runner import ModelRunner
-    from draftwise.rows import Request
-    from draftwise.sampling import SamplingConfig
+    from draftwise.engine.rows import Request
+    from draftwise.engine.sampling import SamplingConfig
     from draftwise.training.shards import stable_seed, encode_chat
 
     out = Path(out)
@@ -189,7 +189,7 @@ def features_from_answers(
     the inputs of `layers` and the final normed state captured, as the target computes a prompt. The last
     token's row is zero (it was never fed to produce a next token). Re-running skips the (uid, tag) already in a
     shard."""
-    from draftwise.eagle3 import eagle3_layers
+    from draftwise.heads.eagle3 import eagle3_layers
     from draftwise.models.runner import ModelRunner
     from draftwise.training.shards import Sequence_, done_keys as shard_done, shard_paths, write_shard
 

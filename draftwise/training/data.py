@@ -300,12 +300,12 @@ def synthesise_prompts(target, count: int, out: Path, *, batch_size: int = 32, s
 
     Batched engine, sampled; filtered by `keep_magpie` and deduplicated. Re-running tops the file
     up to `count` (it is rewritten atomically after each round)."""
-    from draftwise.acceptance import ExactRule
-    from draftwise.drafters import NoRowsDrafter
-    from draftwise.engine import Engine
-    from draftwise.rows import Request
+    from draftwise.rules.acceptance import ExactRule
+    from draftwise.drafters.base import NoRowsDrafter
+    from draftwise.engine.core import Engine
+    from draftwise.engine.rows import Request
     from draftwise.models.runner import ModelRunner
-    from draftwise.sampling import SamplingConfig
+    from draftwise.engine.sampling import SamplingConfig
 
     kept = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
     seen = {_dedup_key(r["text"]) for r in kept}

@@ -29,11 +29,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from draftwise.eagle3 import Eagle3Head
+from draftwise.heads.eagle3 import Eagle3Head
 from draftwise.errors import DraftwiseError
 from draftwise.atomic import write_text
 from draftwise.training.loop import cosine_lr, train_loop
-from draftwise.eagle3 import eagle3_layers
+from draftwise.heads.eagle3 import eagle3_layers
 from draftwise.training.shards import ShardSequence, read_shards
 
 
@@ -294,7 +294,7 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
 
 def _initial_head(config: Eagle3TrainConfig) -> Eagle3Head:
     """The head `--init-from` names (a registry name or a directory)."""
-    from draftwise.export import load_head
+    from draftwise.heads.export import load_head
     from draftwise.models import registry
 
     try:

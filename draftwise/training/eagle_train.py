@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from draftwise.eagle import EagleConfig, EagleHead
+from draftwise.heads.eagle import EagleConfig, EagleHead
 from draftwise.errors import DraftwiseError
 from draftwise.training.data import read_answers
 from draftwise.training.distill import pad_batch, read_examples, split_examples

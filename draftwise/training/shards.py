@@ -31,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftwise.atomic import atomic_path
-from draftwise.eagle3 import eagle3_layers
-from draftwise.drafters import NoRowsDrafter, RetiringRows
+from draftwise.heads.eagle3 import eagle3_layers
+from draftwise.drafters.base import NoRowsDrafter, RetiringRows
 from draftwise.errors import DraftwiseError
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -193,11 +193,11 @@ def generate_shards(
     `encode` turns a prompt's text into ids (default: the target's chat template, as a user turn).
     `deadline` (a `time.monotonic()` value): stop there, keeping every finished answer (in-flight ones are
     redone by the next run)."""
-    from draftwise.acceptance import ExactRule
-    from draftwise.engine import Engine
-    from draftwise.rows import Request
+    from draftwise.rules.acceptance import ExactRule
+    from draftwise.engine.core import Engine
+    from draftwise.engine.rows import Request
     from draftwise.models.runner import ModelRunner
-    from draftwise.sampling import SamplingConfig
+    from draftwise.engine.sampling import SamplingConfig
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,8 @@ import torch
 
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import full_vocabulary_logits
-from draftwise.sampling import SamplingConfig, make_generator, sample, unwarped, warp
-from draftwise.sprinter import FEATURES, Verifier, VerifierSpec, draft_fingerprint, verifier_features
+from draftwise.engine.sampling import SamplingConfig, make_generator, sample, unwarped, warp
+from draftwise.heads.sprinter import FEATURES, Verifier, VerifierSpec, draft_fingerprint, verifier_features
 from draftwise.atomic import save_torch as atomic_save
 
 KINDS = ("prompt", "draft", "target", "mixed")
@@ -76,7 +76,7 @@ def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataCon
     """
     from draftwise.api import generate
 
-    from draftwise.eagle import DraftHead
+    from draftwise.heads.eagle import DraftHead
 
     sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
     generator = make_generator(config.seed)

@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import unwarped
+from draftwise.engine.sampling import unwarped
 
 ZERO_RESIDUAL = 1e-5
 

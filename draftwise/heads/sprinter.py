@@ -32,10 +32,10 @@ from typing import Sequence
 
 import torch
 
-from draftwise.acceptance import Rule, StepDistributions
+from draftwise.rules.acceptance import Rule, StepDistributions
 from draftwise.errors import DraftwiseError
 from draftwise.models.qkernel import weight_rows
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig
 
 FEATURES = ("hidden", "embedding", "stats")
 FORMAT = "draftwise-sprinter-verifier-1"
@@ -46,7 +46,7 @@ def draft_fingerprint(model: torch.nn.Module, *, legacy: bool = False) -> str:
 
     The rows are rounded to bf16 first, so the same weights loaded in fp32, fp16 or bf16 give one fingerprint.
     `legacy`: the hash of the unrounded rows, which files written before that change record."""
-    from draftwise.eagle import DraftHead
+    from draftwise.heads.eagle import DraftHead
 
     if isinstance(model, DraftHead):  # a feature head: its kind, sizes, draft vocabulary and input projection
         shape = {"head": type(model).__name__, "feature_size": model.feature_size,

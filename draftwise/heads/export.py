@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftwise.eagle import CONFIG_FILE as EAGLE_CONFIG, DraftHead, EagleHead
-from draftwise.eagle3 import Eagle3Config, Eagle3Head, is_eagle3_dir
+from draftwise.heads.eagle import CONFIG_FILE as EAGLE_CONFIG, DraftHead, EagleHead
+from draftwise.heads.eagle3 import Eagle3Config, Eagle3Head, is_eagle3_dir
 from draftwise.errors import DraftwiseError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

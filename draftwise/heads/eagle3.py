@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from draftwise.eagle import DraftHead
+from draftwise.heads.eagle import DraftHead
 from draftwise.errors import DraftwiseError
 from draftwise.models.qkernel import out_rows, weight_rows
 

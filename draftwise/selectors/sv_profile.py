@@ -20,16 +20,16 @@ from typing import Any, Sequence
 
 import torch
 
-from draftwise.drafters import ModelRowsDrafter
-from draftwise.engine import Engine
-from draftwise.protocols import RowsDraft
-from draftwise.rows import Request, Row
+from draftwise.drafters.base import ModelRowsDrafter
+from draftwise.engine.core import Engine
+from draftwise.engine.protocols import RowsDraft
+from draftwise.engine.rows import Request, Row
 from draftwise.errors import DraftwiseError
-from draftwise.acceptance import ExactRule
+from draftwise.rules.acceptance import ExactRule
 from draftwise.models.runner import ModelRunner, draft_runner
-from draftwise.sampling import SamplingConfig, unwarped
-from draftwise.selection import CompanionRowsDrafter, indicator_pair
-from draftwise.sv import (AcceptanceTable, LatencyModel, SVProfile, acceptance_probability, bucket, discretise, equal_edges,
+from draftwise.engine.sampling import SamplingConfig, unwarped
+from draftwise.selectors.selection import CompanionRowsDrafter, indicator_pair
+from draftwise.selectors.sv import (AcceptanceTable, LatencyModel, SVProfile, acceptance_probability, bucket, discretise, equal_edges,
                  information_gain, quantile_edges)
 
 X_BINS = 10  # X (an acceptance probability in [0, 1]) is discretised in this many equal bins for entropies

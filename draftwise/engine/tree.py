@@ -35,11 +35,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from draftwise.batched import RowsAcceptance, draw_uniforms
+from draftwise.engine.sampler import RowsAcceptance, draw_uniforms
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import TreeMask
-from draftwise.protocols import RowsDraft
-from draftwise.sampling import invert_cdf
+from draftwise.engine.protocols import RowsDraft
+from draftwise.engine.sampling import invert_cdf
 
 TREE_TOP_K = 4  # children tried per expanded node, and nodes expanded per depth
 DEFAULT_TREE_NODES = 16  # a row's node budget when the engine has no cost measurements yet

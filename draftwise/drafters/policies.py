@@ -91,7 +91,7 @@ class VerifierStop(FixedLength):
         self.verifier, self.tau, self.embedding = verifier, tau, embedding
 
     def scores(self, hidden: torch.Tensor, tokens: torch.Tensor, q_raw: torch.Tensor) -> torch.Tensor:
-        from draftwise.sprinter import verifier_features
+        from draftwise.heads.sprinter import verifier_features
 
         features = verifier_features(self.verifier.spec.features, hidden, tokens, q_raw, self.embedding)
         return self.verifier(features.to(self.verifier.mean.dtype))  # [rows]

@@ -39,9 +39,9 @@ from typing import Callable
 
 import torch
 
-from draftwise.acceptance import Rule, StepDistributions
+from draftwise.rules.acceptance import Rule, StepDistributions
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import unwarped
+from draftwise.engine.sampling import unwarped
 
 CASCADE_RULES = ("chow", "diff", "opt", "opt-log", "bild", "token-v1", "token-v2", "token-v3")
 TOKEN_RULES = ("token-v1", "token-v2", "token-v3")

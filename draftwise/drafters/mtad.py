@@ -48,12 +48,12 @@ from typing import Any, Sequence
 
 import torch
 
-from draftwise.acceptance import Rule, StepDistributions
-from draftwise.batched import warp_rows
-from draftwise.drafters import ModelRowsDrafter
-from draftwise.protocols import RowsDraft, empty_draft, pad_rows
+from draftwise.rules.acceptance import Rule, StepDistributions
+from draftwise.engine.sampler import warp_rows
+from draftwise.drafters.base import ModelRowsDrafter
+from draftwise.engine.protocols import RowsDraft, empty_draft, pad_rows
 from draftwise.errors import DraftwiseError
-from draftwise.sampling import SamplingConfig, unwarped
+from draftwise.engine.sampling import SamplingConfig, unwarped
 
 
 def beam_log_probs(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from draftwise.drafters import draft_chains
-from draftwise.eagle import DraftHead
+from draftwise.drafters.base import draft_chains
+from draftwise.heads.eagle import DraftHead
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
-from draftwise.policies import FixedLength, LengthPolicy
+from draftwise.drafters.policies import FixedLength, LengthPolicy
 
 if TYPE_CHECKING:
-    from draftwise.protocols import RowsDraft
+    from draftwise.engine.protocols import RowsDraft
 
 CATCH_UP = 256  # true-feature positions a row's head reads per step: a long prompt's catch-up is spread over
 # steps (the row drafts nothing until it is done), so it never stalls the other rows' step
@@ -141,7 +141,7 @@ class EagleRowsDrafter:
 
     @torch.inference_mode()
     def propose(self, rows, limits) -> "RowsDraft":
-        from draftwise.protocols import empty_draft
+        from draftwise.engine.protocols import empty_draft
 
         n = len(rows)
         width = max(limits, default=0)
@@ -170,7 +170,7 @@ class EagleRowsDrafter:
         """EAGLE-2's dynamic tree (tree.grow_on): a node's head input is its parent's predicted state and its own
         token; deterministic candidates, so exact at any temperature. The tree grows over the draft vocabulary
         (the head gives nothing else any probability); its token ids map to the target's at the end."""
-        from draftwise.tree import grow_on, tree_draft
+        from draftwise.engine.tree import grow_on, tree_draft
 
         dtype = self.head.fc.weight.dtype
         n = predicted.shape[0]
@@ -211,8 +211,8 @@ class EagleRowsDrafter:
         Called after verification, before the rewind: the target's features of the context's positions
         are in, so the head catches up on them (its drafted positions are dropped first) and scores the
         next token. Features of the context's last position stay unread, as the rewind expects."""
-        from draftwise.batched import warp_rows
-        from draftwise.sampling import unwarped
+        from draftwise.engine.sampler import warp_rows
+        from draftwise.engine.sampling import unwarped
 
         n = len(contexts)
         counts = []

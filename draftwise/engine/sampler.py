@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from draftwise.acceptance import ZERO_RESIDUAL
-from draftwise.sampling import SamplingConfig, invert_cdf, warp
+from draftwise.rules.acceptance import ZERO_RESIDUAL
+from draftwise.engine.sampling import SamplingConfig, invert_cdf, warp
 
 
 @dataclass(frozen=True)

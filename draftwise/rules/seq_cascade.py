@@ -21,8 +21,8 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from draftwise.engine import Engine
-from draftwise.rows import Event, Request, Result
+from draftwise.engine.core import Engine
+from draftwise.engine.rows import Event, Request, Result
 
 
 @dataclass

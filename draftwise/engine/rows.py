@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 import torch
 
-from draftwise.grammar import Grammar, GrammarState
-from draftwise.sampling import SamplingConfig
+from draftwise.engine.grammar import Grammar, GrammarState
+from draftwise.engine.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from draftwise.batched import sample_rows, warp_rows
-from draftwise.grammar import mask_rows, push_rows
+from draftwise.engine.sampler import sample_rows, warp_rows
+from draftwise.engine.grammar import mask_rows, push_rows
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
-from draftwise.policies import FixedLength, LengthPolicy
-from draftwise.sampling import SamplingConfig, unwarped
-from draftwise.protocols import RowsDraft, empty_draft, one_hot_draft, pad_rows
-from draftwise.rows import Row, cut_at_eos
+from draftwise.drafters.policies import FixedLength, LengthPolicy
+from draftwise.engine.sampling import SamplingConfig, unwarped
+from draftwise.engine.protocols import RowsDraft, empty_draft, one_hot_draft, pad_rows
+from draftwise.engine.rows import Row, cut_at_eos
 
 
 CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
@@ -62,7 +62,7 @@ class LookupRowsDrafter(NoRowsDrafter):
         self.eos = eos_token_ids
 
     def propose(self, rows, limits) -> RowsDraft:
-        from draftwise.lookup import prompt_lookup
+        from draftwise.drafters.lookup import prompt_lookup
 
         # a continuation stops after an end-of-sequence token: nothing past it is drafted
         found = [cut_at_eos(prompt_lookup(r.sequence, limit, **self.ngrams), self.eos) for r, limit in zip(rows, limits)]
@@ -161,7 +161,7 @@ class ModelRowsDrafter:
     def _propose_trees(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
         """EAGLE-2's dynamic tree from the draft model's log-probabilities (tree.grow_on), depth at most each
         row's limit; deterministic candidates, so exact at any temperature."""
-        from draftwise.tree import grow_on, tree_draft
+        from draftwise.engine.tree import grow_on, tree_draft
 
         feed, counts, limits = self.pending_feed(rows, limits)
         at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
@@ -187,7 +187,7 @@ class ModelRowsDrafter:
     def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """(unwarped, warped) draft distributions after each row's context: one forward over the rows."""
-        from draftwise.sampling import unwarped
+        from draftwise.engine.sampling import unwarped
 
         lengths = self.runner.lengths
         for b, context in enumerate(contexts):  # rows that drafted past their own stop hold extra tokens

@@ -4,7 +4,7 @@ A team that outgrows one machine keeps draftwise's drafters on vLLM:
 
     from vllm import LLM
     llm = LLM(model=..., speculative_config={
-        "method": "custom_class", "model": "draftwise.vllm_proposer.SuffixProposer",
+        "method": "custom_class", "model": "draftwise.integrations.vllm_proposer.SuffixProposer",
         "num_speculative_tokens": 4})
 
 `SuffixProposer` is draftwise's `suffix` method (SuffixDecoding: a per-request suffix trie plus a bounded
@@ -84,7 +84,7 @@ class PromptLookupProposer(_Proposer):
         self.ngrams = {"max_ngram": self.options["max_ngram"], "min_ngram": self.options["min_ngram"]}
 
     def draft(self, row: int, tokens: np.ndarray, limit: int) -> list[int]:
-        from draftwise.lookup import prompt_lookup
+        from draftwise.drafters.lookup import prompt_lookup
 
         return prompt_lookup(tokens.tolist(), limit, **self.ngrams)
 
@@ -97,14 +97,14 @@ class SuffixProposer(_Proposer):
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
         from draftwise.methods import suffix_options
-        from draftwise.suffix import GlobalSuffix
+        from draftwise.drafters.suffix import GlobalSuffix
 
         self.suffix = suffix_options(self.options)
         self.store = GlobalSuffix(self.suffix.depth, self.suffix.global_tokens)
         self.rows: dict[int, Any] = {}  # batch row -> RequestSuffix
 
     def _state(self, row: int, tokens: np.ndarray) -> Any:
-        from draftwise.suffix import RequestSuffix
+        from draftwise.drafters.suffix import RequestSuffix
 
         state = self.rows.get(row)
         seen = len(state.tokens) if state is not None else 0

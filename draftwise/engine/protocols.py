@@ -9,7 +9,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from draftwise.rows import Row
+from draftwise.engine.rows import Row
 
 
 @dataclass(frozen=True)

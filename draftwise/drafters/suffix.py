@@ -25,9 +25,9 @@ from typing import Sequence
 
 import torch
 
-from draftwise.drafters import RetiringRows
-from draftwise.protocols import one_hot_draft
-from draftwise.tree import tree_draft
+from draftwise.drafters.base import RetiringRows
+from draftwise.engine.protocols import one_hot_draft
+from draftwise.engine.tree import tree_draft
 from draftwise.errors import DraftwiseError
 
 
@@ -298,7 +298,7 @@ class SuffixRowsDrafter(RetiringRows):
 def _hybrid_trees(hybrid: "HybridRowsDrafter", rows, limits):
     """Per row the suffix tree (where it expects at least the threshold) and the head's tree, merged best first:
     (tokens, parents, path scores)."""
-    from draftwise.tree import merge_trees
+    from draftwise.engine.tree import merge_trees
 
     nodes = hybrid.tree_nodes
     suffix_tokens, suffix_parents, expected, suffix_scores = hybrid.suffix.speculate_trees(
@@ -387,7 +387,7 @@ class HybridRowsDrafter:
         return tree_draft(tokens, parents, self.suffix.vocab_size, self.suffix.device, scores)
 
     def propose(self, rows, limits):
-        from draftwise.protocols import RowsDraft, empty_draft
+        from draftwise.engine.protocols import RowsDraft, empty_draft
 
         if self.tree_nodes > 0:
             return self._propose_trees(rows, limits)

@@ -34,17 +34,17 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from draftwise.acceptance import ExactRule, StepDistributions, TargetRule
-from draftwise.batched import RowsAcceptance, accept_greedy, speculative_sample_rows, warp_rows
+from draftwise.rules.acceptance import ExactRule, StepDistributions, TargetRule
+from draftwise.engine.sampler import RowsAcceptance, accept_greedy, speculative_sample_rows, warp_rows
 from draftwise.errors import DraftwiseError
-from draftwise.grammar import compiler_for, mask_logits
+from draftwise.engine.grammar import compiler_for, mask_logits
 from draftwise.models.kvcache import release_heap
 from draftwise.models.runner import ModelRunner, RowsOutput, fast_model
-from draftwise.sampling import make_generator
-from draftwise.drafters import PREFILL_CHUNK, PREFILL_TOKENS
-from draftwise.protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
-from draftwise.rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
-from draftwise.tree import TreeBudget, accept_chains, accept_tree, depths, verify_mask
+from draftwise.engine.sampling import make_generator
+from draftwise.drafters.base import PREFILL_CHUNK, PREFILL_TOKENS
+from draftwise.engine.protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
+from draftwise.engine.rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
+from draftwise.engine.tree import TreeBudget, accept_chains, accept_tree, depths, verify_mask
 from draftwise.models.qkernel import out_rows
 
 
@@ -469,7 +469,7 @@ class Engine:
         Only the rows that need a bonus (every drafted token accepted) read the draft past their drafts: a row with
         a rejection reads no further than its sequence, so a drafter never consumes what the rewind drops (an EAGLE
         head would lose the target's features of its rejected positions). Those rows' bonus rows are unused."""
-        from draftwise.sampling import unwarped
+        from draftwise.engine.sampling import unwarped
 
         contexts = [row.sequence + (draft.tokens[b, : draft.counts[b]].tolist() if needed[b] else [])
                     for b, row in enumerate(rows)]

@@ -28,13 +28,13 @@ from typing import Sequence
 
 import torch
 
-from draftwise.batched import speculative_sample_rows, warp_rows
-from draftwise.drafters import ModelRowsDrafter, prefill_row
-from draftwise.protocols import RowsDraft, pad_rows
-from draftwise.rows import Row
+from draftwise.engine.sampler import speculative_sample_rows, warp_rows
+from draftwise.drafters.base import ModelRowsDrafter, prefill_row
+from draftwise.engine.protocols import RowsDraft, pad_rows
+from draftwise.engine.rows import Row
 from draftwise.models.runner import ModelRunner
-from draftwise.sampling import unwarped
-from draftwise.sv import LatencyModel, AcceptanceTable, indicators, schedule
+from draftwise.engine.sampling import unwarped
+from draftwise.selectors.sv import LatencyModel, AcceptanceTable, indicators, schedule
 
 
 class CompanionRowsDrafter:

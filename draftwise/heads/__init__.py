@@ -1,0 +1,1 @@
+"""Trained heads: EAGLE, EAGLE-3, their export, SPRINTER's verifier."""

@@ -1,0 +1,1 @@
+"""Draftwise inside other servers: the vLLM proposer."""

@@ -1,0 +1,1 @@
+"""Acceptance rules: exact, lossy, the cascades' deferral rules."""

@@ -1,0 +1,1 @@
+"""The select phase: Speculative Verification, its profiles, SmartSpec, staged companions."""
