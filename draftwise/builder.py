@@ -1,10 +1,11 @@
-"""Building the engine a plan runs on: one builder per drafter kind (`DRAFTER_BUILDERS`, keyed by
-`methods.DRAFTERS`), the length policy, the select phase, and `build_engine`."""
+"""Building the engine a plan runs on: one builder per drafter kind (the function a `methods.DrafterKind` names, or
+for the built-in kinds `DRAFTER_BUILDERS`), the length policy, the select phase, and `build_engine`."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import importlib
+from typing import Any, Callable
 
 from draftwise.rules.cascades import sequence_confidence
 from draftwise.drafters.base import LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter
@@ -51,7 +52,15 @@ def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, 
 
 def _drafter(plan: Plan, rule: Any) -> Any:
     """The method's drafter over rows: its kind's builder."""
-    return DRAFTER_BUILDERS[plan.method.drafter](plan, rule)
+    return drafter_builder(DRAFTERS[plan.method.drafter])(plan, rule)
+
+
+def drafter_builder(kind: Any) -> Callable[[Plan, Any], Any]:
+    """A drafter kind's builder: the function its `builder` names ("module:function"), else the built-in one."""
+    if not kind.builder:
+        return DRAFTER_BUILDERS[kind.name]
+    module, _, name = kind.builder.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _none(plan: Plan, rule: Any) -> Any:
@@ -113,7 +122,7 @@ DRAFTER_BUILDERS = {"none": _none, "model": _model, "sprinter": _model, "stophea
                     "beam": _beams, "target-beam": _beams}
 
 
-assert set(DRAFTER_BUILDERS) == set(DRAFTERS), "every drafter kind has a builder"
+assert all(k.builder or k.name in DRAFTER_BUILDERS for k in DRAFTERS.values()), "every drafter kind has a builder"
 
 
 def _selector(plan: Plan, gamma: int) -> Any:

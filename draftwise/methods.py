@@ -31,14 +31,16 @@ MAX_WINDOW = 64  # the bound of every option that sets a draft run, a match leng
 
 @dataclass(frozen=True)
 class DrafterKind:
-    """What a kind of drafter needs. Its builder is `builder.DRAFTER_BUILDERS[name]`; adding a kind is this entry and
-    that builder."""
+    """What a kind of drafter needs, and how it is built: `builder`, "module:function", names a function
+    `(plan, rule) -> drafter` (a new kind keeps it beside its drafter class); the built-in kinds leave it empty and
+    are built by `builder.DRAFTER_BUILDERS[name]`. Adding a kind is its module and this entry."""
 
     name: str
     needs: str  # what `draftwise methods` says it needs
     draft_model: bool = False  # a draft model or an EAGLE head
     companion: bool = False  # a companion model (SV)
     objective: str = ""  # the trained file's objective: "sprinter" (a verifier) or "acceptance" (a stop head)
+    builder: str = ""  # "module:function" building its rows drafter; "": builder.DRAFTER_BUILDERS[name]
 
 
 DRAFTERS: dict[str, DrafterKind] = {k.name: k for k in (

@@ -601,3 +601,36 @@ def test_release_heap_never_forks(monkeypatch):
     for _ in range(3):
         kvcache.release_heap()
     assert kvcache._malloc_trim() is not None  # glibc: the trim is found and runs
+
+
+class _RepeatDrafter(NoRowsDrafter):
+    """A drafter kind added the way a contributor would: it drafts each row's last token `limit` times."""
+
+    def propose(self, rows, limits):
+        from draftwise.engine.protocols import one_hot_draft
+
+        return one_hot_draft([[r.sequence[-1]] * limit for r, limit in zip(rows, limits)], self.vocab_size,
+                             self.device)
+
+
+def _build_repeat(plan, rule):
+    return _RepeatDrafter(plan.vocab_size, plan.target.device)
+
+
+def test_a_new_drafter_kind_is_its_module_and_one_entry(llama_pair, monkeypatch):
+    """A drafter kind needs its class and builder (here, this module) and its entries in methods.py, nothing in the
+    builder or the engine; it then runs exactly (greedy: ar's tokens) and its drafts are verified."""
+    from draftwise.methods import DRAFTERS, METHODS, DrafterKind, Method
+
+    monkeypatch.setitem(DRAFTERS, "repeat", DrafterKind("repeat", "no draft model",
+                                                        builder=f"{__name__}:_build_repeat"))
+    monkeypatch.setitem(METHODS, "repeat", Method("repeat", "repeats the last token", drafter="repeat",
+                                                  make_rule=lambda options: ExactRule()))
+    target, _ = llama_pair
+    t = load_model(target, tokenizer=tiny_tokenizer(64))
+    prompts = ["the cat sat on", "a a a a"]
+    kwargs = dict(temperature=0, max_new_tokens=12, ignore_eos=True, max_batch_size=2)
+    ours = draftwise.generate(t, prompts, method="repeat", gamma=3, **kwargs)
+    ar = draftwise.generate(t, prompts, method="ar", **kwargs)
+    assert [g.token_ids for g in ours] == [g.token_ids for g in ar]
+    assert sum(g.stats["drafted"] for g in ours) > 0
