@@ -18,9 +18,8 @@ from draftwise.engine.rows import Row, cut_at_eos
 
 
 CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
-PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time (a request arriving
-# meanwhile waits for it: 7,000-token prompt, 2-core EPYC, short request at 4.2x its time alone with 512-token
-# chunks, 3.7x with 128) and costs ~10% on the long prompt (17.0 s -> 18.7 s; benchmarks/long_prompt.py)
+PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time, which a request arriving
+# meanwhile waits for, at a small cost to the long prompt (benchmarks/long_prompt.py measures both)
 PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
 
 

@@ -107,11 +107,10 @@ def _top_p_candidates(probs: torch.Tensor, top_p: float, m: int) -> tuple[torch.
 def _top_p(probs: torch.Tensor, top_p: float, candidates: tuple[int, ...] = TOP_P_CANDIDATES) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised. [..., vocab].
 
-    Sorting all 49k tokens of a row costs ~2.8 ms on CPU. `torch.topk` of 128 costs ~0.1 ms,
-    and 128 tokens hold the top-0.9 nucleus of ~88% of SmolLM2's decoding steps (2048: all of
-    the 404 measured). So each row tries the candidate counts in turn (with top-k on, its k
-    tokens and one zero past them), keeps the answer where it is provably the full sort's, and
-    only the rows left over take the full sort (a flat row pays for the tries: ~1.3x the sort).
+    Sorting a whole vocabulary per row is slow on CPU, and a `torch.topk` of a few hundred tokens is cheap and
+    usually holds the nucleus. So each row tries the candidate counts in turn (with top-k on, its k tokens and
+    one zero past them), keeps the answer where it is provably the full sort's, and only the rows left over take
+    the full sort (a flat row pays for the tries as well).
     """
     vocab = probs.shape[-1]
     flat = probs.reshape(-1, vocab)
@@ -156,8 +155,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
     probs: [rows, vocab], non-negative (rows need not be normalised). Returns [rows] int64.
     The first index whose cumulative mass exceeds u * total is drawn, so a token of
-    probability zero never is. On CPU this is ~10x faster than `torch.multinomial`
-    over a 49k vocabulary; the cumulative sum runs in float64 to keep rounding negligible.
+    probability zero never is. On CPU this is much faster than `torch.multinomial` over a large vocabulary; the
+    cumulative sum runs in float64 to keep rounding negligible.
     """
     assert probs.ndim == 2, probs.shape
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)

@@ -13,13 +13,12 @@ temperature, and a child x is accepted with probability p(x), as in multi-candid
 one-hot proposals (SpecInfer, EAGLE). Unlike that scheme, which draws a uniform per candidate tried, a row draws
 exactly one uniform per committed token whatever its tree: its tokens depend on its seed alone, never on the
 tree's shape. That matters because shapes depend on the batch (the node budget at the batch's size, the value cut
-over every row's nodes): with the old scheme, rows seeded alike (`generate(..., seed=s)` on a list) and a batch
-whose size followed one row's random outcome (a one-token prompt decodes a step before its batch-mates' prompts
-are in) gave a row a tree correlated with its own uniforms, and biased it (issue 34). At temperature > 0 a tree
-method now writes `ar`'s tokens for the same seed, up to the rounding of the target's probabilities.
+over every row's nodes): a uniform per candidate tried would let a batch whose size follows one row's random
+outcome give that row a tree correlated with its own uniforms, and bias it. At temperature > 0 a tree method writes
+`ar`'s tokens for the same seed, up to the rounding of the target's probabilities.
 
-After acceptance the engine moves the accepted path's keys and values to contiguous positions
-(`PositionCache.compact`) and trims the rest.
+After acceptance the engine moves the accepted paths' keys and values to contiguous positions
+(`PositionCache.compact_rows`, one gather per layer for every row) and trims the rest.
 
 Trees are grown by `grow_trees` (EAGLE-2's dynamic tree: expand the top-k children of the best nodes of the last
 depth, rerank every candidate by its path's draft probability, keep the best N) for the draft model and the

@@ -36,11 +36,8 @@ _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq independent o
 # ------------------------------------------------------------------ projections in each weight format
 
 def onednn_packing(weight: torch.Tensor) -> bool:
-    """Whether float products of this weight run through oneDNN with a prepacked weight: CPU, fp32 or bf16.
-
-    Measured on a 2-core AMD EPYC (Zen 4), 2 threads, SmolLM2-135M shapes (us, 1 / 6 rows): the LM head
-    49,152 x 576 in bf16 2,740 / 2,673 with F.linear against 1,481 / 1,309 prepacked; in fp32 10,406 / 22,025
-    against 3,770 / 2,724; a 3,072 x 576 projection in bf16 110 / 141 against 53 / 69."""
+    """Whether float products of this weight run through oneDNN with a prepacked weight (CPU, fp32 or bf16):
+    prepacking beats F.linear at every width for these shapes (DRAFTWISE_ONEDNN=0 turns it off)."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and os.environ.get("DRAFTWISE_ONEDNN", "1") != "0")
 
@@ -126,9 +123,7 @@ class Int4Linear:
     The layout of GGUF's Q4_0 and Q4_1 blocks (see `models.quant`), run by PyTorch's CPU int4 kernel
     (`_weight_int4pack_mm_for_cpu`); scales and zeros in the activations' dtype.
 
-    The kernel wins at decode widths and loses on prompts: on a 2-core AMD EPYC (Zen 4), bf16, a 3,072 x 576
-    projection takes 52 / 171 / 1,521 / 15,440 us at 1 / 6 / 32 / 512 rows against 53 / 69 / 610 / 8,590 us
-    for oneDNN's prepacked bf16 product. So a prompt feed (`wide`) runs the dequantised weights (rounded to the activation type, prepacked at the first prompt), and every decode and
+    The kernel wins at decode widths and loses to oneDNN's prepacked bf16 product on prompts. So a prompt feed (`wide`) runs the dequantised weights (rounded to the activation type, prepacked at the first prompt), and every decode and
     verification feed runs the int4 kernel, whatever the batch: a token's result never depends on its
     batch-mates, and every method computes a prompt's cache the same way."""
 
@@ -324,9 +319,8 @@ class FastModel:
         visible = None if mask is None or kernel is None else mask[:, 0].contiguous()  # [rows, width, kv] bool
         # Without the kernel: rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention
         # row by row on the packed tokens, each row reading its own live keys only, where padding would be over a
-        # quarter of the keys or of the queries (batch 32, lengths 100-1,000: 3.4 ms a layer padded). On the CPU
-        # only: on a GPU each row's attention is its own kernel launches per layer, and the padded batch one (a suspect, not yet measured,
-        # for train-data's batch 256 answering 2.5 sequences a second on an H100 with the GPU 7% busy)
+        # quarter of the keys or of the queries. On the CPU only: on a GPU each row's attention would be its own
+        # kernel launches per layer, where the padded batch is one
         per_row = None
         if kernel is None and rows > 1 and source.device.type == "cpu":
             row_kv = [cache.lengths[step.begin + b] + c for b, c in enumerate(counts)]
@@ -475,9 +469,7 @@ class Packing:
 
 def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Keys and values (and attention) in fp32 on CPU whatever the weights' type: PyTorch's CPU attention in bf16
-    is several times slower than in fp32. Measured on a 2-core AMD EPYC (Zen 4), one query row, 9 heads over
-    3 kv heads, 200 / 1,000 cached positions: SDPA 111 / 484 us in bf16 against 18 / 56 us in fp32; 16 rows at
-    1,000 positions, 8.7 ms against 1.35 ms. Elsewhere the model's own type."""
+    is several times slower than in fp32. Elsewhere the model's own type."""
     return torch.float32 if device.type == "cpu" else dtype
 
 

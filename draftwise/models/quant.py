@@ -23,12 +23,12 @@ dequantisation value for value (tests/test_kquants.py checks each format block b
 
 How each runs (`GGUFFormats.linear`): 4-bit codes (Q4_0, Q4_1, Q4_K) run as int4 groups of 32 (`fast.Int4Linear`:
 w = (q - 8) * scale + zero) with bf16 activations, so the kernel holds scale and zero in bf16: they are rounded by
-up to 2^-9 of their value (the 4-bit codes are kept exactly). PyTorch's int4 CPU kernel has no fast fp32 path (the
-LM-head shape: 0.57 ms in bf16, 24 ms in fp32, at one row). Prompt feeds run the dequantised weights (see
+up to 2^-9 of their value (the 4-bit codes are kept exactly). PyTorch's int4 CPU kernel has no fast fp32 path.
+Prompt feeds run the dequantised weights (see
 `fast.Int4Linear`). Q5_0, Q6_K and Q8_0 blocks are dequantised exactly (in fp32) and run as float in the
 activations' type: no PyTorch CPU kernel takes 5-, 6- or 8-bit codes with a scale per group of 16 or 32, and the
-alternatives measured slower than oneDNN's prepacked bf16 product (LM head, 1 / 6 rows: 18 per-group
-`_weight_int8pack_mm` calls 1.57 / 8.45 ms, bf16 prepacked 1.39 / 1.37 ms). Other GGUF types (F32, F16, BF16)
+alternatives (per-group `_weight_int8pack_mm` calls) are slower than oneDNN's prepacked bf16 product. Other GGUF
+types (F32, F16, BF16)
 run as float.
 """
 

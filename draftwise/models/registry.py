@@ -261,8 +261,7 @@ _register_shipped(
 # Best first: the feature head drafts better than the independent model (see benchmarks/README.md).
 _DEFAULT_DRAFTS[SMOLLM2] = ("smollm2-135m-eagle", "smollm2-135m-draft")
 _COMPANIONS[SMOLLM2] = "smollm2-135m-companion"
-# At T=1 it drafted a little better than the greedy head in every variant measured (benchmarks/README.md, "The T=1
-# head on 1M sampled tokens"), within the noise of 12 sampled prompts but never behind.
+# The head trained on sampled answers drafts for T>0 requests (benchmarks/README.md compares the two heads).
 _SAMPLED_HEADS[SMOLLM2] = "smollm2-135m-eagle-t1"
 
 
