@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import draftwise  # noqa: E402
+from draftwise.bench.timing import interleaved, medians  # noqa: E402
 from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.bench.harness import machine_description  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
@@ -52,17 +53,10 @@ def draft_step_ms(variants: dict, vocab_size: int, repeats: int, context: int = 
         runner = ModelRunner(loaded.model, vocab_size=vocab_size, rows=0, output_ids=loaded.output_ids)
         runner.forward_rows(torch.arange(1, context + 1)[None], [context])
         runners[name] = runner
-    times: dict[str, list[float]] = {name: [] for name in runners}
     token = torch.tensor([[42]])
-    for i in range(repeats + 5):
-        for name, runner in runners.items():
-            start = time.perf_counter()
-            runner.forward_rows(token, [1])
-            elapsed = time.perf_counter() - start
-            runner.trim_row(0, context)
-            if i >= 5:
-                times[name].append(elapsed * 1000)
-    return {name: statistics.median(t) for name, t in times.items()}
+    seconds = interleaved({name: (lambda r=runner: r.forward_rows(token, [1])) for name, runner in runners.items()},
+                          rounds=repeats, warmup=5, after=lambda name: runners[name].trim_row(0, context))
+    return {name: 1000 * t for name, t in medians(seconds).items()}
 
 
 def main() -> int:

@@ -1,7 +1,8 @@
 """The verification cost curve of each weight format: one target forward of k tokens per row against one token.
 
 For every format, batch size and k = 1..8, rows that already hold `--context` tokens feed k more
-(the verify feed of a step), then roll back; the median time of `--repeats` such forwards is
+(the verify feed of a step), then roll back, every k interleaved round by round (`bench.timing`); the median time
+of `--repeats` such forwards is
 reported, with its ratio to k = 1 at the same batch. This is the number speculation must beat: a
 step that commits m tokens per row pays cost(k) / cost(1) of a plain decoding step.
 
@@ -12,13 +13,12 @@ step that commits m tokens per row pays cost(k) / cost(1) of a plain decoding st
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import draftwise
 from draftwise.bench.harness import machine_description
+from draftwise.bench.timing import interleaved, medians
 from draftwise.atomic import write_json
 from draftwise.models.runner import ModelRunner
 
@@ -28,18 +28,15 @@ def curve(target, batch: int, context: int, max_k: int, repeats: int) -> dict[st
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (batch, context), generator=generator)
     runner.forward_rows(prompt, [context] * batch, logits_at=torch.zeros(batch, 1, dtype=torch.long), prompt=True)
-    times = {}
-    for k in range(1, max_k + 1):
-        feed = torch.randint(100, 40000, (batch, k), generator=generator)
-        samples = []
-        for _ in range(repeats + 2):
-            start = time.perf_counter()
-            runner.forward_rows(feed, [k] * batch)
-            samples.append(time.perf_counter() - start)
-            for row in range(batch):
-                runner.trim_row(row, context)
-        times[k] = statistics.median(samples[2:])  # the first two warm up
-    return {str(k): {"ms": 1000 * t, "vs_k1": t / times[1]} for k, t in times.items()}
+    feeds = {str(k): torch.randint(100, 40000, (batch, k), generator=generator) for k in range(1, max_k + 1)}
+
+    def rollback(name: str) -> None:
+        for row in range(batch):
+            runner.trim_row(row, context)
+
+    times = medians(interleaved({k: (lambda f=feed: runner.forward_rows(f, [f.shape[1]] * batch))
+                                 for k, feed in feeds.items()}, rounds=repeats, warmup=2, after=rollback))
+    return {k: {"ms": 1000 * t, "vs_k1": t / times["1"]} for k, t in times.items()}
 
 
 def main() -> None:

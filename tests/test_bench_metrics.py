@@ -218,3 +218,16 @@ def test_a_prompt_mix_written_here_is_answered_elsewhere_in_its_order(tmp_path, 
     assert "bad.jsonl, line 2: not a prompt record" in err and "Traceback" not in err and len(err.splitlines()) == 1
     assert main(args[:-6] + ["--prompts", str(tmp_path / "missing.jsonl")]) != 0
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_interleaved_timing_runs_cases_round_by_round_after_untimed_warmup():
+    from draftwise.bench.timing import interleaved, medians
+
+    calls: list[str] = []
+    seconds = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=2,
+                          after=lambda name: calls.append(f"after-{name}"))
+    assert calls == ["a", "after-a", "b", "after-b"] * 5
+    assert [len(v) for v in seconds.values()] == [3, 3] and all(t >= 0 for v in seconds.values() for t in v)
+    assert set(medians(seconds)) == {"a", "b"}
+    with pytest.raises(ValueError):
+        interleaved({"a": lambda: None}, rounds=0)

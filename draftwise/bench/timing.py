@@ -1,0 +1,41 @@
+"""The benchmarks' one way to time things: cases interleaved round by round after untimed warm-up rounds, each
+case's wall times kept, medians taken. `draftwise bench` times generations this way; scripts that time something
+else (a forward, a kernel) call `interleaved` instead of writing their own loop."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+
+def interleaved(cases: Mapping[str, Callable[[], Any]], *, rounds: int, warmup: int = 1,
+                after: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Each case's wall seconds over `rounds` rounds; within a round the cases run one after another in their
+    order, so a drift of the machine touches them alike. `warmup` rounds run first, untimed. `after(name)`, when
+    given, runs after each call of a case, untimed (a rollback, say)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds!r}")
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(warmup + rounds):
+        for name, case in cases.items():
+            start = time.perf_counter()
+            case()
+            elapsed = time.perf_counter() - start
+            if after is not None:
+                after(name)
+            if i >= warmup:
+                seconds[name].append(elapsed)
+    return seconds
+
+
+def medians(seconds: Mapping[str, list[float]]) -> dict[str, float]:
+    """The median of each case's times."""
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """(wall seconds, result) of one call."""
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
