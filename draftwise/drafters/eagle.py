@@ -48,6 +48,8 @@ class EagleRowsDrafter:
         if not bool(usable.any()):
             raise DraftwiseError(f"no id of this EAGLE head's draft vocabulary is below the vocabulary size {vocab_size}")
         self.usable = usable  # [draft_vocab] bool
+        # the usable columns as indices (None: every column), so a step's logits are not masked by a boolean tensor
+        self._usable_cols = None if bool(usable.all()) else usable.nonzero().squeeze(1)
         self.usable_ids = head.vocab_ids[usable]  # [usable] full-vocabulary ids
         self.features: list[torch.Tensor] = []  # per row [n, hidden]
         self.cached: list[int] = []
@@ -135,9 +137,14 @@ class EagleRowsDrafter:
         states = self.runner.forward_states(fused, [1] * tokens.shape[0], begin=begin)[:, 0]
         return self.full_logits(states), states
 
+    def _usable_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[m, H] head states -> [m, usable draft vocabulary] logits."""
+        logits = self.head.logits(states)
+        return logits if self._usable_cols is None else logits.index_select(-1, self._usable_cols)
+
     def full_logits(self, states: torch.Tensor) -> torch.Tensor:
         """[m, H] head states -> [m, vocab] logits, -inf outside the draft vocabulary."""
-        return full_vocabulary_logits(self.head.logits(states)[:, self.usable], self.usable_ids, self.vocab_size)
+        return full_vocabulary_logits(self._usable_logits(states), self.usable_ids, self.vocab_size)
 
     @torch.inference_mode()
     def propose(self, rows, limits) -> "RowsDraft":
@@ -153,7 +160,7 @@ class EagleRowsDrafter:
         dtype = self.head.fc.weight.dtype
 
         def scored(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.head.logits(state)[:, self.usable], state  # [rows, usable draft vocabulary]
+            return self._usable_logits(state), state  # [rows, usable draft vocabulary]
 
         def advance(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             nonlocal predicted
@@ -188,7 +195,7 @@ class EagleRowsDrafter:
             return draft_logprobs(states.reshape(n * m, -1)).view(n, m, -1)
 
         def draft_logprobs(states: torch.Tensor) -> torch.Tensor:  # [m, usable draft vocabulary]
-            return torch.log_softmax(self.head.logits(states)[:, self.usable].float(), -1)
+            return torch.log_softmax(self._usable_logits(states).float(), -1)
 
         tokens, parents, scores = grow_on(self.runner, draft_logprobs(predicted), expand,
                                           budgets=[self.tree_nodes if limit > 0 else 0 for limit in limits],
@@ -243,7 +250,7 @@ class EagleRowsDrafter:
             # no state yet (a one-token prompt: no target feature precedes the token to score)
             unknown.append(self.last_state[b] is None)
             picked.append(states[b, 0] if self.last_state[b] is None else self.last_state[b])
-        logits = self.head.logits(torch.stack(picked))[:, self.usable]
+        logits = self._usable_logits(torch.stack(picked))
         full = full_vocabulary_logits(logits, self.usable_ids, self.vocab_size)
         q_raw, q_warped = unwarped(full), warp_rows(full, configs)
         if any(unknown):  # rows the head cannot score: NaN, which the engine replaces with the target's
