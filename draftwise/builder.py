@@ -97,7 +97,7 @@ def _hybrid(plan: Plan, rule: Any) -> Any:
 
 
 def _companion(plan: Plan, rule: Any) -> Any:
-    from draftwise.selectors.selection import CompanionRowsDrafter, StagedRowsDrafter
+    from draftwise.drafters.companion import CompanionRowsDrafter, StagedRowsDrafter
 
     kind = StagedRowsDrafter if plan.method.drafter == "staged" else CompanionRowsDrafter
     inner = _model(plan, rule, keep_raw=kind is CompanionRowsDrafter)  # SV's companion reads the draft's raw q

@@ -231,7 +231,7 @@ def _seq_rule(options: dict[str, Any]) -> TargetRule:
 
 
 def _sprinter_rule(options: dict[str, Any]) -> TargetRule:
-    from draftwise.heads.sprinter import SprinterRule, check_tau
+    from draftwise.rules.sprinter import SprinterRule, check_tau
 
     check_tau(options["tau"])
     _positive_int("max_run", options["max_run"])
@@ -245,7 +245,7 @@ def _adaedl_rule(options: dict[str, Any]) -> TargetRule:
 
 
 def _adaedl_stop(options: dict[str, Any]):
-    from draftwise.heads.sprinter import adaedl_stop
+    from draftwise.rules.sprinter import adaedl_stop
 
     return adaedl_stop(options["scale"], options["threshold"])
 
@@ -257,7 +257,8 @@ def _specdecpp_rule(options: dict[str, Any]) -> TargetRule:
 
 
 def _mtad_rule(options: dict[str, Any]) -> TargetRule:
-    from draftwise.drafters.mtad import MTADRule, check_beams, check_tau
+    from draftwise.drafters.mtad import check_beams
+    from draftwise.rules.mtad import MTADRule, check_tau
 
     check_tau(options["tau"])
     check_beams(options["num_beams"])

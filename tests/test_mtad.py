@@ -32,7 +32,8 @@ from draftwise.bench.quality import perplexity, target_score
 from draftwise.bench.report import format_table
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
-from draftwise.drafters.mtad import BeamRowsDrafter, MTADRule, ModelBeams, beam_log_probs, passing_prefixes
+from draftwise.drafters.mtad import BeamRowsDrafter, ModelBeams, beam_log_probs
+from draftwise.rules.mtad import MTADRule, passing_prefixes
 from draftwise.engine.sampling import SamplingConfig, make_generator
 
 from conftest import tiny_llama

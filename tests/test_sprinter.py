@@ -21,7 +21,8 @@ from draftwise import theory
 from draftwise.rules.acceptance import StepDistributions
 from draftwise.errors import DraftwiseError
 from draftwise.engine.sampling import make_generator, sample
-from draftwise.heads.sprinter import SprinterRule, Verifier
+from draftwise.heads.sprinter import Verifier
+from draftwise.rules.sprinter import SprinterRule
 
 from conftest import tiny_llama, speculative_sample
 from test_exactness import ALPHA, pooled_chisquare

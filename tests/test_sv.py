@@ -61,7 +61,8 @@ from draftwise.errors import DraftwiseError
 from draftwise.models.loading import LoadedModel
 from draftwise.models.runner import ModelRunner
 from draftwise.engine.sampling import SamplingConfig, make_generator, unwarped, warp
-from draftwise.selectors.selection import CompanionRowsDrafter, GoodputSelector, StagedRowsDrafter, indicator_pair
+from draftwise.drafters.companion import CompanionRowsDrafter, StagedRowsDrafter
+from draftwise.selectors.selection import GoodputSelector, indicator_pair
 from test_exactness import ALPHA, exact_joint, model as small_llama, pooled_chisquare
 
 V = 8  # vocabulary of the exactness models

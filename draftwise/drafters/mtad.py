@@ -27,7 +27,7 @@ top `W` joint scores of the model's own log-probabilities (a one-hot warp would
 leave a single candidate). Candidates of probability 0 (top-k below `W`, a peaked
 warp) are dead beams: score -inf, never chosen over a live one.
 
-MTAD verification (Algorithm 1, `MTADRule.prefix`): the target scores the best beam in
+MTAD verification (Algorithm 1, `rules.mtad.MTADRule.prefix`): the target scores the best beam in
 the engine's one verification forward; the longest prefix `j` with
 `min(1, p(x_{1:j}) / q(x_{1:j})) > tau` is kept, where earlier prefixes may fail, and
 one token is sampled from the target at position `j + 1` (the engine's bonus). Both
@@ -42,13 +42,10 @@ tokens and then the verification forward's own next token.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from draftwise.rules.acceptance import Rule, StepDistributions
 from draftwise.engine.sampler import warp_rows
 from draftwise.drafters.base import ModelRowsDrafter
 from draftwise.engine.protocols import RowsDraft, empty_draft, pad_rows
@@ -198,48 +195,6 @@ class BeamRowsDrafter:
                 done_joint[b] = joints[b, best]
 
 
-def check_tau(tau: float) -> None:
-    if not 0.0 <= tau <= 1.0:
-        raise DraftwiseError(f"mtad: tau must be in [0, 1] (1 accepts no draft token), got {tau!r}")
-
-
 def check_beams(num_beams: int) -> None:
     if num_beams < 1:
         raise DraftwiseError(f"num_beams must be >= 1, got {num_beams}")
-
-
-def passing_prefixes(target_joint: torch.Tensor, draft_joint: torch.Tensor, tau: float) -> torch.Tensor:
-    """[..., k] bool: min(1, p(x_{1:j}) / q(x_{1:j})) > tau for each prefix j, from joint log-probabilities."""
-    if tau >= 1.0:
-        return torch.zeros_like(target_joint, dtype=torch.bool)
-    ratio_ok = target_joint - draft_joint > (math.log(tau) if tau > 0 else -math.inf)
-    return ratio_ok & torch.isfinite(target_joint)  # p(x_{1:j}) = 0 never passes (ratio 0 is not > tau)
-
-
-@dataclass(frozen=True)
-class MTADRule(Rule):
-    """Algorithm 1's verification: keep the longest passing prefix; the target samples the next token.
-
-    `prefix(step, greedy)` is the number of drafted tokens each row keeps; the engine cuts the draft there and runs
-    the one sampler with pi = the (one-hot) draft, so it keeps all of them, and draws the next token from the
-    target's warped distribution at position j + 1."""
-
-    tau: float = 0.5
-    name: str = "mtad"
-    cuts_draft = True
-
-    def prefix(self, step: StepDistributions, greedy: torch.Tensor) -> list[int]:
-        """greedy: [rows] bool, temperature-0 rows (scored with the target's own distribution)."""
-        tokens = step.draft_tokens  # [rows, k]
-        if step.draft_joint is None:
-            raise DraftwiseError("mtad needs a beam drafter's joint probabilities")
-        p = torch.where(greedy[:, None, None], unwarped(step.target_logits[:, :-1]), step.target_probs[:, :-1])
-        target_joint = torch.log(p.gather(-1, tokens[..., None])[..., 0]).cumsum(-1)  # [rows, k] log p(x_{1:j})
-        k = tokens.shape[1]
-        drafted = torch.arange(k, device=tokens.device)[None] < step.num_drafted[:, None]
-        passing = passing_prefixes(target_joint, step.draft_joint, self.tau) & drafted
-        last = torch.where(passing, torch.arange(1, k + 1, device=tokens.device), 0).max(-1).values
-        return last.tolist()
-
-    def __call__(self, step: StepDistributions) -> torch.Tensor:
-        return step.draft_probs

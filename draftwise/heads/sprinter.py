@@ -17,7 +17,7 @@ Features s(x, prefix) (`FEATURES`):
 - `embedding`: the draft's input embedding of x;
 - `stats`: log q(x), max q and the entropy of the unwarped q.
 
-A verifier file records the features, the draft model's fingerprint and the sampling settings
+The rule is `rules.sprinter.SprinterRule`. A verifier file records the features, the draft model's fingerprint and the sampling settings
 its labels were made with; loading it for another draft is an error that says so.
 """
 
@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from draftwise.rules.acceptance import Rule, StepDistributions
 from draftwise.errors import DraftwiseError
 from draftwise.models.qkernel import weight_rows
 from draftwise.engine.sampling import SamplingConfig
@@ -182,34 +180,3 @@ class Verifier(torch.nn.Module):
                 f"top_p={mine.top_p}; decoding with temperature={sampling.temperature}, top_k={sampling.top_k}, "
                 f"top_p={sampling.top_p} needs a verifier trained with those settings"
             )
-
-
-def adaedl_stop(scale: float, threshold: float):
-    """AdaEDL (Agrawal et al. 2024): stop drafting when the entropy-based lower bound on the next
-    token's acceptance probability, 1 - sqrt(scale * H(q)), falls below `threshold` (H of the
-    draft's unwarped distribution, in nats). The threshold is fixed here; AdaEDL's online
-    adjustment of it from the observed acceptance rate is not implemented."""
-    def stop(q: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...] bool
-        entropy = -torch.special.xlogy(q, q).sum(-1)
-        return 1.0 - torch.sqrt((scale * entropy).clamp(min=0.0)) < threshold
-    return stop
-
-
-@dataclass(frozen=True)
-class SprinterRule(Rule):
-    """pi = one-hot(x) where the verifier accepted x, S(p) where it rejected (only the run's last token)."""
-
-    name: str = "sprinter"
-
-    def __call__(self, step: StepDistributions) -> torch.Tensor:
-        verdicts = step.verdicts
-        if verdicts is None:
-            raise DraftwiseError("the sprinter rule needs the verifier's verdicts (a VerifierStop policy)")
-        one_hot = torch.zeros_like(step.draft_probs).scatter_(-1, step.draft_tokens[..., None], 1.0)
-        return torch.where(verdicts[..., None], one_hot, step.target_probs[..., :-1, :])
-
-
-def check_tau(tau: float) -> float:
-    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and 0.0 <= tau <= 1.0):
-        raise DraftwiseError(f"sprinter: tau must be in [0, 1], got {tau!r}")
-    return float(tau)

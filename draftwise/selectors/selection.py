@@ -5,7 +5,7 @@ after the draft, the selector says how many of each row's drafted tokens the tar
 (a prefix; the rest are discarded). It reads draft-side information only, so the exact rule
 keeps the target's distribution whatever it chooses.
 
-- `CompanionRowsDrafter`: any model drafter, plus a companion model that reads the drafted
+- `CompanionRowsDrafter` (`drafters.companion`): any model drafter, plus a companion model that reads the drafted
   tokens in one forward per step (its own KV cache rows) and reports its distributions at
   every drafted position. It never changes which tokens are sampled.
 - `GoodputSelector` (`sv`): P(accept | S, A) from a profile, then §5's batch scheduler.
@@ -15,7 +15,7 @@ keeps the target's distribution whatever it chooses.
 - `SmartSpecSelector` (`smartspec`, Liu et al. 2024): a moving average of each request's
   acceptance rate picks one draft length for the batch that maximises estimated goodput; the
   drafter drafts only that many.
-- `StagedRowsDrafter` (`staged`, Spector & Re 2023): the companion verifies the draft first by
+- `StagedRowsDrafter` (`staged`, Spector & Re 2023; `drafters.companion`): the companion verifies the draft first by
   speculative sampling; what it keeps (plus its correction) goes to the target with the
   companion's distributions as the proposal, which keeps the output exact.
 """
@@ -23,73 +23,13 @@ keeps the target's distribution whatever it chooses.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 from typing import Sequence
 
 import torch
 
-from draftwise.engine.sampler import speculative_sample_rows, warp_rows
-from draftwise.drafters.base import ModelRowsDrafter, prefill_row
-from draftwise.engine.protocols import RowsDraft, pad_rows
+from draftwise.engine.protocols import RowsDraft
 from draftwise.engine.rows import Row
-from draftwise.models.runner import ModelRunner
-from draftwise.engine.sampling import unwarped
 from draftwise.selectors.sv import LatencyModel, AcceptanceTable, indicators, schedule
-
-
-class CompanionRowsDrafter:
-    """A model drafter whose drafts the companion reads: RowsDraft.companion_probs / companion_raw hold the
-    companion's warped / unwarped distributions at positions 0 .. k (k + 1: after every drafted token)."""
-
-    def __init__(self, inner: ModelRowsDrafter, companion: ModelRunner, vocab_size: int) -> None:
-        self.inner = inner
-        self.companion = companion
-        self.vocab_size = vocab_size
-        self.wants_features = inner.wants_features
-        self.feature_layers = inner.feature_layers
-        self.companion_prefill_calls = 0
-
-    @property
-    def calls(self) -> int:
-        return self.inner.calls
-
-    @property
-    def companion_calls(self) -> int:
-        return self.companion.calls - self.companion_prefill_calls
-
-    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        self.inner.admit(row, prompt_ids)
-        self.companion.cache.reset_row(row)
-        self.companion_prefill_calls += len(prefill_row(self.companion, row, prompt_ids[:-1]))
-
-    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
-        draft = self.inner.propose(rows, limits)
-        lengths = self.companion.lengths
-        drafted = draft.tokens.tolist()
-        pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1 or 2 tokens a row
-        feed, counts = pad_rows([r.sequence[lengths[b]:] + drafted[b][: draft.counts[b]] for b, r in enumerate(rows)])
-        k = draft.width
-        device = self.companion.device
-        at = torch.tensor(pending, device=device)[:, None] - 1 + torch.arange(k + 1, device=device)[None]  # [rows, k+1]
-        at = torch.minimum(at, torch.tensor(counts, device=device)[:, None] - 1)  # past a row's draft: padding
-        logits = self.companion.forward_rows(feed, counts, logits_at=at).logits  # [rows, k + 1, vocab]
-        configs = [r.request.sampling for r in rows]
-        return replace(draft, companion_probs=warp_rows(logits, configs), companion_raw=unwarped(logits))
-
-    def rewind(self, row: int, keep: int) -> None:
-        self.inner.rewind(row, keep)
-        self.companion.trim_row(row, min(keep, self.companion.lengths[row]))
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.inner.move_row(src, dst)
-        self.companion.cache.move_row(src, dst)
-
-    def release(self, live: int) -> None:
-        self.inner.release(live)
-        self.companion.cache.drop_rows(live)
-
-    def observe(self, row, start, states) -> None:
-        self.inner.observe(row, start, states)
 
 
 def indicator_pair(rows: Sequence[Row], draft: RowsDraft) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,32 +211,3 @@ class SmartSpecSelector:
                 step_rate = num_accepted[b] / draft.counts[b]
                 old = self.rate.get(row.id, self.prior)
                 self.rate[row.id] = self.decay * old + (1 - self.decay) * step_rate
-
-
-class StagedRowsDrafter(CompanionRowsDrafter):
-    """Staged speculative decoding: the companion accepts a prefix of the draft by speculative sampling
-    (and draws its correction at the first rejection); the target then verifies those tokens with the
-    companion's distributions as the proposal. Each staged token is distributed as the companion's, so
-    the target's exact rule keeps the output exact."""
-
-    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
-        draft = super().propose(rows, limits)
-        k = draft.width
-        if k == 0:
-            return draft
-        q_c = draft.companion_probs  # [rows, k + 1, vocab]
-        # a row that drafted nothing draws no uniform (flagged greedy), as when it is alone and k == 0
-        outcome = speculative_sample_rows(draft.tokens, draft.probs, q_c[:, :k], q_c, draft.counts,
-                                          [r.generator for r in rows],
-                                          [r.request.sampling.greedy or not n for r, n in zip(rows, draft.counts)])
-        counts, tokens = [], draft.tokens.clone()
-        for b in range(len(rows)):
-            kept = outcome.num_accepted[b]
-            if kept < draft.counts[b]:  # the companion's correction replaces the rejected token
-                tokens[b, kept] = outcome.next_tokens[b]
-                self.rewind(b, len(rows[b].sequence) + kept)  # both caches hold the replaced token: drop it
-                kept += 1
-            counts.append(kept)  # all accepted: the companion's bonus is not added (the row's limit)
-        width = max(counts)
-        return RowsDraft(tokens[:, :width], q_c[:, :width], counts, None, None,
-                         q_c[:, : width + 1], draft.companion_raw[:, : width + 1])

@@ -28,7 +28,8 @@ from draftwise.errors import DraftwiseError
 from draftwise.rules.acceptance import ExactRule
 from draftwise.models.runner import ModelRunner, draft_runner
 from draftwise.engine.sampling import SamplingConfig, unwarped
-from draftwise.selectors.selection import CompanionRowsDrafter, indicator_pair
+from draftwise.drafters.companion import CompanionRowsDrafter
+from draftwise.selectors.selection import indicator_pair
 from draftwise.selectors.sv import (AcceptanceTable, LatencyModel, SVProfile, acceptance_probability, bucket, discretise, equal_edges,
                  information_gain, quantile_edges)
 
