@@ -48,7 +48,7 @@ import torch
 from scipy.stats import chisquare
 
 import draftwise
-import draftwise.bench.report as report
+import draftwise.atomic as atomic
 from conftest import near_copy, tiny_llama
 from draftwise.selectors import sv
 from draftwise.selectors import sv_profile
@@ -593,7 +593,7 @@ def test_profile_save_is_atomic(tmp_path, monkeypatch):
         f.write('{"version": 1, "setting": {')  # a crash part-way through the write
         raise OSError("disk full")
 
-    monkeypatch.setattr(report.json, "dump", half_written)
+    monkeypatch.setattr(atomic.json, "dump", half_written)
     with pytest.raises(OSError, match="disk full"):
         other.save(path)
     monkeypatch.undo()
@@ -602,7 +602,7 @@ def test_profile_save_is_atomic(tmp_path, monkeypatch):
     def no_rename(src, dst):
         raise OSError("rename failed")
 
-    monkeypatch.setattr(report.os, "replace", no_rename)
+    monkeypatch.setattr(atomic.os, "replace", no_rename)
     with pytest.raises(OSError, match="rename failed"):
         other.save(path)
     monkeypatch.undo()

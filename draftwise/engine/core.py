@@ -202,7 +202,7 @@ class Engine:
         drafted = draft.counts
         greedy_host = [row.request.sampling.greedy for row in rows]  # per row, read once a step
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
-        if self.exact and all(greedy_host) and not self.selector.observes:
+        if self.exact and all(greedy_host) and not getattr(self.selector, "observes", True):
             # temperature 0, exact rule: argmax tokens compared, no distribution built (batched.accept_greedy)
             outcome = accept_greedy(draft.tokens, draft.counts, target_logits)
         else:

@@ -108,7 +108,9 @@ class VerifySelector(Protocol):
     rest are discarded). Reads draft-side information only, so exact rules stay exact."""
 
     discards: bool  # may discard drafted tokens unverified (a request's stats then report what was proposed)
-    observes: bool  # `observe` reads the target's distributions (False: a greedy step may never build them)
+    # `observe` reads the target's distributions (False: a greedy step may never build them; a selector that does
+    # not say is taken to read them)
+    observes: bool
 
     def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         """Each row's drafting limit this step (at most the engine's)."""
