@@ -43,3 +43,16 @@ def test_shipped_draft_output_vocabulary_is_valid():
     ids = read_output_vocabulary(directory / "output-vocab.json", config["vocab_size"])
     assert len(ids) == 8192
     assert {config["bos_token_id"], config["eos_token_id"]} <= set(ids.tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shipped_sv_profiles_are_found_for_the_registry_helpers(temperature):
+    """`sv` on the registry's SmolLM2 helpers needs no --profile: the shipped profile is found wherever the module
+    that looks for it lives (a move once left it looking in the wrong folder)."""
+    from draftwise.engine.sampling import SamplingConfig
+    from draftwise.selectors.sv import profile_setting, shipped_profile
+
+    setting = profile_setting("smollm2-135m", "smollm2-135m-draft", "smollm2-135m-companion",
+                              SamplingConfig(temperature=temperature))
+    path = shipped_profile(setting)
+    assert path is not None and path.parent.name == "sv-profiles"

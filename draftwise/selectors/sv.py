@@ -43,7 +43,7 @@ from draftwise.errors import DraftwiseError
 
 PROFILE_VERSION = 1
 SETTING_KEYS = ("target", "draft", "companion", "temperature", "top_p", "top_k")
-SHIPPED_DIR = Path(__file__).resolve().parent / "weights" / "sv-profiles"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "weights" / "sv-profiles"
 
 
 def profile_setting(target: str, draft: str | None, companion: str | None, sampling: Any) -> dict[str, Any]:
