@@ -1,6 +1,6 @@
-"""The benchmarks' one way to time things: cases interleaved round by round after untimed warm-up rounds, each
-case's wall times kept, medians taken. `draftwise bench` times generations this way; scripts that time something
-else (a forward, a kernel) call `interleaved` instead of writing their own loop."""
+"""How benchmark scripts time things (a forward, a kernel, a generation): cases interleaved round by round after
+untimed warm-up rounds, each case's wall times kept, medians taken. A script calls `interleaved` instead of writing
+its own loop."""
 
 from __future__ import annotations
 
@@ -33,9 +33,3 @@ def medians(seconds: Mapping[str, list[float]]) -> dict[str, float]:
     """The median of each case's times."""
     return {name: statistics.median(values) for name, values in seconds.items()}
 
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """(wall seconds, result) of one call."""
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out

@@ -148,10 +148,12 @@ class ModelRowsDrafter:
                 if needs_hidden else None  # [rows, hidden] at the last fed position
             return out.logits[:, -1], hidden
 
+        one = torch.zeros(n, 1, dtype=torch.long, device=device)  # a drafted token's feed: position 0 of each row
+
         def advance(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             nonlocal at
-            at = torch.zeros(n, 1, dtype=torch.long, device=device)
-            return scored(self.runner.forward_rows(token[:, None], [1] * n, logits_at=at, hidden=needs_hidden))
+            at = one
+            return scored(self.runner.forward_rows(token[:, None], [1] * n, logits_at=one, hidden=needs_hidden))
 
         first = scored(self.runner.forward_rows(feed, counts, logits_at=at, hidden=needs_hidden))
         return draft_chains(rows, limits, first, advance, vocab_size=self.vocab_size, eos=self.eos,

@@ -5,7 +5,7 @@ limit, with the beam's cumulative joint log-probability `log q(x_{1:j})` for eac
 It runs over a *base* drafter that owns one cache row per request and follows the
 engine's rows (admit, move, rewind, release): an independent draft model
 (`ModelBeams`), the target's own weights in a cache of their own (MTJD), or an EAGLE
-head (`eagle_rows.EagleRowsDrafter`, whose state each beam carries).
+head (`drafters.eagle.EagleRowsDrafter`, whose state each beam carries).
 
 One `propose`:
 - **begin**: one forward feeds each row its pending tokens in its base cache row and

@@ -78,6 +78,9 @@ class Engine:
         self.method = method
         self.selector = selector or VerifyAll()
         self.exact = type(rule) is ExactRule  # pi = target: deterministic drafts may take the target's own draws
+        # all-greedy steps compare argmax tokens (sampler.accept_greedy) when nothing reads the target's distributions:
+        # the exact rule, and a selector that does not observe them (one that does not say is taken to)
+        self.argmax_accept = self.exact and not getattr(self.selector, "observes", True)
         # token trees: the drafter's node budget per row, at most tree_nodes, chosen each step from the measured
         # verification cost at the batch size (tree.TreeBudget; not adaptive: always the best tree_nodes); 0: the
         # drafter's drafts are chains
@@ -202,8 +205,7 @@ class Engine:
         drafted = draft.counts
         greedy_host = [row.request.sampling.greedy for row in rows]  # per row, read once a step
         drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
-        if self.exact and all(greedy_host) and not getattr(self.selector, "observes", True):
-            # temperature 0, exact rule: argmax tokens compared, no distribution built (batched.accept_greedy)
+        if self.argmax_accept and all(greedy_host):  # temperature 0: no distribution built
             outcome = accept_greedy(draft.tokens, draft.counts, target_logits)
         else:
             outcome, draft = self._accept(rows, draft, target_logits, greedy_host, drafted_host)

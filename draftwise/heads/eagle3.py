@@ -16,7 +16,7 @@ The token embedding is the target's (shared, never stored). Tokens outside the d
 vocabulary get probability zero, so speculative sampling with the head stays exact.
 
 The head plugs into the same drafters as the EAGLE-1 head (`eagle.EagleDrafter`,
-`eagle_rows.EagleRowsDrafter`) through four members: `feature_layers`, `feature_size`,
+`drafters.eagle.EagleRowsDrafter`) through four members: `feature_layers`, `feature_size`,
 `step_input(x, tokens)` and `body` (a module the drafters run like a base model, with
 the engine's position-indexed KV cache or a transformers DynamicCache).
 """

@@ -1,5 +1,5 @@
 """Target-distribution rules for the one speculative sampler (Narasimhan et al., Algorithm 4; the sampler itself is
-`batched.speculative_sample_rows`).
+`engine.sampler.speculative_sample_rows`).
 
 Words: a drafted token is *accepted* when the sampler keeps it; at
 the first rejection a *recovered* token is drawn from the residual
