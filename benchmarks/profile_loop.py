@@ -4,15 +4,17 @@ Runs each method through `draftwise.generate` on Spec-Bench evaluation prompts (
 `draftwise bench` feeds them) and times every model computation: the runners' `forward_rows` and
 `forward_states` (target, draft, companion and head bodies) and a feature head's own input fusion
 and LM head. Loop overhead = 1 - model time / wall time: drafting bookkeeping, sampling, acceptance,
-the rewind and the Python between them. Prefill is included in both (it is a forward).
+the rewind and the Python between them. Prefill is included in both (it is a forward). The cases (method, batch
+size) run in turn, round by round (`draftwise.bench.timing`); each reports the median overhead of its rounds.
 
     python benchmarks/profile_loop.py --methods ar,sd,suffix --batch-sizes 1,16 --num-prompts 16 \
-        --max-new-tokens 128 --json benchmarks/results/loop-overhead.json
+        --max-new-tokens 128 --repeats 3 --json benchmarks/results/loop-overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -21,6 +23,7 @@ import draftwise
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import BenchConfig, _load_bench_draft, encode_bench_prompt, machine_description, resolve_drafts
 from draftwise.atomic import write_json
+from draftwise.bench.timing import interleaved
 from draftwise.heads.eagle import DraftHead
 from draftwise.models import runner as runner_module
 
@@ -60,6 +63,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; every case runs once a round, in turn")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -77,28 +81,41 @@ def main() -> None:
             if name in vars(head_type):
                 timer.wrap(head_type, name)
 
-    results = {}
-    for method in args.methods.split(","):
+    def case(method: str, batch: int):
         spec = draftwise.METHODS[method]
         kwargs = dict(method=method, temperature=0, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                       draft=draft if spec.needs_draft else None, ignore_eos=True)
-        draftwise.generate(target, prompts[0], **{**kwargs, "max_new_tokens": 8})  # warm-up
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
+
+        def run() -> None:
             timer.spent = 0.0
-            start = time.perf_counter()
-            tokens = 0
             if batch == 1:
-                for prompt in prompts:
-                    tokens += draftwise.generate(target, prompt, **kwargs).stats["new_tokens"]
+                tokens = sum(draftwise.generate(target, prompt, **kwargs).stats["new_tokens"] for prompt in prompts)
             else:
                 outs = draftwise.generate(target, prompts, max_batch_size=batch, **kwargs)
                 tokens = sum(o.stats["new_tokens"] for o in outs)
-            wall = time.perf_counter() - start
-            row = {"wall_s": wall, "model_s": timer.spent, "loop_overhead": 1 - timer.spent / wall,
-                   "tokens": tokens, "tokens_per_s": tokens / wall}
-            results.setdefault(method, {})[str(batch)] = row
-            print(f"{method:12s} batch {batch:3d}: {tokens / wall:7.1f} tok/s, loop overhead "
-                  f"{100 * row['loop_overhead']:.1f}% ({wall - timer.spent:.2f} of {wall:.2f} s)", flush=True)
+            model_s.setdefault((method, batch), []).append(timer.spent)
+            counted.setdefault((method, batch), []).append(tokens)
+        return run
+
+    model_s: dict[tuple[str, int], list[float]] = {}
+    counted: dict[tuple[str, int], list[int]] = {}
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    cases = {(m, b): case(m, b) for m in args.methods.split(",") for b in batches}
+    for method in args.methods.split(","):  # short warm-up calls (the full cases' first round is timed)
+        spec = draftwise.METHODS[method]
+        draftwise.generate(target, prompts[0], method=method, temperature=0, max_new_tokens=8, gamma=args.gamma,
+                           draft=draft if spec.needs_draft else None, ignore_eos=True)
+    walls = interleaved(cases, rounds=args.repeats, warmup=0)
+    results = {}
+    for (method, batch), wall in walls.items():
+        runs = [{"wall_s": w, "model_s": m, "loop_overhead": 1 - m / w, "tokens": t}
+                for w, m, t in zip(wall, model_s[(method, batch)], counted[(method, batch)])]
+        overhead = statistics.median(r["loop_overhead"] for r in runs)
+        speed = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+        results.setdefault(method, {})[str(batch)] = {"loop_overhead": overhead, "tokens_per_s": speed,
+                                                      "runs": runs}
+        print(f"{method:12s} batch {batch:3d}: {speed:7.1f} tok/s, loop overhead {100 * overhead:.1f}% (median of "
+              f"{len(runs)}: " + ", ".join(f"{100 * r['loop_overhead']:.1f}" for r in runs) + ")", flush=True)
     out = {"machine": machine_description(target.device) | {"weights": target.weights},
            "config": vars(args), "draft": str(config.draft), "results": results}
     if args.json:

@@ -734,3 +734,25 @@ def test_prepacked_products_match_the_modules_and_are_dropped_when_weights_may_c
     head.load_state_dict(state)
     with torch.inference_mode():
         assert head.body.packed() is None
+
+
+def test_a_packed_head_is_packed_once_and_again_after_an_in_place_weight_change():
+    """A drafter per request packs the head: the products of unchanged weights are kept, and a weight changed in
+    place (its version counter moves) packs afresh, so the new weights run."""
+    target = _target()
+    head = _head(target, torch.arange(0, 64, 2)).eval()
+    pre = torch.randn(1, 3, head.lm_head.in_features)
+    head.pack_for_inference()
+    with torch.inference_mode():
+        first, before = head.body.packed(), head.logits(pre)
+    head.pack_for_inference()
+    with torch.inference_mode():
+        assert head.body.packed() is first
+    with torch.no_grad():
+        head.lm_head.weight.mul_(2.0)
+    head.pack_for_inference()
+    with torch.inference_mode():
+        assert head.body.packed() is not first
+        after = head.logits(pre)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, head.lm_head(head.norm(pre)), rtol=1e-3, atol=1e-3)

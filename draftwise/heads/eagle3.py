@@ -231,6 +231,13 @@ class Eagle3Head(DraftHead):
         from draftwise.models.fast import FloatLinear
 
         layer = self.body.midlayer
+        sources = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, self.fc, self.lm_head)
+        # the weights as they stand: a head packed for them already is not packed again (a drafter per request);
+        # an in-place change of any weight (its version counter moves) packs afresh
+        stamp = tuple((id(m.weight), m.weight._version) for m in sources)
+        if self.__dict__.get("_packed") is not None and self.__dict__.get("_packed_stamp") == stamp:
+            return
 
         def linear(*modules: nn.Linear) -> FloatLinear:
             return FloatLinear(torch.cat([m.weight.detach() for m in modules]))
@@ -240,6 +247,7 @@ class Eagle3Head(DraftHead):
                   "gate_up": linear(mlp.gate_proj, mlp.up_proj), "down": linear(mlp.down_proj),
                   "fc": linear(self.fc), "lm_head": linear(self.lm_head)}
         self.__dict__["_packed"] = self.body.__dict__["_packed"] = packed
+        self.__dict__["_packed_stamp"] = stamp
 
     def unpack(self) -> None:
         self.__dict__["_packed"] = self.body.__dict__["_packed"] = None
