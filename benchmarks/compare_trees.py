@@ -27,6 +27,8 @@ report takes the median tokens/s per (tree, method, batch size) and the ratio af
   the before tree's (where the before tree refused a batch size, against its batch-1 outputs).
 
 The JSON is rewritten (atomically) after every worker, so an interrupted run keeps what it measured.
+A worker times its calls itself rather than with `draftwise.bench.timing`: it imports `draftwise` from the tree it
+measures, and an older tree need not have that module.
 Run it with nothing else on the machine.
 """
 

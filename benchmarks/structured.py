@@ -17,13 +17,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import draftwise  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
+from draftwise.bench.timing import interleaved  # noqa: E402
 from draftwise.models.loading import load_draft, load_model  # noqa: E402
 
 SCHEMA = {
@@ -55,10 +55,9 @@ def valid(text: str) -> bool:
             and isinstance(value["population_millions"], (int, float)) and isinstance(value["famous_for"], list))
 
 
-def run(target, draft, chats, *, method, seed, schema, max_new_tokens, batch) -> tuple[float, list]:
+def run(target, draft, chats, *, method, seed, schema, max_new_tokens, batch) -> list:
     kwargs = {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}} \
         if schema else {}
-    started = time.perf_counter()
     out = []
     for start in range(0, len(chats), batch):  # one seed per request: a batch of one shares nothing
         group = chats[start: start + batch]
@@ -68,7 +67,7 @@ def run(target, draft, chats, *, method, seed, schema, max_new_tokens, batch) ->
         else:
             out += draftwise.generate(target, group, draft=draft, method=method, seed=seed + start,
                                       max_new_tokens=max_new_tokens, max_batch_size=batch, **kwargs)
-    return time.perf_counter() - started, out
+    return out
 
 
 def main() -> int:
@@ -92,11 +91,17 @@ def main() -> int:
     stats: dict[bool, list] = {True: [], False: []}
     for r in range(args.rounds):
         chats = prompts(per_round)
-        for schema in ((True, False) if r % 2 == 0 else (False, True)):
-            seconds, out = run(target, draft, chats, method=args.method, seed=1000 * r, schema=schema,
-                               max_new_tokens=args.max_new_tokens, batch=args.batch)
-            rates[schema].append(sum(len(g.token_ids) for g in out) / seconds)
-            stats[schema] += out
+        outs = {}
+
+        def case(schema: bool):
+            return lambda: outs.__setitem__(schema, run(target, draft, chats, method=args.method, seed=1000 * r,
+                                                        schema=schema, max_new_tokens=args.max_new_tokens,
+                                                        batch=args.batch))
+        order = (True, False) if r % 2 == 0 else (False, True)  # alternating: neither always goes first
+        walls = interleaved({schema: case(schema) for schema in order}, rounds=1, warmup=0)
+        for schema, (seconds,) in walls.items():
+            rates[schema].append(sum(len(g.token_ids) for g in outs[schema]) / seconds)
+            stats[schema] += outs[schema]
         print(f"round {r + 1}/{args.rounds}: {rates[True][-1]:.1f} tok/s with the schema, "
               f"{rates[False][-1]:.1f} without", file=sys.stderr)
 

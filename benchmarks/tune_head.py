@@ -12,10 +12,8 @@ and `hybrid` read when their `confidence` option is left at -1.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import draftwise  # noqa: E402
 from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
+from draftwise.bench.timing import interleaved  # noqa: E402
 from draftwise.heads.export import load_head  # noqa: E402
 from draftwise.models.loading import load_draft, load_model, resolve_path  # noqa: E402
 
@@ -52,18 +51,19 @@ def main() -> int:
     kw = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
     draftwise.generate(target, messages=prompts[0], method="ar", **kw)  # warm-up
     draftwise.generate(target, messages=prompts[0], method="sd", draft=head, gamma=pairs[0][0], confidence=pairs[0][1], **kw)
-    times: dict[str, list[float]] = {"ar": []}
-    stats: dict[str, list[dict]] = {}
-    for prompt in prompts:
-        start = time.perf_counter()
-        ar = draftwise.generate(target, messages=prompt, method="ar", **kw)
-        times["ar"].append((time.perf_counter() - start) / max(1, len(ar.token_ids)))
-        for gamma, confidence in pairs:
-            key = f"g{gamma}-c{confidence:g}"
-            start = time.perf_counter()
-            out = draftwise.generate(target, messages=prompt, method="sd", draft=head, gamma=gamma, confidence=confidence, **kw)
-            times.setdefault(key, []).append((time.perf_counter() - start) / max(1, len(out.token_ids)))
-            stats.setdefault(key, []).append(out.stats)
+    cases = {"ar": dict(method="ar")} | {f"g{g}-c{c:g}": dict(method="sd", draft=head, gamma=g, confidence=c)
+                                         for g, c in pairs}
+    times: dict[str, list[float]] = {key: [] for key in cases}
+    stats: dict[str, list[dict]] = {key: [] for key in cases}
+    for prompt in prompts:  # per prompt, every case in turn (bench.timing); a case's time per new token
+        outs = {}
+
+        def case(key: str):
+            return lambda: outs.__setitem__(key, draftwise.generate(target, messages=prompt, **cases[key], **kw))
+        walls = interleaved({key: case(key) for key in cases}, rounds=1, warmup=0)
+        for key, (wall,) in walls.items():
+            times[key].append(wall / max(1, len(outs[key].token_ids)))
+            stats[key].append(outs[key].stats)
     rows = {}
     for key, per_token in times.items():
         if key == "ar":
