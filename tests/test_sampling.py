@@ -311,3 +311,26 @@ def test_config_rejects_non_finite_temperature(temperature):
     # and multinomial would crash mid-decoding instead of failing before any model runs.
     with pytest.raises(DraftwiseError, match="temperature"):
         SamplingConfig(temperature=temperature)
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 5, 49152), (2, 151936), (4, 1000), (2, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_last_is_torch_argmax_ties_and_nan_included(shape, dtype):
+    """The blocked argmax gives torch.argmax's indices: random rows, rows whose maximum repeats (the first
+    wins, in the same block and across blocks), a constant row, and a NaN (taken as the largest)."""
+    from draftwise.engine.sampling import argmax_last
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape).to(dtype)
+    assert torch.equal(argmax_last(x), x.argmax(-1))
+    size = shape[-1]
+    tied = x.clone()
+    for j in (size - 1, size // 2, 5, 3):  # the maximum at several places, the first is 3
+        tied[..., j] = 50.0
+    assert torch.equal(argmax_last(tied), tied.argmax(-1)) and bool((argmax_last(tied) == 3).all())
+    assert torch.equal(argmax_last(torch.zeros(*shape, dtype=dtype)), torch.zeros(shape[:-1], dtype=torch.long))
+    nan = x.clone()
+    nan[..., size - 2] = float("nan")
+    assert torch.equal(argmax_last(nan), nan.argmax(-1))
+    strided = torch.randn(*shape[:-1], 2 * size).to(dtype)[..., ::2]  # not contiguous
+    assert torch.equal(argmax_last(strided), strided.argmax(-1))

@@ -12,7 +12,7 @@ from draftwise.engine.sampler import sample_rows, warp_rows
 from draftwise.engine.grammar import mask_rows, push_rows
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
 from draftwise.drafters.policies import FixedLength, LengthPolicy
-from draftwise.engine.sampling import SamplingConfig, unwarped
+from draftwise.engine.sampling import SamplingConfig, argmax_last, unwarped
 from draftwise.engine.protocols import RowsDraft, empty_draft, one_hot_draft, pad_rows
 from draftwise.engine.rows import Row, cut_at_eos
 
@@ -245,7 +245,7 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
             if policy.needs_raw:  # stop rules read the max / entropy: over V, the same as over the vocabulary
                 raw = torch.softmax(logits.float(), dim=-1)
                 active &= ~policy.stop_before(raw)
-            pick = logits.argmax(-1)  # [rows]
+            pick = argmax_last(logits)  # [rows]
             token = pick if ids is None else ids[pick]
         else:
             # zero probability outside a head's draft vocabulary (and past a padded target vocabulary): exact

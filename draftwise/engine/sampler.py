@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from draftwise.rules.acceptance import ZERO_RESIDUAL
-from draftwise.engine.sampling import SamplingConfig, invert_cdf, warp
+from draftwise.engine.sampling import SamplingConfig, argmax_last, invert_cdf, warp
 
 
 @dataclass(frozen=True)
@@ -88,12 +88,12 @@ def speculative_sample_rows(
     else:
         probs = bonus
     if all(greedy):
-        next_tokens = probs.argmax(-1)  # [rows]
+        next_tokens = argmax_last(probs)  # [rows]
     else:
         # each row's last uniform, drawn at index counts[b], picks its recovered or bonus token
         next_tokens = invert_cdf(probs, uniforms.gather(1, counts[:, None].clamp(max=k)))
         if any(greedy):
-            next_tokens = torch.where(torch.tensor(greedy, device=device), probs.argmax(-1), next_tokens)
+            next_tokens = torch.where(torch.tensor(greedy, device=device), argmax_last(probs), next_tokens)
     both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
 
@@ -105,7 +105,7 @@ def accept_greedy(draft_tokens: torch.Tensor, num_drafted: Sequence[int], target
     `speculative_sample_rows` with one-hot draft and target distributions (a greedy draft's token has q(x) = 1).
     draft_tokens [rows, k], target_logits [rows, k + 1, vocab]."""
     rows, k = draft_tokens.shape
-    best = target_logits.argmax(-1)  # [rows, k + 1]
+    best = argmax_last(target_logits)  # [rows, k + 1]
     if k:
         counts = torch.tensor(list(num_drafted), dtype=torch.long, device=best.device)
         match = (draft_tokens.to(best.device) == best[:, :k]) & (torch.arange(k, device=best.device)[None]
@@ -126,11 +126,11 @@ def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator], draw
     randomness does not depend on how long its batch-mates draft. Greedy rows take the argmax of
     their one-hot distribution and draw nothing."""
     if all(greedy):
-        return probs.argmax(-1)
+        return argmax_last(probs)
     u = draw_uniforms(generators, [int(d and not g) for d, g in zip(drawing, greedy)], 1, probs.device)  # [rows, 1]
     sampled = invert_cdf(probs, u)
     if any(greedy):
-        sampled = torch.where(torch.tensor(list(greedy), device=probs.device), probs.argmax(-1), sampled)
+        sampled = torch.where(torch.tensor(list(greedy), device=probs.device), argmax_last(probs), sampled)
     return sampled
 
 

@@ -35,6 +35,20 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)`, the same indices (the first on ties; a NaN counts as the largest), faster on CPU for a
+    vocabulary: PyTorch's argmax walks each row with its index in scalar steps, while a block maximum is vectorised.
+    The block holding the first maximum is found from the blocks' maxima, then the first maximum inside it."""
+    size = x.shape[-1]
+    block = next((b for b in (256, 128, 64, 32) if size % b == 0 and size >= 8 * b), 0)
+    if not block or x.device.type != "cpu":
+        return x.argmax(-1)
+    blocks = x.reshape(*x.shape[:-1], size // block, block)
+    first = blocks.amax(-1).argmax(-1, keepdim=True)  # [..., 1] the first block holding the maximum
+    inside = blocks.gather(-2, first[..., None].expand(*first.shape, block)).squeeze(-2).argmax(-1)
+    return first.squeeze(-1) * block + inside
+
+
 def warp(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Turn logits into the sampling distribution: temperature, then top-k, then top-p.
 

@@ -38,7 +38,7 @@ from draftwise.engine.sampler import RowsAcceptance, draw_uniforms
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import TreeMask
 from draftwise.engine.protocols import RowsDraft
-from draftwise.engine.sampling import invert_cdf
+from draftwise.engine.sampling import argmax_last, invert_cdf
 
 TREE_TOP_K = 4  # children tried per expanded node, and nodes expanded per depth
 DEFAULT_TREE_NODES = 16  # a row's node budget when the engine has no cost measurements yet
@@ -145,7 +145,7 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
         slots = torch.tensor([node_slot(node[b]) for b in walking], device=device)
         probs = target_probs[index[walking], slots]  # [walking, vocab]
         sampled = [b for b in walking if not greedy[b]]
-        drawn = probs.argmax(-1)
+        drawn = argmax_last(probs)
         if sampled:
             u = draw_uniforms([generators[b] for b in walking], [0 if greedy[b] else 1 for b in walking], 1, device)
             drawn = torch.where(torch.tensor([greedy[b] for b in walking], device=device), drawn,
