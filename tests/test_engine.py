@@ -233,6 +233,42 @@ def test_a_long_prompt_never_stalls_the_decoding_rows(llama_pair):
     assert engine.target.cache.keys == [] and engine.target.cache.num_rows == 0  # idle: memory released
 
 
+def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_its_share(llama_pair):
+    """The budget beside decoding rows is keyed on what waits: a prompt costing at most SHORT_PROMPT_STEPS
+    decoding steps is fed whole in the next step; a long prompt gets prefill_share of a decoding step per step,
+    and more when more long prompts wait than rows decode (timings pinned: a step 1.0 s, a prompt token 0.1 s)."""
+    from types import SimpleNamespace
+
+    from draftwise.engine import core as engine_module
+    target, draft = llama_pair
+    engine = _engine(target, draft, max_batch_size=8)
+    engine._decode_s, engine._prompt_token_s = 1.0, 0.1
+    engine.live = [SimpleNamespace(unfed=0)]
+
+    def budgets(steps: int) -> list[int]:
+        out = []
+        for _ in range(steps):
+            n = engine._prompt_budget()
+            if engine._steps % engine_module.DECODE_SAMPLE:  # the timing steps feed nothing by design
+                out.append(n)
+        return out
+
+    engine.prefilling = [SimpleNamespace(unfed=5000)]
+    alone = budgets(40)
+    per_step = engine.prefill_share * 1.0 / 0.1  # tokens of credit a step earns
+    assert abs(sum(alone) - per_step * len(alone)) <= per_step + 1  # the long prompt's share, no more
+    assert max(alone) <= per_step + 1
+    short_tokens = int(engine_module.SHORT_PROMPT_STEPS * 1.0 / 0.1)  # the most a short prompt may hold
+    engine.prefilling = [SimpleNamespace(unfed=short_tokens), SimpleNamespace(unfed=5000)]
+    while engine._steps % engine_module.DECODE_SAMPLE == engine_module.DECODE_SAMPLE - 1:
+        engine._steps += 1
+    assert engine._prompt_budget() >= short_tokens + 1  # the short prompt whole, the long one at least a token
+    engine.prefilling = [SimpleNamespace(unfed=short_tokens + 1), SimpleNamespace(unfed=5000)]  # both long
+    engine._credit = 0.0
+    both = budgets(40)
+    assert abs(sum(both) - 2 * per_step * len(both)) <= 2 * per_step + 2  # two wait, one decodes: twice the share
+
+
 def test_scheduler_frees_rows_cancels_cleanly_and_counts_per_request(llama_pair):
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=2)

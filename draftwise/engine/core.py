@@ -9,8 +9,9 @@ One `step()`:
 1. **admit**: waiting requests join while the batch has room and the KV budget
    allows. Their prompts (all but the last token, left for the first decoding
    step) are fed in chunks that share the verification forward with the decoding
-   rows: at most a time budget per step (`prefill_share` of a decoding step), so a
-   long prompt never stalls the others; with nothing decoding, in wide chunks.
+   rows: a short prompt at once, long ones within a time budget per step (`prefill_share`
+   of a decoding step), so a long prompt never stalls the others; with nothing
+   decoding, in wide chunks.
    Rows still prefilling sit after the live rows in the cache;
 2. **draft**: the drafter proposes up to `min(gamma, budget - 1)` tokens per row;
    rows stop on their own rule (EOS, a stop rule, a lookup miss);
@@ -48,7 +49,8 @@ from draftwise.engine.tree import TreeBudget, accept_chains, accept_tree, depths
 from draftwise.models.qkernel import out_rows
 
 
-PREFILL_SHARE = 1.0  # prompt tokens a step feeds beside decoding rows may cost this fraction of a decoding step
+PREFILL_SHARE = 0.4  # long prompts' tokens a step feeds beside decoding rows may cost this fraction of a decoding step
+SHORT_PROMPT_STEPS = 4.0  # a prompt whose unfed tokens cost at most this many decoding steps is fed at once
 PREFILL_FIRST = 8  # prompt tokens per step beside decoding rows before their cost is measured
 PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decoding while another engine decodes
 DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
@@ -559,22 +561,33 @@ class Engine:
         self._start_decoding()
 
     def _prompt_budget(self) -> int:
-        """Prompt tokens the next step feeds beside the decoding rows: what costs `prefill_share` of a step. Every
+        """Prompt tokens the next step feeds beside the decoding rows, keyed on what waits. A prompt whose unfed
+        tokens cost at most `SHORT_PROMPT_STEPS` decoding steps is fed at once (up to a chunk a forward): a short
+        request does not queue behind a long prompt, and the decoding rows pay for it once. Longer prompts share a
+        time credit: each step earns `prefill_share` of a decoding step, more when more of them wait than rows
+        decode, so a long prompt advances without slowing every decoding row by more than that share. Every
         `DECODE_SAMPLE`-th step (and before the first measure) feeds none, to time a decoding step alone."""
         self._steps += 1
         if self._decode_s is None or self._steps % DECODE_SAMPLE == 0:
             return 0
         if self._prompt_token_s is None:
             return PREFILL_FIRST
-        # time credit: each step earns prefill_share of a decoding step; a forward needs a token for every
-        # prefilling row, so below that the credit builds up over steps that feed none
         cost = max(self._prompt_token_s, 1e-9)
-        self._credit = min(self._credit + self.prefill_share * self._decode_s, PREFILL_TOKENS * cost)
-        budget = min(PREFILL_TOKENS, int(self._credit / cost))
-        if budget < len(self.prefilling):
-            return 0
+        short = [row.unfed for row in self.prefilling if row.unfed * cost <= SHORT_PROMPT_STEPS * self._decode_s]
+        waiting_long = len(self.prefilling) - len(short)
+        now = sum(min(n, PREFILL_CHUNK) for n in short)
+        if not waiting_long:
+            self._credit = 0.0
+            return min(PREFILL_TOKENS, now)
+        # time credit for the long prompts: a forward needs a token for every prefilling row, so below that the
+        # credit builds up over steps that feed none
+        share = self.prefill_share * max(1.0, waiting_long / max(len(self.live), 1))
+        self._credit = min(self._credit + share * self._decode_s, PREFILL_TOKENS * cost)
+        budget = min(PREFILL_TOKENS - now, int(self._credit / cost))
+        if budget < waiting_long:
+            return min(PREFILL_TOKENS, now + waiting_long) if now else 0
         self._credit -= budget * cost
-        return budget
+        return now + budget
 
     def _prompt_plan(self, budget: int, chunk: int) -> list[int]:
         """Tokens per prefilling row for one forward: at least one each (the forward covers them all), the rest
