@@ -85,6 +85,36 @@ def test_a_query_is_the_same_bits_alone_or_among_others(kernel):
     assert torch.equal(moved[0, 0], full[0, 3])
 
 
+def test_a_wide_feed_is_tiled_and_each_query_keeps_its_bits(kernel):
+    """A prompt chunk (16 or more queries a row) runs in tiles of queries that share their key loads: each query
+    is still attention (against float64), its bits are those it has alone and those of a narrow feed, padded
+    queries stay zero, and a query that sees no key past others' (a hole in its mask) is unaffected."""
+    g = torch.Generator().manual_seed(7)
+    R, W, H, KVH, D, C = 2, 37, 6, 2, 64, 120
+    q = torch.randn(R, W, H, D, generator=g)
+    keys, values = torch.randn(R, KVH, C, D, generator=g), torch.randn(R, KVH, C, D, generator=g)
+    counts, lengths = [37, 19], [50, 3]
+    kv = max(n + c for n, c in zip(lengths, counts))
+    visible = torch.zeros(R, W, kv, dtype=torch.bool)
+    for r in range(R):
+        for w in range(counts[r]):
+            visible[r, w, : lengths[r] + w + 1] = True
+    visible[0, 20, 55:60] = False  # holes, as a token tree's
+    visible[1, 4, 0] = False
+    wide = kernel.attend(q, keys, values, visible, counts, kv, 0.125, False)
+    assert float((wide.double() - _reference(q, keys, values, visible, counts, kv, 0.125)).abs().max()) < 2e-5
+    assert not wide[1, 19:].any()
+    narrow = torch.cat([kernel.attend(q[:, w: w + 5].contiguous(), keys, values,
+                                      visible[:, w: w + 5].contiguous(), [max(0, min(5, c - w)) for c in counts],
+                                      kv, 0.125, False) for w in range(0, W, 5)], 1)[:, :W]
+    assert torch.equal(wide, narrow)  # one query a task (narrow feeds) and tiles: the same bits
+    for r, w in ((0, 0), (0, 20), (0, 36), (1, 4), (1, 18)):
+        n = int(visible[r, w].nonzero().max()) + 1
+        alone = kernel.attend(q[r: r + 1, w: w + 1].contiguous(), keys[r: r + 1], values[r: r + 1],
+                              visible[r: r + 1, w: w + 1, :n].contiguous(), [1], n, 0.125, False)
+        assert torch.equal(alone[0, 0], wide[r, w]), (r, w)
+
+
 def test_bad_attention_inputs_are_refused(kernel):
     q, keys, values, visible, counts, kv = _case(2)
     with pytest.raises(RuntimeError, match="one count a row"):

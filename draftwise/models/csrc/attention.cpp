@@ -10,7 +10,8 @@
 //   s_l = (q . k_{j_l}) * scale       8-lane products over the head dimension, two accumulators, one fixed hsum
 //   p_l = exp(s_l - max_l s_l)        one vectorised exp, lanes assigned by l (the key's rank among the visible)
 //   o   = (sum_l p_l v_{j_l}) / sum_l p_l    both sums in l order
-// A task is one query token and one kv head: the G query heads that share the kv head read each key once.
+// A task is one kv head and one query token, or (AVX2, a wide feed) a tile of up to 8 query tokens of a row: the G
+// query heads that share the kv head, and the tile's queries, read each key once.
 #include <torch/extension.h>
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -25,6 +26,8 @@
 #endif
 
 namespace {
+
+constexpr int TILE_MAX = 8;  // the most queries a task takes (the AVX2 path's tile)
 
 struct Task {
   const float *q, *keys, *values;  // q: [G, D] of this token; keys, values: [C, D] of this row and kv head
@@ -106,44 +109,77 @@ AT_TARGET inline float dot(const float* a, const float* b, int64_t D) {  // D a 
   return hsum(_mm256_add_ps(s0, s1));
 }
 
-AT_TARGET void task_avx2(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores,
+// Up to TILE queries of one row and kv head, each computed exactly as it would be alone: its visible keys in
+// order, its own scores, maximum, exponentials (lanes by the key's rank among its visible keys), total and output
+// sums in that order. Only the loops are interchanged: each key (and value) is loaded once for every query of the
+// tile that sees it, so a prompt chunk reads the cache once per tile rather than once per query.
+constexpr int TILE = TILE_MAX;
+
+struct Tile {
+  Task query[TILE];
+  int n;
+};
+
+AT_TARGET void tile_avx2(const Tile& tile, std::vector<int32_t>* index, std::vector<float>* scores,
                          std::vector<float>& totals) {
-  visible_keys(t, index);
-  const int64_t L = int64_t(index.size()), D = t.D, G = t.G, stride = (L + 7) / 8 * 8;
-  scores.resize(G * stride + 8);
-  for (int64_t l = 0; l < L; ++l) {  // each key read once for the G heads that share it
-    const float* k = t.keys + int64_t(index[l]) * D;
-    for (int64_t g = 0; g < G; ++g) scores[g * stride + l] = dot(t.q + g * D, k, D) * t.scale;
+  const Task& t0 = tile.query[0];
+  const int64_t D = t0.D, G = t0.G;
+  int64_t L[TILE], stride[TILE], cursor[TILE], last = -1;
+  for (int i = 0; i < tile.n; ++i) {
+    visible_keys(tile.query[i], index[i]);
+    L[i] = int64_t(index[i].size());
+    stride[i] = (L[i] + 7) / 8 * 8;
+    scores[i].resize(G * stride[i] + 8);
+    cursor[i] = 0;
+    if (L[i]) last = std::max(last, int64_t(index[i][L[i] - 1]));
   }
-  totals.resize(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * stride;
-    float top = -INFINITY;
-    for (int64_t l = 0; l < L; ++l) top = std::max(top, s[l]);
-    for (int64_t l = L; l < stride; ++l) s[l] = top;  // tail lanes: computed, never summed
-    const __m256 m = _mm256_set1_ps(top);
-    for (int64_t l = 0; l < stride; l += 8)
-      _mm256_storeu_ps(s + l, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + l), m)));
-    float total = 0.f;
-    for (int64_t l = 0; l < L; ++l) total += s[l];
-    totals[g] = total;
-    std::memset(t.out + g * D, 0, sizeof(float) * D);
-  }
-  for (int64_t l = 0; l < L; ++l) {
-    const float* v = t.values + int64_t(index[l]) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256 p = _mm256_set1_ps(scores[g * stride + l]);
-      float* o = t.out + g * D;
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+  for (int64_t j = 0; j <= last; ++j) {  // each key read once for every query (and the G heads) that see it
+    const float* k = t0.keys + j * D;
+    for (int i = 0; i < tile.n; ++i) {
+      if (cursor[i] >= L[i] || index[i][cursor[i]] != j) continue;
+      const Task& t = tile.query[i];
+      for (int64_t g = 0; g < G; ++g) scores[i][g * stride[i] + cursor[i]] = dot(t.q + g * D, k, D) * t.scale;
+      ++cursor[i];
     }
   }
-  if (L > 0)
+  totals.resize(TILE * G);
+  for (int i = 0; i < tile.n; ++i) {
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 total = _mm256_set1_ps(totals[g]);
-      float* o = t.out + g * D;
+      float* s = scores[i].data() + g * stride[i];
+      float top = -INFINITY;
+      for (int64_t l = 0; l < L[i]; ++l) top = std::max(top, s[l]);
+      for (int64_t l = L[i]; l < stride[i]; ++l) s[l] = top;  // tail lanes: computed, never summed
+      const __m256 m = _mm256_set1_ps(top);
+      for (int64_t l = 0; l < stride[i]; l += 8)
+        _mm256_storeu_ps(s + l, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + l), m)));
+      float total = 0.f;
+      for (int64_t l = 0; l < L[i]; ++l) total += s[l];
+      totals[i * G + g] = total;
+      std::memset(tile.query[i].out + g * D, 0, sizeof(float) * D);
+    }
+    cursor[i] = 0;
+  }
+  for (int64_t j = 0; j <= last; ++j) {
+    const float* v = t0.values + j * D;
+    for (int i = 0; i < tile.n; ++i) {
+      if (cursor[i] >= L[i] || index[i][cursor[i]] != j) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(scores[i][g * stride[i] + cursor[i]]);
+        float* o = tile.query[i].out + g * D;
+        for (int64_t d = 0; d < D; d += 8)
+          _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+      }
+      ++cursor[i];
+    }
+  }
+  for (int i = 0; i < tile.n; ++i) {
+    if (L[i] == 0) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 total = _mm256_set1_ps(totals[i * G + g]);
+      float* o = tile.query[i].out + g * D;
       for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), total));
     }
+  }
 }
 
 const auto has_avx2 = draftwise_simd::avx2_fma;
@@ -181,19 +217,36 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 #else
   const bool fast = false;
 #endif
-  at::parallel_for(0, R * W * KVH, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int32_t> index;
-    std::vector<float> scores, totals;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / (W * KVH), w = (t / KVH) % W, g = t % KVH;
-      if (w >= counts[r]) continue;
-      Task task{qp + ((r * W + w) * H + g * G) * D, kp + (r * KVH + g) * C * D, vp + (r * KVH + g) * C * D,
-                mask ? mask + (r * W + w) * mask_kv : nullptr, kv, G, D, float(scale),
-                op + ((r * W + w) * H + g * G) * D};
+  // queries a task takes: a tile of a wide feed (a prompt chunk) shares its key loads; narrower feeds (decoding,
+  // verification) keep one query a task, for more tasks to share out. Each query's bits are the same either way.
 #ifdef AT_X86
-      if (fast) { task_avx2(task, index, scores, totals); continue; }
+  const int64_t per = fast && W >= 2 * TILE ? TILE : 1;
+#else
+  const int64_t per = 1;
 #endif
-      task_scalar(task, index, scores);
+  const int64_t spans = (W + per - 1) / per;
+  at::parallel_for(0, R * spans * KVH, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int32_t> index[TILE_MAX];
+    std::vector<float> scores[TILE_MAX], totals;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / (spans * KVH), span = (t / KVH) % spans, g = t % KVH;
+      const int64_t w0 = span * per, w1 = std::min(std::min(W, w0 + per), counts[r]);
+      auto task = [&](int64_t w) {
+        return Task{qp + ((r * W + w) * H + g * G) * D, kp + (r * KVH + g) * C * D, vp + (r * KVH + g) * C * D,
+                    mask ? mask + (r * W + w) * mask_kv : nullptr, kv, G, D, float(scale),
+                    op + ((r * W + w) * H + g * G) * D};
+      };
+      if (w0 >= w1) continue;
+#ifdef AT_X86
+      if (fast) {
+        Tile tile;
+        tile.n = int(w1 - w0);
+        for (int64_t w = w0; w < w1; ++w) tile.query[w - w0] = task(w);
+        tile_avx2(tile, index, scores, totals);
+        continue;
+      }
+#endif
+      for (int64_t w = w0; w < w1; ++w) task_scalar(task(w), index[0], scores[0]);
     }
   });
   return out;
