@@ -256,8 +256,9 @@ def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_it
     engine.prefilling = [SimpleNamespace(unfed=5000)]
     alone = budgets(40)
     per_step = engine.prefill_share * 1.0 / 0.1  # tokens of credit a step earns
-    assert abs(sum(alone) - per_step * len(alone)) <= per_step + 1  # the long prompt's share, no more
-    assert max(alone) <= per_step + 1
+    piece = engine_module.LONG_PIECE
+    assert abs(sum(alone) - per_step * len(alone)) <= per_step + piece  # the long prompt's share, no more
+    assert all(n == 0 or piece <= n <= piece + per_step + 1 for n in alone)  # spent in pieces
     short_tokens = int(engine_module.SHORT_PROMPT_STEPS * 1.0 / 0.1)  # the most a short prompt may hold
     engine.prefilling = [SimpleNamespace(unfed=short_tokens), SimpleNamespace(unfed=5000)]
     while engine._steps % engine_module.DECODE_SAMPLE == engine_module.DECODE_SAMPLE - 1:
@@ -266,7 +267,32 @@ def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_it
     engine.prefilling = [SimpleNamespace(unfed=short_tokens + 1), SimpleNamespace(unfed=5000)]  # both long
     engine._credit = 0.0
     both = budgets(40)
-    assert abs(sum(both) - 2 * per_step * len(both)) <= 2 * per_step + 2  # two wait, one decodes: twice the share
+    assert abs(sum(both) - 2 * per_step * len(both)) <= 2 * (per_step + piece)  # two wait, one decodes: twice
+
+
+def test_a_forward_of_prompts_alone_is_cut_to_its_time_bound(llama_pair):
+    """With nothing decoding, a long prompt is fed in chunks that last about PREFILL_FORWARD_S at the measured cost
+    of a prompt token (a request arriving meanwhile waits no longer), never below LONG_PIECE tokens, while a short
+    prompt arriving beside it finishes in one forward; both decode as alone."""
+    from draftwise.engine import core as engine_module
+    target, draft = llama_pair
+    engine = _engine(target, draft, max_batch_size=4)
+    request = Request(tuple(1 + i % 50 for i in range(engine_module.PREFILL_CHUNK + 100)), GREEDY, max_new_tokens=4)
+    rid = engine.submit(request)
+    engine._idle_token_s = engine_module.PREFILL_FORWARD_S / 10  # pinned: 10 tokens fill a forward's time
+    engine.step()
+    assert [row.fed for row in engine.prefilling] == [10]
+    engine._idle_token_s = engine_module.PREFILL_FORWARD_S  # one token would fill it: a piece still goes
+    engine.step()
+    assert [row.fed for row in engine.prefilling] == [10 + engine_module.LONG_PIECE]
+    short = Request((7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18), GREEDY, max_new_tokens=3)
+    sid = engine.submit(short)
+    engine._idle_token_s = engine_module.PREFILL_FORWARD_S  # the short prompt still finishes in one forward
+    engine.step()
+    assert engine.result(sid) is not None or any(row.id == sid for row in engine.live)
+    engine.run()
+    assert engine.result(rid).token_ids == _alone(target, draft, request)
+    assert engine.result(sid).token_ids == _alone(target, draft, short)
 
 
 def test_scheduler_frees_rows_cancels_cleanly_and_counts_per_request(llama_pair):

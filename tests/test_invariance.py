@@ -108,6 +108,13 @@ def test_a_wide_feed_is_tiled_and_each_query_keeps_its_bits(kernel):
                                       visible[:, w: w + 5].contiguous(), [max(0, min(5, c - w)) for c in counts],
                                       kv, 0.125, False) for w in range(0, W, 5)], 1)[:, :W]
     assert torch.equal(wide, narrow)  # one query a task (narrow feeds) and tiles: the same bits
+    long_kv = 1100  # a narrow feed over a long context is tiled too
+    lk, lv = torch.randn(1, KVH, long_kv, D, generator=g), torch.randn(1, KVH, long_kv, D, generator=g)
+    few = kernel.attend(q[:1, :5].contiguous(), lk, lv, None, [5], long_kv, 0.125, False)
+    one = torch.cat([kernel.attend(q[:1, w: w + 1].contiguous(), lk, lv, None, [1], long_kv, 0.125, False)
+                     for w in range(5)], 1)
+    assert torch.equal(few, one)
+    assert float((few.double() - _reference(q[:1, :5], lk, lv, None, [5], long_kv, 0.125)).abs().max()) < 2e-5
     for r, w in ((0, 0), (0, 20), (0, 36), (1, 4), (1, 18)):
         n = int(visible[r, w].nonzero().max()) + 1
         alone = kernel.attend(q[r: r + 1, w: w + 1].contiguous(), keys[r: r + 1], values[r: r + 1],

@@ -11,7 +11,7 @@ One `step()`:
    step) are fed in chunks that share the verification forward with the decoding
    rows: a short prompt at once, long ones within a time budget per step (`prefill_share`
    of a decoding step), so a long prompt never stalls the others; with nothing
-   decoding, in wide chunks.
+   decoding, in chunks cut to about PREFILL_FORWARD_S a forward.
    Rows still prefilling sit after the live rows in the cache;
 2. **draft**: the drafter proposes up to `min(gamma, budget - 1)` tokens per row;
    rows stop on their own rule (EOS, a stop rule, a lookup miss);
@@ -49,7 +49,10 @@ from draftwise.engine.tree import TreeBudget, accept_chains, accept_tree, depths
 from draftwise.models.qkernel import out_rows
 
 
-PREFILL_SHARE = 0.4  # long prompts' tokens a step feeds beside decoding rows may cost this fraction of a decoding step
+PREFILL_SHARE = 0.25  # long prompts' tokens a step feeds beside decoding rows may cost this fraction of a decoding step
+LONG_PIECE = 8  # a long prompt beside decoding rows advances this many tokens at least (a piece reads its whole
+# context once, as the attention kernel's tile of 8 queries does: a token or two at a time would read it for each)
+PREFILL_FORWARD_S = 0.25  # a forward of prompts alone is cut to about this long: a request arriving meanwhile waits
 SHORT_PROMPT_STEPS = 4.0  # a prompt whose unfed tokens cost at most this many decoding steps is fed at once
 PREFILL_FIRST = 8  # prompt tokens per step beside decoding rows before their cost is measured
 PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decoding while another engine decodes
@@ -100,6 +103,7 @@ class Engine:
         self.prefill_share = prefill_share
         self._decode_s: float | None = None  # moving averages: a decoding step's time,
         self._prompt_token_s: float | None = None  # and what one prompt token adds to it
+        self._idle_token_s: float | None = None  # a prompt token's time in a forward of prompts alone
         self._steps = 0
         self._credit = 0.0  # seconds of prompt feeding earned (see `_prompt_budget`)
         self.finished: dict[int, Result] = {}
@@ -165,6 +169,11 @@ class Engine:
         if not self.live and self.prefilling:  # nothing decoding here: prompts in wide chunks (short ones when
             # another engine of the server decodes: its steps wait for this one's)
             wide = PREFILL_SHARED if self.others_decoding else PREFILL_TOKENS
+            if self._idle_token_s is not None:  # no longer than PREFILL_FORWARD_S at the measured cost a token,
+                # though the prompt nearest its end may finish (a short one arriving beside a long one starts now)
+                nearest = min(row.unfed for row in self.prefilling)
+                finish = nearest + len(self.prefilling) - 1 if nearest <= PREFILL_CHUNK else 0
+                wide = max(LONG_PIECE, min(wide, max(int(PREFILL_FORWARD_S / self._idle_token_s), finish)))
             self._feed_prompts(self._prompt_plan(wide, min(wide, PREFILL_CHUNK)))
         if not self.live:
             return []
@@ -565,7 +574,8 @@ class Engine:
         tokens cost at most `SHORT_PROMPT_STEPS` decoding steps is fed at once (up to a chunk a forward): a short
         request does not queue behind a long prompt, and the decoding rows pay for it once. Longer prompts share a
         time credit: each step earns `prefill_share` of a decoding step, more when more of them wait than rows
-        decode, so a long prompt advances without slowing every decoding row by more than that share. Every
+        decode, and is spent in pieces of at least LONG_PIECE tokens a prompt, so a long prompt advances without
+        slowing the decoding rows by more than that share on average. Every
         `DECODE_SAMPLE`-th step (and before the first measure) feeds none, to time a decoding step alone."""
         self._steps += 1
         if self._decode_s is None or self._steps % DECODE_SAMPLE == 0:
@@ -584,7 +594,7 @@ class Engine:
         share = self.prefill_share * max(1.0, waiting_long / max(len(self.live), 1))
         self._credit = min(self._credit + share * self._decode_s, PREFILL_TOKENS * cost)
         budget = min(PREFILL_TOKENS - now, int(self._credit / cost))
-        if budget < waiting_long:
+        if budget < LONG_PIECE * waiting_long:  # the credit builds up to a piece for each
             return min(PREFILL_TOKENS, now + waiting_long) if now else 0
         self._credit -= budget * cost
         return now + budget
@@ -613,9 +623,13 @@ class Engine:
         """One forward over the prefilling rows alone (nothing is decoding)."""
         pieces = [list(row.request.prompt_ids[row.fed: row.fed + n]) for row, n in zip(self.prefilling, plan)]
         tokens, counts = pad_rows(pieces)
+        started = time.perf_counter()
         out = self.target.forward_rows(tokens, counts, begin=len(self.live),
                                        logits_at=torch.zeros(len(pieces), 1, dtype=torch.long),
                                        hidden=self.drafter.wants_features, prompt=True)
+        # a prompt token's cost in such forwards (it grows with the context the prompts have reached)
+        per_token = (time.perf_counter() - started) / max(sum(counts), 1)
+        self._idle_token_s = per_token if self._idle_token_s is None else 0.5 * self._idle_token_s + 0.5 * per_token
         self._fed(plan, out.hidden if self.drafter.wants_features else None)
         self._start_decoding()
 

@@ -217,10 +217,11 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 #else
   const bool fast = false;
 #endif
-  // queries a task takes: a tile of a wide feed (a prompt chunk) shares its key loads; narrower feeds (decoding,
-  // verification) keep one query a task, for more tasks to share out. Each query's bits are the same either way.
+  // queries a task takes: a tile of a wide feed (a prompt chunk), or of any feed over a long context, shares its
+  // key loads; narrow feeds over short contexts (decoding, verification) keep one query a task, for more tasks to
+  // share out. Each query's bits are the same either way.
 #ifdef AT_X86
-  const int64_t per = fast && W >= 2 * TILE ? TILE : 1;
+  const int64_t per = fast && W > 1 && (W >= 2 * TILE || kv >= 1024) ? TILE : 1;
 #else
   const int64_t per = 1;
 #endif
