@@ -159,17 +159,33 @@ AT_TARGET void tile_avx2(const Tile& tile, std::vector<int32_t>* index, std::vec
     }
     cursor[i] = 0;
   }
-  for (int64_t j = 0; j <= last; ++j) {
-    const float* v = t0.values + j * D;
+  // the values, a block of keys at a time (the block stays in L1 while every query of the tile reads it); a
+  // query's output lanes stay in registers over the block: each lane's multiply-adds are the same, in key order
+  constexpr int64_t BLOCK = 64;
+  for (int64_t j0 = 0; j0 <= last; j0 += BLOCK) {
+    const int64_t j1 = j0 + BLOCK;
     for (int i = 0; i < tile.n; ++i) {
-      if (cursor[i] >= L[i] || index[i][cursor[i]] != j) continue;
+      const int64_t c0 = cursor[i];
+      int64_t c1 = c0;
+      while (c1 < L[i] && index[i][c1] < j1) ++c1;
+      cursor[i] = c1;
+      if (c1 == c0) continue;
+      const int32_t* keys_of = index[i].data();
       for (int64_t g = 0; g < G; ++g) {
-        const __m256 p = _mm256_set1_ps(scores[i][g * stride[i] + cursor[i]]);
+        const float* p = scores[i].data() + g * stride[i];
         float* o = tile.query[i].out + g * D;
-        for (int64_t d = 0; d < D; d += 8)
-          _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+        for (int64_t d = 0; d < D; d += 32) {
+          const int lanes = int(std::min<int64_t>(4, (D - d) / 8));
+          __m256 acc[4];
+          for (int r = 0; r < lanes; ++r) acc[r] = _mm256_loadu_ps(o + d + 8 * r);
+          for (int64_t c = c0; c < c1; ++c) {
+            const __m256 w = _mm256_set1_ps(p[c]);
+            const float* v = t0.values + int64_t(keys_of[c]) * D + d;
+            for (int r = 0; r < lanes; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * r), acc[r]);
+          }
+          for (int r = 0; r < lanes; ++r) _mm256_storeu_ps(o + d + 8 * r, acc[r]);
+        }
       }
-      ++cursor[i];
     }
   }
   for (int i = 0; i < tile.n; ++i) {
