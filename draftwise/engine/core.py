@@ -59,6 +59,12 @@ PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decod
 DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
 
 
+
+def _average(old: float | None, new: float, weight: float) -> float:
+    """A moving average: `new` counts `weight`, the past the rest (the first value stands alone)."""
+    return new if old is None else (1.0 - weight) * old + weight * new
+
+
 class Engine:
     """Continuous batching of one method over many requests. See the module docstring."""
 
@@ -589,12 +595,11 @@ class Engine:
         if not waiting_long:
             self._credit = 0.0
             return min(PREFILL_TOKENS, now)
-        # time credit for the long prompts: a forward needs a token for every prefilling row, so below that the
-        # credit builds up over steps that feed none
+        # time credit for the long prompts, built up over steps that feed none until it buys each a piece
         share = self.prefill_share * max(1.0, waiting_long / max(len(self.live), 1))
         self._credit = min(self._credit + share * self._decode_s, PREFILL_TOKENS * cost)
         budget = min(PREFILL_TOKENS - now, int(self._credit / cost))
-        if budget < LONG_PIECE * waiting_long:  # the credit builds up to a piece for each
+        if budget < LONG_PIECE * waiting_long:  # short prompts only (a forward takes a token of every row)
             return min(PREFILL_TOKENS, now + waiting_long) if now else 0
         self._credit -= budget * cost
         return now + budget
@@ -629,7 +634,7 @@ class Engine:
                                        hidden=self.drafter.wants_features, prompt=True)
         # a prompt token's cost in such forwards (it grows with the context the prompts have reached)
         per_token = (time.perf_counter() - started) / max(sum(counts), 1)
-        self._idle_token_s = per_token if self._idle_token_s is None else 0.5 * self._idle_token_s + 0.5 * per_token
+        self._idle_token_s = _average(self._idle_token_s, per_token, 0.5)
         self._fed(plan, out.hidden if self.drafter.wants_features else None)
         self._start_decoding()
 
@@ -680,11 +685,10 @@ class Engine:
     def _timed(self, seconds: float, prompt_tokens: int) -> None:
         """Moving averages of a decoding step and of what a prompt token adds to it (the prompt budget's basis)."""
         if prompt_tokens == 0:
-            self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
+            self._decode_s = _average(self._decode_s, seconds, 0.2)
         elif self._decode_s is not None:
-            per_token = max(seconds - self._decode_s, 0.0) / prompt_tokens
-            self._prompt_token_s = per_token if self._prompt_token_s is None else \
-                0.8 * self._prompt_token_s + 0.2 * per_token
+            self._prompt_token_s = _average(self._prompt_token_s, max(seconds - self._decode_s, 0.0) / prompt_tokens,
+                                            0.2)
 
     def _unprefill(self, j: int) -> None:
         """Drop prefilling row j: the last prefilling row takes its place in the cache."""

@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int TILE_MAX = 8;  // the most queries a task takes (the AVX2 path's tile)
+constexpr int TILE = 8;  // the most queries a task takes (the AVX2 path's tile)
 
 struct Task {
   const float *q, *keys, *values;  // q: [G, D] of this token; keys, values: [C, D] of this row and kv head
@@ -113,8 +113,6 @@ AT_TARGET inline float dot(const float* a, const float* b, int64_t D) {  // D a 
 // order, its own scores, maximum, exponentials (lanes by the key's rank among its visible keys), total and output
 // sums in that order. Only the loops are interchanged: each key (and value) is loaded once for every query of the
 // tile that sees it, so a prompt chunk reads the cache once per tile rather than once per query.
-constexpr int TILE = TILE_MAX;
-
 struct Tile {
   Task query[TILE];
   int n;
@@ -243,8 +241,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 #endif
   const int64_t spans = (W + per - 1) / per;
   at::parallel_for(0, R * spans * KVH, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int32_t> index[TILE_MAX];
-    std::vector<float> scores[TILE_MAX], totals;
+    std::vector<int32_t> index[TILE];
+    std::vector<float> scores[TILE], totals;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / (spans * KVH), span = (t / KVH) % spans, g = t % KVH;
       const int64_t w0 = span * per, w1 = std::min(std::min(W, w0 + per), counts[r]);
