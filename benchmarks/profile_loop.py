@@ -81,10 +81,12 @@ def main() -> None:
             if name in vars(head_type):
                 timer.wrap(head_type, name)
 
+    def options(method: str, max_new_tokens: int) -> dict:
+        return dict(method=method, temperature=0, max_new_tokens=max_new_tokens, gamma=args.gamma,
+                    draft=draft if draftwise.METHODS[method].needs_draft else None, ignore_eos=True)
+
     def case(method: str, batch: int):
-        spec = draftwise.METHODS[method]
-        kwargs = dict(method=method, temperature=0, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
-                      draft=draft if spec.needs_draft else None, ignore_eos=True)
+        kwargs = options(method, args.max_new_tokens)
 
         def run() -> None:
             timer.spent = 0.0
@@ -102,9 +104,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     cases = {(m, b): case(m, b) for m in args.methods.split(",") for b in batches}
     for method in args.methods.split(","):  # short warm-up calls (the full cases' first round is timed)
-        spec = draftwise.METHODS[method]
-        draftwise.generate(target, prompts[0], method=method, temperature=0, max_new_tokens=8, gamma=args.gamma,
-                           draft=draft if spec.needs_draft else None, ignore_eos=True)
+        draftwise.generate(target, prompts[0], **options(method, 8))
     walls = interleaved(cases, rounds=args.repeats, warmup=0)
     results = {}
     for (method, batch), wall in walls.items():

@@ -17,13 +17,14 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import draftwise  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
-from draftwise.bench.timing import interleaved  # noqa: E402
+from draftwise.bench.timing import once  # noqa: E402
 from draftwise.models.loading import load_draft, load_model  # noqa: E402
 
 SCHEMA = {
@@ -91,17 +92,12 @@ def main() -> int:
     stats: dict[bool, list] = {True: [], False: []}
     for r in range(args.rounds):
         chats = prompts(per_round)
-        outs = {}
-
-        def case(schema: bool):
-            return lambda: outs.__setitem__(schema, run(target, draft, chats, method=args.method, seed=1000 * r,
-                                                        schema=schema, max_new_tokens=args.max_new_tokens,
-                                                        batch=args.batch))
         order = (True, False) if r % 2 == 0 else (False, True)  # alternating: neither always goes first
-        walls = interleaved({schema: case(schema) for schema in order}, rounds=1, warmup=0)
-        for schema, (seconds,) in walls.items():
-            rates[schema].append(sum(len(g.token_ids) for g in outs[schema]) / seconds)
-            stats[schema] += outs[schema]
+        runs = once({schema: partial(run, target, draft, chats, method=args.method, seed=1000 * r, schema=schema,
+                                     max_new_tokens=args.max_new_tokens, batch=args.batch) for schema in order})
+        for schema, (seconds, out) in runs.items():
+            rates[schema].append(sum(len(g.token_ids) for g in out) / seconds)
+            stats[schema] += out
         print(f"round {r + 1}/{args.rounds}: {rates[True][-1]:.1f} tok/s with the schema, "
               f"{rates[False][-1]:.1f} without", file=sys.stderr)
 

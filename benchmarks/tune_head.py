@@ -15,6 +15,7 @@ import argparse
 import statistics
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import draftwise  # noqa: E402
 from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
-from draftwise.bench.timing import interleaved  # noqa: E402
+from draftwise.bench.timing import once  # noqa: E402
 from draftwise.heads.export import load_head  # noqa: E402
 from draftwise.models.loading import load_draft, load_model, resolve_path  # noqa: E402
 
@@ -56,14 +57,11 @@ def main() -> int:
     times: dict[str, list[float]] = {key: [] for key in cases}
     stats: dict[str, list[dict]] = {key: [] for key in cases}
     for prompt in prompts:  # per prompt, every case in turn (bench.timing); a case's time per new token
-        outs = {}
-
-        def case(key: str):
-            return lambda: outs.__setitem__(key, draftwise.generate(target, messages=prompt, **cases[key], **kw))
-        walls = interleaved({key: case(key) for key in cases}, rounds=1, warmup=0)
-        for key, (wall,) in walls.items():
-            times[key].append(wall / max(1, len(outs[key].token_ids)))
-            stats[key].append(outs[key].stats)
+        runs = once({key: partial(draftwise.generate, target, messages=prompt, **options, **kw)
+                     for key, options in cases.items()})
+        for key, (wall, out) in runs.items():
+            times[key].append(wall / max(1, len(out.token_ids)))
+            stats[key].append(out.stats)
     rows = {}
     for key, per_token in times.items():
         if key == "ar":

@@ -231,3 +231,13 @@ def test_interleaved_timing_runs_cases_round_by_round_after_untimed_warmup():
     assert set(medians(seconds)) == {"a", "b"}
     with pytest.raises(ValueError):
         interleaved({"a": lambda: None}, rounds=0)
+
+
+def test_once_calls_each_case_once_in_order_and_keeps_its_result():
+    from draftwise.bench.timing import once
+
+    calls = []
+    runs = once({"b": lambda: calls.append("b") or 2, "a": lambda: calls.append("a") or 1})
+    assert calls == ["b", "a"] and list(runs) == ["b", "a"]
+    assert [result for _, result in runs.values()] == [2, 1]
+    assert all(seconds >= 0 for seconds, _ in runs.values())

@@ -33,3 +33,12 @@ def medians(seconds: Mapping[str, list[float]]) -> dict[str, float]:
     """The median of each case's times."""
     return {name: statistics.median(values) for name, values in seconds.items()}
 
+
+
+def once(cases: Mapping[Any, Callable[[], Any]]) -> dict[Any, tuple[float, Any]]:
+    """One round of `interleaved` that keeps what the cases return: each case's (wall seconds, result), the cases
+    called in their order."""
+    results: dict[Any, Any] = {}
+    walls = interleaved({name: (lambda name=name: results.__setitem__(name, cases[name]())) for name in cases},
+                        rounds=1, warmup=0)
+    return {name: (walls[name][0], results[name]) for name in cases}
