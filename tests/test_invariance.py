@@ -122,6 +122,31 @@ def test_a_wide_feed_is_tiled_and_each_query_keeps_its_bits(kernel):
         assert torch.equal(alone[0, 0], wide[r, w]), (r, w)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_bfloat16_cache_is_read_as_its_float32_widening(kernel, portable):
+    """Keys and values kept in bfloat16 give the bits of the same (rounded) keys and values in float32, on every
+    path: wide feeds in tiles, narrow ones, a long context, holes in the mask; and each query is still attention."""
+    g = torch.Generator().manual_seed(11)
+    R, W, H, KVH, D, C = 2, 20, 6, 2, 64, 1200
+    q = torch.randn(R, W, H, D, generator=g)
+    keys = torch.randn(R, KVH, C, D, generator=g).bfloat16()
+    values = torch.randn(R, KVH, C, D, generator=g).bfloat16()
+    for counts, lengths in (([20, 7], [1100, 30]), ([1, 1], [5, 900]), ([3, 0], [40, 0])):
+        kv = max(n + c for n, c in zip(lengths, counts))
+        visible = torch.zeros(R, W, kv, dtype=torch.bool)
+        for r in range(R):
+            for w in range(counts[r]):
+                visible[r, w, : lengths[r] + w + 1] = True
+        visible[0, 0, 3:9] = False
+        half = kernel.attend(q, keys, values, visible, counts, kv, 0.125, portable)
+        widened = kernel.attend(q, keys.float(), values.float(), visible, counts, kv, 0.125, portable)
+        assert torch.equal(half, widened), (counts, lengths)
+        expected = _reference(q, keys.float(), values.float(), visible, counts, kv, 0.125)
+        assert float((half.double() - expected).abs().max()) < 2e-5
+    with pytest.raises(RuntimeError, match="both the same"):
+        kernel.attend(q, keys, values.float(), None, [W, W], 10, 0.1, portable)
+
+
 def test_bad_attention_inputs_are_refused(kernel):
     q, keys, values, visible, counts, kv = _case(2)
     with pytest.raises(RuntimeError, match="one count a row"):
@@ -175,8 +200,8 @@ def _width_dependent(monkeypatch, model):
         for b, c in enumerate(counts):
             for w in range(c):
                 seen = visible[b, w, :kv]
-                k = keys[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0)  # [H, L, D]
-                v = values[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0)
+                k = keys[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0).float()  # [H, L, D]
+                v = values[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0).float()
                 p = torch.softmax(torch.einsum("hld,hd->hl", k, q[b, w]) * scale, -1)
                 out[b, w] = torch.einsum("hl,hld->hd", p, v)
         return out

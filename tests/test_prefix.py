@@ -179,7 +179,8 @@ def test_an_eagle_head_drafts_from_restored_features_as_from_prefilled_ones(monk
     found = [f for f in restored if f is not None]
     assert len(found) == 2
     for features in found:
-        assert torch.allclose(features.float(), _features(target, shared[:64]).float(), atol=1e-3)
+        expected = _features(target, shared[:64]).float()  # fp32 sums in another order: within 1e-3 of the scale
+        assert float((features.float() - expected).abs().max()) <= 1e-3 * float(expected.abs().max())
 
 
 @pytest.mark.parametrize("with_draft", [False, True])

@@ -7,11 +7,18 @@
 // forward already gave equal bits).
 //
 // For one query head h (kv head h / G) and its visible keys j_1 < j_2 < ... < j_L:
-//   s_l = (q . k_{j_l}) * scale       8-lane products over the head dimension, two accumulators, one fixed hsum
+//   s_l = (q . k_{j_l}) * scale       one 8-lane accumulator over the head dimension, then a fixed sum of its lanes
 //   p_l = exp(s_l - max_l s_l)        one vectorised exp, lanes assigned by l (the key's rank among the visible)
-//   o   = (sum_l p_l v_{j_l}) / sum_l p_l    both sums in l order
-// A task is one kv head and one query token, or (AVX2, a wide feed) a tile of up to 8 query tokens of a row: the G
-// query heads that share the kv head, and the tile's queries, read each key once.
+//   o   = (sum_l p_l v_{j_l}) / sum_l p_l    the total in 8 lanes by l, then a fixed sum; the output in l order
+// A score depends on its query and key only, so the AVX2 path computes them for 8 consecutive cache positions at
+// once (8 accumulators, their lanes summed by one transposing network: no horizontal sum a key) and keeps those the
+// query sees; everything after the scores goes by rank, so a token-tree query and the same query over the same keys
+// laid out contiguously give equal bits. A task is one kv head and one query token, or (a wide feed) a tile of up to
+// 8 query tokens of a row: the G query heads that share the kv head, and the tile's queries, read each key once.
+//
+// The cache may hold float32 or bfloat16 keys and values (queries and all arithmetic are float32). A bfloat16 cache
+// halves the bytes a decoding step reads; the AVX2 path widens a block of cache positions into a float32 scratch
+// once for every query and head of the task.
 #include <torch/extension.h>
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -30,12 +37,21 @@ namespace {
 constexpr int TILE = 8;  // the most queries a task takes (the AVX2 path's tile)
 
 struct Task {
-  const float *q, *keys, *values;  // q: [G, D] of this token; keys, values: [C, D] of this row and kv head
+  const float* q;                  // [G, D] of this token
+  const void *keys, *values;       // [C, D] of this row and kv head: float32, or bfloat16 where bf16
+  bool bf16;
   const bool* visible;             // [KV] or null (every key 0 .. kv - 1)
   int64_t kv, G, D;
   float scale;
   float* out;                      // [G, D]
 };
+
+inline float widen(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // The visible keys' indices, in order.
 void visible_keys(const Task& t, std::vector<int32_t>& index) {
@@ -47,15 +63,17 @@ void visible_keys(const Task& t, std::vector<int32_t>& index) {
 void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores) {
   visible_keys(t, index);
   const int64_t L = int64_t(index.size()), D = t.D;
+  auto at = [&](const void* base, int64_t j, int64_t d) {
+    return t.bf16 ? widen(static_cast<const uint16_t*>(base)[j * D + d]) : static_cast<const float*>(base)[j * D + d];
+  };
   scores.resize(t.G * (L + 8));
   for (int64_t g = 0; g < t.G; ++g) {
     float* s = scores.data() + g * (L + 8);
     const float* q = t.q + g * D;
     float top = -INFINITY;
     for (int64_t l = 0; l < L; ++l) {
-      const float* k = t.keys + int64_t(index[l]) * D;
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * at(t.keys, index[l], d);
       s[l] = dot * t.scale;
       top = std::max(top, s[l]);
     }
@@ -63,10 +81,8 @@ void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>&
     for (int64_t l = 0; l < L; ++l) { s[l] = std::exp(s[l] - top); total += s[l]; }
     float* o = t.out + g * D;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-    for (int64_t l = 0; l < L; ++l) {
-      const float* v = t.values + int64_t(index[l]) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += s[l] * v[d];
-    }
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t d = 0; d < D; ++d) o[d] += s[l] * at(t.values, index[l], d);
     if (L > 0)
       for (int64_t d = 0; d < D; ++d) o[d] /= total;
   }
@@ -98,90 +114,162 @@ AT_TARGET inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-AT_TARGET inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple of 8
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+// Eight keys' scores at once: k[m] is key m's row (D floats, D a multiple of 8). Key m's score is one accumulator
+// over the head dimension in order, then its lanes summed as ((0+1)+(2+3)) + ((4+5)+(6+7)) by a transposing network
+// (the same for every m), times the scale.
+AT_TARGET inline void score8(const float* q, const float* const* k, int64_t D, float scale, float* s) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
+    a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[4] + d), a4);
+    a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[5] + d), a5);
+    a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + d), a6);
+    a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + d), a7);
   }
-  if (d < D) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-  return hsum(_mm256_add_ps(s0, s1));
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // per key: 01+23 | 45+67
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+  _mm256_storeu_ps(s, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
 }
 
-// Up to TILE queries of one row and kv head, each computed exactly as it would be alone: its visible keys in
-// order, its own scores, maximum, exponentials (lanes by the key's rank among its visible keys), total and output
-// sums in that order. Only the loops are interchanged: each key (and value) is loaded once for every query of the
-// tile that sees it, so a prompt chunk reads the cache once per tile rather than once per query.
+// Rows j0 .. j1 - 1 of a [C, D] cache block as float32: the cache itself, or (bfloat16) widened into scratch. The
+// result points at row j0.
+AT_TARGET inline const float* as_float(const void* base, bool bf16, int64_t j0, int64_t j1, int64_t D,
+                                       std::vector<float>& scratch) {
+  if (!bf16) return static_cast<const float*>(base) + j0 * D;
+  const uint16_t* src = static_cast<const uint16_t*>(base) + j0 * D;
+  const int64_t n = (j1 - j0) * D;
+  scratch.resize(n);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(scratch.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+  return scratch.data();
+}
+
+// o[0 .. 8 LANES) += sum over ranks c0 .. c1 - 1, in order, of p[c] * v[keys_of[c]] (v: the value rows, D apart). The
+// LANES accumulators are registers (a compile-time count), independent chains that hide the multiply-add latency.
+template <int LANES>
+AT_TARGET inline void value_sums(const float* p, const int32_t* keys_of, int64_t c0, int64_t c1, const float* v,
+                                 int64_t D, float* o) {
+  __m256 acc[LANES];
+  for (int r = 0; r < LANES; ++r) acc[r] = _mm256_loadu_ps(o + 8 * r);
+  for (int64_t c = c0; c < c1; ++c) {
+    const __m256 weight = _mm256_set1_ps(p[c]);
+    const float* row = v + int64_t(keys_of[c]) * D;
+    for (int r = 0; r < LANES; ++r) acc[r] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * r), acc[r]);
+  }
+  for (int r = 0; r < LANES; ++r) _mm256_storeu_ps(o + 8 * r, acc[r]);
+}
+
+// Up to TILE queries of one row and kv head, each computed exactly as it would be alone: its scores (each from its
+// query and key only), then by rank among its visible keys its maximum, exponentials, total and output sums. The
+// cache is walked once, a block of positions at a time (the block stays in L1 while every query of the tile and
+// its G heads read it).
 struct Tile {
   Task query[TILE];
   int n;
 };
 
-AT_TARGET void tile_avx2(const Tile& tile, std::vector<int32_t>* index, std::vector<float>* scores,
-                         std::vector<float>& totals) {
+struct Scratch {
+  std::vector<int32_t> index[TILE];
+  std::vector<float> scores[TILE], totals, positions, rows;
+};
+
+AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
   const Task& t0 = tile.query[0];
   const int64_t D = t0.D, G = t0.G;
+  const int64_t block = std::max<int64_t>(8, (4096 / D) / 8 * 8);  // positions a block: 16 KB of float32 rows
   int64_t L[TILE], stride[TILE], cursor[TILE], last = -1;
   for (int i = 0; i < tile.n; ++i) {
-    visible_keys(tile.query[i], index[i]);
-    L[i] = int64_t(index[i].size());
+    visible_keys(tile.query[i], w.index[i]);
+    L[i] = int64_t(w.index[i].size());
     stride[i] = (L[i] + 7) / 8 * 8;
-    scores[i].resize(G * stride[i] + 8);
+    w.scores[i].resize(G * stride[i] + 8);
     cursor[i] = 0;
-    if (L[i]) last = std::max(last, int64_t(index[i][L[i] - 1]));
+    if (L[i]) last = std::max(last, int64_t(w.index[i][L[i] - 1]));
   }
-  for (int64_t j = 0; j <= last; ++j) {  // each key read once for every query (and the G heads) that see it
-    const float* k = t0.keys + j * D;
+  w.positions.resize(G * block);
+  // scores: each block of positions once; a query's scores for the 8-position groups holding its visible keys
+  // there, kept by rank
+  for (int64_t j0 = 0; j0 <= last; j0 += block) {
+    const int64_t j1 = std::min(j0 + block, last + 1);
+    const float* k = as_float(t0.keys, t0.bf16, j0, j1, D, w.rows);
     for (int i = 0; i < tile.n; ++i) {
-      if (cursor[i] >= L[i] || index[i][cursor[i]] != j) continue;
+      const int32_t* index = w.index[i].data();
+      const int64_t c0 = cursor[i];
+      int64_t c1 = c0;
+      while (c1 < L[i] && index[c1] < j1) ++c1;
+      if (c1 == c0) continue;
+      cursor[i] = c1;
       const Task& t = tile.query[i];
-      for (int64_t g = 0; g < G; ++g) scores[i][g * stride[i] + cursor[i]] = dot(t.q + g * D, k, D) * t.scale;
-      ++cursor[i];
+      const int64_t from = (index[c0] - j0) / 8 * 8, to = index[c1 - 1] - j0 + 1;
+      for (int64_t p = from; p < to; p += 8) {
+        const float* rows[8];
+        for (int m = 0; m < 8; ++m) rows[m] = k + std::min<int64_t>(p + m, j1 - j0 - 1) * D;
+        for (int64_t g = 0; g < G; ++g) score8(t.q + g * D, rows, D, t.scale, w.positions.data() + g * block + p);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = w.scores[i].data() + g * stride[i];
+        const float* at = w.positions.data() + g * block - j0;
+        for (int64_t c = c0; c < c1; ++c) s[c] = at[index[c]];
+      }
     }
   }
-  totals.resize(TILE * G);
+  w.totals.resize(TILE * G);
   for (int i = 0; i < tile.n; ++i) {
     for (int64_t g = 0; g < G; ++g) {
-      float* s = scores[i].data() + g * stride[i];
-      float top = -INFINITY;
-      for (int64_t l = 0; l < L[i]; ++l) top = std::max(top, s[l]);
-      for (int64_t l = L[i]; l < stride[i]; ++l) s[l] = top;  // tail lanes: computed, never summed
+      float* s = w.scores[i].data() + g * stride[i];
+      std::memset(tile.query[i].out + g * D, 0, sizeof(float) * D);
+      if (L[i] == 0) continue;
+      for (int64_t l = L[i]; l < stride[i]; ++l) s[l] = s[0];  // tail lanes: a visible score, never summed
+      __m256 top8 = _mm256_loadu_ps(s);
+      for (int64_t l = 8; l < stride[i]; l += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + l));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, top8);
+      float top = lanes[0];
+      for (int m = 1; m < 8; ++m) top = std::max(top, lanes[m]);
       const __m256 m = _mm256_set1_ps(top);
       for (int64_t l = 0; l < stride[i]; l += 8)
         _mm256_storeu_ps(s + l, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + l), m)));
-      float total = 0.f;
-      for (int64_t l = 0; l < L[i]; ++l) total += s[l];
-      totals[i * G + g] = total;
-      std::memset(tile.query[i].out + g * D, 0, sizeof(float) * D);
+      for (int64_t l = L[i]; l < stride[i]; ++l) s[l] = 0.f;
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t l = 0; l < stride[i]; l += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(s + l));
+      w.totals[i * G + g] = hsum(total);
     }
     cursor[i] = 0;
   }
-  // the values, a block of keys at a time (the block stays in L1 while every query of the tile reads it); a
-  // query's output lanes stay in registers over the block: each lane's multiply-adds are the same, in key order
-  constexpr int64_t BLOCK = 64;
-  for (int64_t j0 = 0; j0 <= last; j0 += BLOCK) {
-    const int64_t j1 = j0 + BLOCK;
+  // the values, a block of positions at a time; a query's output lanes stay in registers over the block: each
+  // lane's multiply-adds are the same, in rank order
+  for (int64_t j0 = 0; j0 <= last; j0 += block) {
+    const int64_t j1 = std::min(j0 + block, last + 1);
+    const float* v0 = as_float(t0.values, t0.bf16, j0, j1, D, w.rows);
     for (int i = 0; i < tile.n; ++i) {
       const int64_t c0 = cursor[i];
       int64_t c1 = c0;
-      while (c1 < L[i] && index[i][c1] < j1) ++c1;
+      while (c1 < L[i] && w.index[i][c1] < j1) ++c1;
       cursor[i] = c1;
       if (c1 == c0) continue;
-      const int32_t* keys_of = index[i].data();
+      const int32_t* keys_of = w.index[i].data();
       for (int64_t g = 0; g < G; ++g) {
-        const float* p = scores[i].data() + g * stride[i];
+        const float* p = w.scores[i].data() + g * stride[i];
         float* o = tile.query[i].out + g * D;
-        for (int64_t d = 0; d < D; d += 32) {
-          const int lanes = int(std::min<int64_t>(4, (D - d) / 8));
-          __m256 acc[4];
-          for (int r = 0; r < lanes; ++r) acc[r] = _mm256_loadu_ps(o + d + 8 * r);
-          for (int64_t c = c0; c < c1; ++c) {
-            const __m256 w = _mm256_set1_ps(p[c]);
-            const float* v = t0.values + int64_t(keys_of[c]) * D + d;
-            for (int r = 0; r < lanes; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * r), acc[r]);
+        for (int64_t d = 0; d < D; d += 64) {
+          const float* v = v0 - j0 * D + d;
+          switch (std::min<int64_t>(8, (D - d) / 8)) {
+            case 8: value_sums<8>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 7: value_sums<7>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 6: value_sums<6>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 5: value_sums<5>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 4: value_sums<4>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 3: value_sums<3>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 2: value_sums<2>(p, keys_of, c0, c1, v, D, o + d); break;
+            default: value_sums<1>(p, keys_of, c0, c1, v, D, o + d); break;
           }
-          for (int r = 0; r < lanes; ++r) _mm256_storeu_ps(o + d + 8 * r, acc[r]);
         }
       }
     }
@@ -189,7 +277,7 @@ AT_TARGET void tile_avx2(const Tile& tile, std::vector<int32_t>* index, std::vec
   for (int i = 0; i < tile.n; ++i) {
     if (L[i] == 0) continue;
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 total = _mm256_set1_ps(totals[i * G + g]);
+      const __m256 total = _mm256_set1_ps(w.totals[i * G + g]);
       float* o = tile.query[i].out + g * D;
       for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), total));
     }
@@ -201,14 +289,16 @@ const auto has_avx2 = draftwise_simd::avx2_fma;
 
 }  // namespace
 
-// q: [R, W, H, D]; keys, values: [R, KVH, C, D] (the forward's cache rows); visible: [R, W, KV] bool or None (every
-// key 0 .. kv - 1); counts: real queries a row (the rest are padding, left zero). Returns [R, W, H, D].
+// q: [R, W, H, D] float32; keys, values: [R, KVH, C, D] float32 or bfloat16 (the forward's cache rows); visible:
+// [R, W, KV] bool or None (every key 0 .. kv - 1); counts: real queries a row (the rest are padding, left zero).
+// Returns [R, W, H, D] float32.
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
                      std::vector<int64_t> counts, int64_t kv, double scale, bool portable) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [R, W, H, D] float32");
-  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == torch::kFloat32 && keys.is_contiguous() &&
-              values.sizes() == keys.sizes() && values.scalar_type() == torch::kFloat32 && values.is_contiguous(),
-              "keys, values: [R, KVH, C, D] float32, contiguous");
+  const auto dtype = keys.scalar_type();
+  TORCH_CHECK(keys.dim() == 4 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && keys.is_contiguous() &&
+              values.sizes() == keys.sizes() && values.scalar_type() == dtype && values.is_contiguous(),
+              "keys, values: [R, KVH, C, D] float32 or bfloat16 (both the same), contiguous");
   const int64_t R = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = keys.size(1), C = keys.size(2);
   TORCH_CHECK(keys.size(0) == R && keys.size(3) == D && KVH > 0 && H % KVH == 0, "q and keys do not match");
   TORCH_CHECK(int64_t(counts.size()) == R, "one count a row");
@@ -223,31 +313,38 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   const int64_t mask_kv = mask ? visible->size(2) : 0;
   auto out = torch::zeros_like(q);
   const int64_t G = H / KVH;
+  const bool bf16 = dtype == torch::kBFloat16;
+  const int64_t bytes = bf16 ? 2 : 4;
   const float* qp = q.data_ptr<float>();
-  const float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const char *kp = static_cast<const char*>(keys.data_ptr()), *vp = static_cast<const char*>(values.data_ptr());
   float* op = out.data_ptr<float>();
 #ifdef AT_X86
   const bool fast = !portable && has_avx2() && D % 8 == 0;
 #else
   const bool fast = false;
 #endif
-  // queries a task takes: a tile of a wide feed (a prompt chunk), or of any feed over a long context, shares its
-  // key loads; narrow feeds over short contexts (decoding, verification) keep one query a task, for more tasks to
-  // share out. Each query's bits are the same either way.
+  // queries a task takes: a tile of a wide feed (a prompt chunk), of any feed over a long context, or of a narrow
+  // feed (verification) where rows and kv heads alone make tasks enough for the threads, shares its key loads; a
+  // narrow feed of few rows over a short context keeps one query a task, for more tasks to share out. Each query's
+  // bits are the same either way.
 #ifdef AT_X86
-  const int64_t per = fast && W > 1 && (W >= 2 * TILE || kv >= 1024) ? TILE : 1;
+  const int64_t per = fast && W > 1 && (W >= 2 * TILE || kv >= 1024 || R * KVH >= 4 * at::get_num_threads()) ? TILE : 1;
 #else
   const int64_t per = 1;
 #endif
   const int64_t spans = (W + per - 1) / per;
   at::parallel_for(0, R * spans * KVH, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int32_t> index[TILE];
-    std::vector<float> scores[TILE], totals;
+#ifdef AT_X86
+    Scratch scratch;
+#endif
+    std::vector<int32_t> index;
+    std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / (spans * KVH), span = (t / KVH) % spans, g = t % KVH;
       const int64_t w0 = span * per, w1 = std::min(std::min(W, w0 + per), counts[r]);
       auto task = [&](int64_t w) {
-        return Task{qp + ((r * W + w) * H + g * G) * D, kp + (r * KVH + g) * C * D, vp + (r * KVH + g) * C * D,
+        const int64_t cache_at = (r * KVH + g) * C * D * bytes;
+        return Task{qp + ((r * W + w) * H + g * G) * D, kp + cache_at, vp + cache_at, bf16,
                     mask ? mask + (r * W + w) * mask_kv : nullptr, kv, G, D, float(scale),
                     op + ((r * W + w) * H + g * G) * D};
       };
@@ -257,11 +354,11 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
         Tile tile;
         tile.n = int(w1 - w0);
         for (int64_t w = w0; w < w1; ++w) tile.query[w - w0] = task(w);
-        tile_avx2(tile, index, scores, totals);
+        tile_avx2(tile, scratch);
         continue;
       }
 #endif
-      for (int64_t w = w0; w < w1; ++w) task_scalar(task(w), index[0], scores[0]);
+      for (int64_t w = w0; w < w1; ++w) task_scalar(task(w), index, scores);
     }
   });
   return out;
