@@ -27,6 +27,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2ForCausalLM)
 
 from conftest import tiny_gpt2, tiny_llama
+from draftwise.errors import DraftwiseError
 from draftwise.models import ModelRunner
 from draftwise.models import loading
 from draftwise.models.fast import FastModel, FloatLinear, Int4Linear, Int8Linear, supports
@@ -193,6 +194,37 @@ def test_fast_matches_transformers_through_ragged_feeds_and_rollbacks(family, mo
         full = _full_forward(model, f["sequence"])[-f["count"]:]
         assert _error(f["logits"], full) < RTOL
         assert torch.equal(f["logits"].argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_activations_keep_a_bf16_cache_that_changes_no_bit(family, monkeypatch):
+    """With bf16 activations the keys and values are bf16 numbers, so the cache keeps them in bf16 (half the bytes
+    a step reads): the same script gives the same logits, bit for bit, as with a float32 cache
+    (DRAFTWISE_KV_DTYPE=float32). The control: rounding an fp32 model's keys and values to bf16 does move them."""
+    from draftwise.models import qkernel
+
+    if not qkernel.available():
+        pytest.skip(f"draftwise's kernel is not built here: {qkernel.problem()}")
+    ops = _script(seed=SEEDS[family])
+    model = FAMILIES[family]().to(torch.bfloat16)
+    half = _runner(model, monkeypatch, fast=True)
+    assert half.fast.cache_dtype == torch.bfloat16
+    played = _play(half, ops)
+    assert half.cache.keys[0].dtype == torch.bfloat16
+    monkeypatch.setenv("DRAFTWISE_KV_DTYPE", "float32")
+    wide = _runner(copy.deepcopy(model), monkeypatch, fast=True)  # a model's fast forward is built once
+    assert wide.fast.cache_dtype == torch.float32
+    for a, b in zip(played, _play(wide, ops)):
+        assert torch.equal(a["logits"], b["logits"]), a["row"]
+    model = FAMILIES[family]()
+    monkeypatch.setenv("DRAFTWISE_KV_DTYPE", "bfloat16")
+    rounded = _play(_runner(copy.deepcopy(model), monkeypatch, fast=True), ops)
+    monkeypatch.delenv("DRAFTWISE_KV_DTYPE")
+    exact = _play(_runner(copy.deepcopy(model), monkeypatch, fast=True), ops)
+    assert not all(torch.equal(a["logits"], b["logits"]) for a, b in zip(rounded, exact))
+    monkeypatch.setenv("DRAFTWISE_KV_DTYPE", "fp8")
+    with pytest.raises(DraftwiseError, match="DRAFTWISE_KV_DTYPE"):
+        _runner(copy.deepcopy(model), monkeypatch, fast=True)
 
 
 def test_mistral_script_exercises_the_window(monkeypatch):

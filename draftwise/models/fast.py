@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftwise.errors import DraftwiseError
 from draftwise.models.qkernel import CodesLinear, CodesProjection, JoinedLinear, joined
 
 FAST_FAMILIES = {"llama", "mistral", "qwen2"}
@@ -222,7 +223,8 @@ class FastModel:
         self.device = self.norm.device
         self.rotary = base.rotary_emb
         self.scaling = self.head_dim ** -0.5
-        self.cache_dtype = cache_dtype(self.dtype, self.device)
+        self._attend = invariant_kernel("attend")
+        self.cache_dtype = cache_dtype(self.dtype, self.device, kernel=self._attend is not None)
         make_linear = formats.linear if formats is not None else _float_linear
         layers = []
         for index, layer in enumerate(base.layers):
@@ -262,7 +264,6 @@ class FastModel:
             self.head = make_linear("lm_head", [("lm_head", head.weight.detach())], head.weight.detach(), _bias(head))
         self._cos = self._sin = None
         self._rope_len = 0
-        self._attend = invariant_kernel("attend")
 
     # ---- pieces -------------------------------------------------------------
 
@@ -346,8 +347,8 @@ class FastModel:
             if kernel is not None:
                 write(keys, k.to(cache_dtype))
                 write(values, v.to(cache_dtype))
-                out = kernel(pack.rows(q.to(cache_dtype)).contiguous(), keys, values, visible, counts, kv, self.scaling,
-                             False)  # [rows, width, heads, d]
+                out = kernel(pack.rows(q.float()).contiguous(), keys, values, visible, counts, kv, self.scaling,
+                             False)  # [rows, width, heads, d] float32
                 out = pack.flat(out).reshape(-1, heads * d).to(h.dtype)
             elif per_row is not None and width <= PACKED_ROWS_WIDTH:  # decode / verify: one write, padded queries
                 write(keys, k.to(cache_dtype))
@@ -467,10 +468,27 @@ class Packing:
         return self.counts.cumsum(0) - self.counts
 
 
-def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Keys and values (and attention) in fp32 on CPU whatever the weights' type: PyTorch's CPU attention in bf16
-    is several times slower than in fp32. Elsewhere the model's own type."""
-    return torch.float32 if device.type == "cpu" else dtype
+KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def cache_dtype(dtype: torch.dtype, device: torch.device, *, kernel: bool) -> torch.dtype:
+    """The type of the keys and values a forward keeps.
+
+    On CPU with draftwise's attention kernel, the activations' own type where the kernel reads it: bf16 activations
+    give bf16 keys and values, which the cache then holds exactly, at half the bytes a decoding step streams from
+    memory (the kernel widens them to fp32); fp32 activations keep fp32. DRAFTWISE_KV_DTYPE=bfloat16 rounds them to
+    bf16 anyway (half the memory, no longer equal to a cache-free forward), =float32 widens bf16 ones. On CPU
+    without the kernel: fp32 (PyTorch's CPU attention in bf16 is several times slower). Elsewhere the model's type."""
+    if device.type != "cpu":
+        return dtype
+    if not kernel:
+        return torch.float32
+    name = os.environ.get("DRAFTWISE_KV_DTYPE", "auto").strip().lower()
+    if name == "auto":
+        return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    if name not in KV_DTYPES:
+        raise DraftwiseError(f"DRAFTWISE_KV_DTYPE={name!r}: expected auto, bfloat16 or float32")
+    return KV_DTYPES[name]
 
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:

@@ -350,11 +350,13 @@ class ModelRunner:
 
 
 def fast_model(model: PreTrainedModel) -> FastModel | None:
-    """The model's fast forward (built once per model, dtype and device, and shared by its runners), or None
+    """The model's fast forward (built once per model, dtype, device and DRAFTWISE_KV_DTYPE, and shared by its
+    runners), or None
     where the generic path runs it: another family, or `DRAFTWISE_FAST=0`."""
     if fast_disabled() or supports(model) is not None:
         return None
-    key = (next(model.parameters()).dtype, next(model.parameters()).device, getattr(model, "draftwise_weights", None))
+    key = (next(model.parameters()).dtype, next(model.parameters()).device, getattr(model, "draftwise_weights", None),
+           os.environ.get("DRAFTWISE_KV_DTYPE", "auto"))
     built = model.__dict__.get("_draftwise_fast")
     if built is None or built[0] != key:
         built = (key, FastModel(model, formats=getattr(model, "draftwise_formats", None)))
