@@ -9,6 +9,11 @@ stops. Both serve the registry target converted to a Hugging Face directory, in 
 - `draftwise-<method>` (default `sd` with the registry's EAGLE head) against `vllm-eagle3` (the same head
   exported with `draftwise export-eagle`) and `vllm-ngram`.
 
+`--pair` serves the real pair instead: draftwise runs Qwen2.5-Coder-1.5B-Instruct from its Q4_K_M GGUF file (the
+format users have; `sd` drafts with the 0.5B sibling's Q4_K_M), and vLLM, which has no CPU kernels for GGUF's
+K-quants, the same weights dequantised into a Hugging Face directory, in bf16 (`vllm-draft` drafts with the
+0.5B, dequantised the same way).
+
 Reports per configuration and concurrency: output tokens/s, requests/s, time to first token p50 / p95 and
 inter-token latency p50 (guidellm's numbers), and the ratio of draftwise to vLLM. Writes JSON:
 
@@ -42,6 +47,7 @@ from draftwise.atomic import write_json  # noqa: E402
 PEERS = ROOT / ".peers"
 GUIDELLM_VERSION = "0.8.1"
 TARGET = "smollm2-135m"
+PAIR_TARGET, PAIR_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
 def setup_guidellm(log: Path) -> Path:
@@ -80,7 +86,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def server_command(config: dict[str, Any], port: int, hf_dir: Path, args: argparse.Namespace) -> list[str]:
     if config["engine"] == "draftwise":
-        cmd = [str(ROOT / ".venv" / "bin" / "draftwise"), "serve", "--target", str(hf_dir), "--dtype", "bf16",
+        model = ["--target", PAIR_TARGET] if args.pair else ["--target", str(hf_dir), "--dtype", "bf16"]
+        cmd = [str(ROOT / ".venv" / "bin" / "draftwise"), "serve", *model,
                "--method", config["method"], "--port", str(port), "--served-model-name", "m",
                "--max-batch-size", str(args.max_batch_size), "--max-queue", "256", "--no-access-log",
                "--log-level", "warning"]
@@ -156,6 +163,9 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=60.0, help="per concurrency level")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--pair", action="store_true",
+                        help=f"serve {PAIR_TARGET} (draftwise: its Q4_K_M file; vLLM: dequantised, bf16) with "
+                             f"{PAIR_DRAFT} as draft, not {TARGET}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -164,11 +174,15 @@ def main() -> int:
 
     from draftwise.models import registry
 
-    hf_dir = registry.resolve(TARGET)
+    target = PAIR_TARGET if args.pair else TARGET
+    hf_dir = registry.resolve(target)
     guidellm = setup_guidellm(log)
+    chosen = args.configs.split(",")
+    draft_dir = registry.resolve(PAIR_DRAFT) if args.pair and "vllm-draft" in chosen else None
     configs = {
         "draftwise-ar": {"engine": "draftwise", "method": "ar"},
-        "draftwise-sd": {"engine": "draftwise", "method": "sd", "draft": "smollm2-135m-eagle"},
+        "draftwise-sd": {"engine": "draftwise", "method": "sd",
+                         "draft": PAIR_DRAFT if args.pair else "smollm2-135m-eagle"},
         "draftwise-suffix": {"engine": "draftwise", "method": "suffix"},
         "vllm-ar": {"engine": "vllm"},
         "vllm-eagle3": {"engine": "vllm", "speculative_config": {
@@ -176,8 +190,12 @@ def main() -> int:
         "vllm-ngram": {"engine": "vllm", "speculative_config": {
             "method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3}},
+        "vllm-draft": {"engine": "vllm", "speculative_config": {
+            "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": args.gamma}},
     }
-    chosen = args.configs.split(",")
+    unknown = [c for c in chosen if c not in configs]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {', '.join(configs)}")
     if any(configs[c]["engine"] == "vllm" for c in chosen):
         from peers import setup_vllm
 
@@ -214,7 +232,8 @@ def main() -> int:
         print(json.dumps({name: results[name]}, indent=1), file=sys.stderr, flush=True)
 
     ratios = {}
-    for ours, theirs in (("draftwise-ar", "vllm-ar"), ("draftwise-sd", "vllm-eagle3"), ("draftwise-sd", "vllm-ngram")):
+    for ours, theirs in (("draftwise-ar", "vllm-ar"), ("draftwise-sd", "vllm-eagle3"), ("draftwise-sd", "vllm-ngram"),
+                         ("draftwise-sd", "vllm-draft"), ("draftwise-sd", "vllm-ar")):
         a, b = results.get(ours, {}).get("levels"), results.get(theirs, {}).get("levels")
         if a and b:
             ratios[f"{ours}/{theirs}"] = [
@@ -222,7 +241,7 @@ def main() -> int:
                  "output_tokens_per_s": (x["output_tokens_per_s"] or 0) / (y["output_tokens_per_s"] or float("nan")),
                  "ttft_p50": (x["ttft_ms_p50"] or 0) / (y["ttft_ms_p50"] or float("nan"))}
                 for x, y in zip(a, b)]
-    report = {"target": TARGET, "hf_dir": str(hf_dir), "prompt_tokens": args.prompt_tokens,
+    report = {"target": target, "draftwise_format": "Q4_K_M GGUF" if args.pair else "bf16", "hf_dir": str(hf_dir), "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "concurrency": args.concurrency, "max_seconds": args.max_seconds,
               "max_batch_size": args.max_batch_size, "guidellm": GUIDELLM_VERSION, "results": results,
               "ratios": ratios}
