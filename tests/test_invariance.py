@@ -290,3 +290,29 @@ def test_float_shapes_that_do_not_match_are_refused(kernel):
         kernel.fmm(torch.randn(2, 16), torch.randn(4, 8), False)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         kernel.fmm(torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), False)
+
+
+def test_greedy_methods_write_ars_tokens_on_a_bf16_cache():
+    """A bf16 target keeps a bf16 KV cache: greedy `sd` (a draft model and the target itself as draft),
+    `prompt-lookup` and `suffix` write `ar`'s tokens, token for token, in a ragged batch (a one-token prompt
+    among them) and each row alone."""
+    import copy
+
+    import draftwise
+    from conftest import tiny_llama
+    from draftwise.models.runner import fast_model
+
+    if qkernel.load() is None:
+        pytest.skip(f"draftwise's kernel is not built here: {qkernel.problem()}")
+    target = tiny_llama(0, layers=3).to(torch.bfloat16)
+    draft = tiny_llama(1, layers=1).to(torch.bfloat16)
+    assert fast_model(target).cache_dtype == torch.bfloat16
+    prompts = [[5], [3, 9, 3, 9, 3, 9, 12, 7], list(range(1, 30)), [7, 7, 7, 2]]
+    kwargs = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+    ar = [r.token_ids for r in draftwise.generate(target, prompts, method="ar", **kwargs)]
+    alone = [draftwise.generate(target, p, method="ar", **kwargs).token_ids for p in prompts]
+    assert ar == alone
+    for method, extra in (("sd", dict(draft=draft)), ("sd", dict(draft=copy.deepcopy(target))),
+                          ("prompt-lookup", {}), ("suffix", {})):
+        got = [r.token_ids for r in draftwise.generate(target, prompts, method=method, **extra, **kwargs)]
+        assert got == ar, method
