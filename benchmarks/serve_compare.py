@@ -169,7 +169,7 @@ def main() -> int:
                         help="both servers' float type: auto is bf16 on a CPU with native bf16, fp32 elsewhere "
                              "(bf16 without native support is several times slower in both)")
     parser.add_argument("--pair", action="store_true",
-                        help=f"serve {PAIR_TARGET} (draftwise: its Q4_K_M file; vLLM: dequantised, bf16) with "
+                        help=f"serve {PAIR_TARGET} (draftwise: its Q4_K_M file; vLLM: dequantised, --dtype) with "
                              f"{PAIR_DRAFT} as draft, not {TARGET}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -205,6 +205,8 @@ def main() -> int:
     unknown = [c for c in chosen if c not in configs]
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(configs)}")
+    if "vllm-draft" in chosen and not args.pair:
+        parser.error("vllm-draft drafts with the pair's 0.5B model: add --pair")
     if any(configs[c]["engine"] == "vllm" for c in chosen):
         from peers import setup_vllm
 

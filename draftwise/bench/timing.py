@@ -34,7 +34,6 @@ def medians(seconds: Mapping[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
-
 def once(cases: Mapping[Any, Callable[[], Any]]) -> dict[Any, tuple[float, Any]]:
     """One round of `interleaved` that keeps what the cases return: each case's (wall seconds, result), the cases
     called in their order."""

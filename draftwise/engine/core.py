@@ -59,7 +59,6 @@ PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decod
 DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
 
 
-
 def _average(old: float | None, new: float, weight: float) -> float:
     """A moving average: `new` counts `weight`, the past the rest (the first value stands alone)."""
     return new if old is None else (1.0 - weight) * old + weight * new
@@ -774,7 +773,7 @@ def kv_bytes_per_token(model) -> int:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    fast = fast_model(model)  # the fast forward keeps fp32 keys and values on CPU, whatever the weights
+    fast = fast_model(model)  # the fast forward's cache type (models/fast.py cache_dtype), not the weights'
     dtype = fast.cache_dtype if fast is not None else next(model.parameters()).dtype
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 

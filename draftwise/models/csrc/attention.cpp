@@ -166,6 +166,12 @@ AT_TARGET inline void value_sums(const float* p, const int32_t* keys_of, int64_t
   for (int r = 0; r < LANES; ++r) _mm256_storeu_ps(o + 8 * r, acc[r]);
 }
 
+// The first rank from c on whose key is at position j1 or later (the query's visible keys before j1 end there).
+inline int64_t ranks_before(const int32_t* index, int64_t L, int64_t c, int64_t j1) {
+  while (c < L && index[c] < j1) ++c;
+  return c;
+}
+
 // Up to TILE queries of one row and kv head, each computed exactly as it would be alone: its scores (each from its
 // query and key only), then by rank among its visible keys its maximum, exponentials, total and output sums. The
 // cache is walked once, a block of positions at a time (the block stays in L1 while every query of the tile and
@@ -201,11 +207,8 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
     const float* k = as_float(t0.keys, t0.bf16, j0, j1, D, w.rows);
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* index = w.index[i].data();
-      const int64_t c0 = cursor[i];
-      int64_t c1 = c0;
-      while (c1 < L[i] && index[c1] < j1) ++c1;
+      const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(index, L[i], c0, j1);
       if (c1 == c0) continue;
-      cursor[i] = c1;
       const Task& t = tile.query[i];
       const int64_t from = (index[c0] - j0) / 8 * 8, to = index[c1 - 1] - j0 + 1;
       for (int64_t p = from; p < to; p += 8) {
@@ -249,12 +252,9 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
     const int64_t j1 = std::min(j0 + block, last + 1);
     const float* v0 = as_float(t0.values, t0.bf16, j0, j1, D, w.rows);
     for (int i = 0; i < tile.n; ++i) {
-      const int64_t c0 = cursor[i];
-      int64_t c1 = c0;
-      while (c1 < L[i] && w.index[i][c1] < j1) ++c1;
-      cursor[i] = c1;
-      if (c1 == c0) continue;
       const int32_t* keys_of = w.index[i].data();
+      const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(keys_of, L[i], c0, j1);
+      if (c1 == c0) continue;
       for (int64_t g = 0; g < G; ++g) {
         const float* p = w.scores[i].data() + g * stride[i];
         float* o = tile.query[i].out + g * D;
