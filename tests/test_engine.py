@@ -243,7 +243,8 @@ def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_it
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=8)
     engine._decode_s, engine._prompt_token_s = 1.0, 0.1
-    engine.live = [SimpleNamespace(unfed=0)]
+    ending = SimpleNamespace(unfed=0, budget=4, token_ids=[1] * 60, counters=SimpleNamespace(steps=60))
+    engine.live = [ending]  # a row about to end: the allowance is SHORT_PROMPT_STEPS
 
     def budgets(steps: int) -> list[int]:
         out = []
@@ -268,6 +269,49 @@ def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_it
     engine._credit = 0.0
     both = budgets(40)
     assert abs(sum(both) - 2 * per_step * len(both)) <= 2 * (per_step + piece)  # two wait, one decodes: twice
+
+
+def test_the_prompt_budget_lets_rows_with_long_to_go_afford_a_wave_of_prompts(llama_pair):
+    """Rows with long to go afford SHORT_SHARE of their remaining steps (each counted up to SHORT_HORIZON, at its
+    own tokens a step) for prompts fed at once, fewest unfed first while they fit; a prompt costing more is long
+    and gets the credit; rows about to end keep the SHORT_PROMPT_STEPS allowance (timings pinned: a step 1.0 s,
+    a prompt token 0.1 s)."""
+    from types import SimpleNamespace
+
+    from draftwise.engine import core as engine_module
+    target, draft = llama_pair
+    engine = _engine(target, draft, max_batch_size=8)
+    engine._decode_s, engine._prompt_token_s = 1.0, 0.1
+
+    def row(budget: int, made: int, steps: int) -> SimpleNamespace:
+        return SimpleNamespace(unfed=0, budget=budget, token_ids=[1] * made, counters=SimpleNamespace(steps=steps))
+
+    def first_budget() -> int:
+        engine._credit = 0.0
+        while (engine._steps + 1) % engine_module.DECODE_SAMPLE == 0:
+            engine._steps += 1
+        return engine._prompt_budget()
+
+    fresh = row(1000, 0, 0)  # counted up to the horizon
+    engine.live = [fresh, fresh]
+    allowance = engine_module.SHORT_SHARE * engine_module.SHORT_HORIZON  # decoding steps
+    assert engine._short_allowance() == allowance * 1.0
+    fits = int(allowance / 0.1)  # prompt tokens the allowance buys
+    assert fits > engine_module.SHORT_PROMPT_STEPS / 0.1  # more than a row about to end allows
+    chunk = engine_module.PREFILL_CHUNK
+    engine.prefilling = [SimpleNamespace(unfed=min(fits, chunk))]
+    assert first_budget() == min(fits, chunk)  # fed whole at once
+    half = fits // 2 + 1  # two of these do not fit together: the fewer-token one goes now, the other waits
+    engine.prefilling = [SimpleNamespace(unfed=half + 1), SimpleNamespace(unfed=half)]
+    assert first_budget() == min(half, chunk)
+    engine.prefilling = [SimpleNamespace(unfed=fits + 1)]  # long: only the credit, nothing at once
+    assert first_budget() == 0
+    # at three tokens a step, a row's remaining steps are a third of its remaining tokens
+    engine.live = [row(60, 90, 30)]
+    assert abs(engine._short_allowance() - max(engine_module.SHORT_PROMPT_STEPS,
+                                               engine_module.SHORT_SHARE * 20)) < 1e-9
+    engine.live = [row(2, 90, 90)]  # about to end: the floor
+    assert engine._short_allowance() == engine_module.SHORT_PROMPT_STEPS
 
 
 def test_a_forward_of_prompts_alone_is_cut_to_its_time_bound(llama_pair):

@@ -9,8 +9,9 @@ One `step()`:
 1. **admit**: waiting requests join while the batch has room and the KV budget
    allows. Their prompts (all but the last token, left for the first decoding
    step) are fed in chunks that share the verification forward with the decoding
-   rows: a short prompt at once, long ones within a time budget per step (`prefill_share`
-   of a decoding step), so a long prompt never stalls the others; with nothing
+   rows: short prompts at once, while they cost at most a share of the decoding rows'
+   remaining time, long ones within a time budget per step (`prefill_share` of a
+   decoding step), so a long prompt never stalls the others; with nothing
    decoding, in chunks cut to about PREFILL_FORWARD_S a forward.
    Rows still prefilling sit after the live rows in the cache;
 2. **draft**: the drafter proposes up to `min(gamma, budget - 1)` tokens per row;
@@ -53,7 +54,9 @@ PREFILL_SHARE = 0.25  # long prompts' tokens a step feeds beside decoding rows m
 LONG_PIECE = 8  # a long prompt beside decoding rows advances this many tokens at least (a piece reads its whole
 # context once, as the attention kernel's tile of 8 queries does: a token or two at a time would read it for each)
 PREFILL_FORWARD_S = 0.25  # a forward of prompts alone is cut to about this long: a request arriving meanwhile waits
-SHORT_PROMPT_STEPS = 4.0  # a prompt whose unfed tokens cost at most this many decoding steps is fed at once
+SHORT_PROMPT_STEPS = 4.0  # prompts fed at once beside decoding rows may cost this many decoding steps in a step,
+SHORT_SHARE = 0.25  # or this share of the decoding rows' remaining steps when that is more (mean over the rows,
+SHORT_HORIZON = 64  # each row's counted up to this many steps)
 PREFILL_FIRST = 8  # prompt tokens per step beside decoding rows before their cost is measured
 PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decoding while another engine decodes
 DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
@@ -575,25 +578,33 @@ class Engine:
         self._start_decoding()
 
     def _prompt_budget(self) -> int:
-        """Prompt tokens the next step feeds beside the decoding rows, keyed on what waits. A prompt whose unfed
-        tokens cost at most `SHORT_PROMPT_STEPS` decoding steps is fed at once (up to a chunk a forward): a short
-        request does not queue behind a long prompt, and the decoding rows pay for it once. Longer prompts share a
-        time credit: each step earns `prefill_share` of a decoding step, more when more of them wait than rows
-        decode, and is spent in pieces of at least LONG_PIECE tokens a prompt, so a long prompt advances without
-        slowing the decoding rows by more than that share on average. Every
-        `DECODE_SAMPLE`-th step (and before the first measure) feeds none, to time a decoding step alone."""
+        """Prompt tokens the next step feeds beside the decoding rows, keyed on what waits. Prompts are fed at once
+        (up to a chunk a forward), fewest unfed tokens first, while together they cost at most the allowance of
+        `_short_allowance`: a short request does not queue behind a long prompt, a wave of requests starts as soon
+        as the decoding rows can afford it, and those rows pay a share of their own remaining time. A prompt
+        costing more than the allowance is long: the long ones share a time credit, each step earning
+        `prefill_share` of a decoding step (more when more of them wait than rows decode), spent in pieces of at
+        least LONG_PIECE tokens a prompt, so a long prompt advances without slowing the decoding rows by more
+        than that share on average. Every `DECODE_SAMPLE`-th step (and before the first measure) feeds none, to
+        time a decoding step alone."""
         self._steps += 1
         if self._decode_s is None or self._steps % DECODE_SAMPLE == 0:
             return 0
         if self._prompt_token_s is None:
             return PREFILL_FIRST
         cost = max(self._prompt_token_s, 1e-9)
-        short = [row.unfed for row in self.prefilling if row.unfed * cost <= SHORT_PROMPT_STEPS * self._decode_s]
-        waiting_long = len(self.prefilling) - len(short)
-        now = sum(min(n, PREFILL_CHUNK) for n in short)
+        allowance = self._short_allowance()
+        now, spent, waiting_long = 0, 0.0, 0
+        for unfed in sorted(row.unfed for row in self.prefilling):
+            if unfed * cost > allowance:
+                waiting_long += 1
+            elif spent + min(unfed, PREFILL_CHUNK) * cost <= allowance or not now:  # short: fed now if it fits
+                spent += min(unfed, PREFILL_CHUNK) * cost
+                now += min(unfed, PREFILL_CHUNK)
+        now = min(PREFILL_TOKENS, now)
         if not waiting_long:
             self._credit = 0.0
-            return min(PREFILL_TOKENS, now)
+            return now
         # time credit for the long prompts, built up over steps that feed none until it buys each a piece
         share = self.prefill_share * max(1.0, waiting_long / max(len(self.live), 1))
         self._credit = min(self._credit + share * self._decode_s, PREFILL_TOKENS * cost)
@@ -602,6 +613,18 @@ class Engine:
             return min(PREFILL_TOKENS, now + waiting_long) if now else 0
         self._credit -= budget * cost
         return now + budget
+
+    def _short_allowance(self) -> float:
+        """Seconds of prompt feeding one step may spend at once beside the decoding rows: SHORT_PROMPT_STEPS
+        decoding steps, or SHORT_SHARE of the rows' remaining steps when that is more (the mean over the rows of
+        what each has left, at its own tokens a step, counted up to SHORT_HORIZON). Rows with long to go can
+        afford a prompt that starts another row now; rows about to end are not held for one."""
+        left = []
+        for row in self.live:
+            per_step = len(row.token_ids) / row.counters.steps if row.counters.steps else 1.0
+            left.append(min(row.budget / max(per_step, 1.0), SHORT_HORIZON))
+        mean = sum(left) / len(left) if left else 0.0
+        return max(SHORT_PROMPT_STEPS, SHORT_SHARE * mean) * self._decode_s
 
     def _prompt_plan(self, budget: int, chunk: int) -> list[int]:
         """Tokens per prefilling row for one forward: at least one each (the forward covers them all), the rest
