@@ -233,6 +233,36 @@ def test_a_long_prompt_never_stalls_the_decoding_rows(llama_pair):
     assert engine.target.cache.keys == [] and engine.target.cache.num_rows == 0  # idle: memory released
 
 
+def test_a_long_rows_memory_goes_back_when_it_ends_though_others_go_on():
+    """The cache's buffers follow the longest row: when a long request ends while a short one decodes on, the
+    target's and the draft model's buffers are cut to what the short row needs (the engine never goes idle), and
+    both requests decode token for token as alone."""
+    from draftwise.models import kvcache
+    from tests.conftest import tiny_llama
+
+    target, draft = tiny_llama(0, window=2048), tiny_llama(1, layers=1, window=2048)
+    engine = _engine(target, draft, max_batch_size=4)
+    engine._prompt_budget = lambda: 128  # prompt tokens per step beside the decoding row (pinned)
+    short = Request((3, 4, 5), GREEDY, max_new_tokens=80)
+    long = Request(tuple(1 + i % 50 for i in range(1100)), GREEDY, max_new_tokens=12)
+    s = engine.submit(short)
+    engine.step()
+    g = engine.submit(long)
+    caches = (engine.target.cache, engine.drafter.runner.cache)
+    peak = [0, 0]
+    while engine.result(g) is None:
+        engine.step()
+        peak = [max(p, c.capacity) for p, c in zip(peak, caches)]
+    assert engine.result(s) is None  # the short request decodes on
+    for cache, most in zip(caches, peak):
+        assert most >= 1100
+        assert cache.capacity * kvcache.SHRINK <= most and cache.keys[0].shape[2] == cache.capacity  # cut
+        assert cache.keys[0].shape[0] * kvcache.SHRINK > cache.num_rows  # rows kept for the rows held
+    engine.run()
+    assert engine.result(s).token_ids == _alone(target, draft, short)
+    assert engine.result(g).token_ids == _alone(target, draft, long)
+
+
 def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_its_share(llama_pair):
     """The budget beside decoding rows is keyed on what waits: a prompt costing at most SHORT_PROMPT_STEPS
     decoding steps is fed whole in the next step; a long prompt gets prefill_share of a decoding step per step,

@@ -208,6 +208,7 @@ class ModelRowsDrafter:
 
     def release(self, live: int) -> None:
         self.runner.cache.drop_rows(live)
+        self.runner.cache.fit()
 
     def observe(self, row, start, states) -> None: pass
 

@@ -67,6 +67,7 @@ class CompanionRowsDrafter:
     def release(self, live: int) -> None:
         self.inner.release(live)
         self.companion.cache.drop_rows(live)
+        self.companion.cache.fit()
 
     def observe(self, row, start, states) -> None:
         self.inner.observe(row, start, states)

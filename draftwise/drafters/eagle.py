@@ -267,4 +267,5 @@ class EagleRowsDrafter:
 
     def release(self, live: int) -> None:
         self.runner.cache.drop_rows(live)
+        self.runner.cache.fit()
         del self.features[live:], self.cached[live:], self.num_features[live:], self.last_state[live:]

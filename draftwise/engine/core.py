@@ -737,6 +737,8 @@ class Engine:
             self.target.cache.shrink()  # idle: a long prompt's memory goes back
             if not self.waiting:
                 release_heap()
+        else:  # a long row's memory goes back when it ends, though others go on
+            self.target.cache.fit()
 
     def _finish(self, row: Row, reason: str) -> None:
         row.finish_reason = reason

@@ -14,7 +14,9 @@ contiguous by moving the last live row into a freed slot (`move_row`).
 
 The buffers grow when a row outgrows them: capacity doubles (rounded up to
 `BLOCK` positions); the row dimension doubles too. Attention reads only up to the
-longest row touched by the forward (`kv_length`), not the whole buffer.
+longest row touched by the forward (`kv_length`), not the whole buffer. They are
+cut when a request's row ends and those left use at most 1/SHRINK of them (`fit`): a long request's memory goes back when it ends, not when the cache next
+goes idle. Not paged: every row holds the longest row's capacity meanwhile.
 
 It plugs into transformers' causal LMs through the `Cache` interface: the model
 calls `update(keys, values, layer_idx)` once per layer; everything else (where
@@ -37,6 +39,7 @@ from transformers import Cache
 from draftwise.errors import DraftwiseError
 
 BLOCK = 256  # capacity grows in multiples of this many positions
+SHRINK = 4  # the buffers are cut when the rows held use at most 1/SHRINK of their positions or of their rows
 
 
 @functools.lru_cache(maxsize=1)
@@ -210,7 +213,7 @@ class PositionCache(Cache):
 
     def slots_after(self, rows: int, length: int) -> int:
         """Token slots per layer the buffers would hold after growing to `rows` rows of `length` positions
-        (the same doubling as `add_rows` and `_grow`; nothing shrinks)."""
+        (the same doubling as `add_rows` and `_grow`; before any cut `fit` may make)."""
         allocated = self.keys[0].shape[0] if self.keys else 0
         new_rows = allocated if rows <= allocated else max(rows, 2 * allocated)
         capacity = self.capacity
@@ -305,8 +308,34 @@ class PositionCache(Cache):
         self.lengths[begin:end] = lengths
 
     def drop_rows(self, keep: int) -> None:
-        """Forget rows past the first `keep` (their buffers stay allocated for reuse)."""
+        """Forget rows past the first `keep` (their buffers stay allocated for reuse: scratch rows come and go
+        every step in beam search; `fit` cuts the buffers when a request's row ended)."""
         del self.lengths[keep:]
+
+    @torch.inference_mode()
+    def fit(self) -> None:
+        """Cut the buffers to what the rows held need when they use at most 1/SHRINK of them: capacity to the
+        longest row's (by the doubling `_grow` uses), rows to those held. Copies the valid positions only, once;
+        the hysteresis keeps a row growing back from copying again soon. Called when a request's row ends."""
+        if not self.keys or self._step is not None:
+            return
+        allocated, held = self.keys[0].shape[0], max(self.num_rows, 1)
+        longest = max(self.lengths, default=0)
+        capacity = self._initial_capacity
+        while capacity < longest + 1:
+            capacity *= 2
+        capacity = -(-capacity // BLOCK) * BLOCK
+        capacity = capacity if capacity * SHRINK <= self.capacity else self.capacity
+        rows = held if held * SHRINK <= allocated else allocated
+        if (rows, capacity) == (allocated, self.capacity):
+            return
+        kept = min(self.num_rows, rows)
+        for store in (self.keys, self.values):
+            for i, buf in enumerate(store):
+                cut = buf.new_zeros((rows, buf.shape[1], capacity, buf.shape[3]))
+                cut[:kept, :, :longest] = buf[:kept, :, :longest]
+                store[i] = cut
+        self.capacity = capacity
 
     @torch.inference_mode()
     def _grow(self, need: int) -> None:
