@@ -618,3 +618,38 @@ def test_requests_above_t0_draft_with_the_sampled_answer_head(tmp_path):
     suffix = protocol.parse({"model": "tiny", "prompt": [5, 6], "temperature": 1.0, "draftwise": {"method": "suffix"}},
                             chat=False)
     assert service.prepare(suffix)[3].name == "suffix"
+
+
+def test_the_warm_up_runs_the_default_engine_once_and_leaves_nothing_behind(models):
+    """`draftwise serve` warms up before taking requests: one request through the default method's engine, which
+    the worker then keeps for requests of its key. No metric, result or stored prefix stays from it, and the
+    first real request answers as on a server that did not warm up."""
+    from draftwise.server import service as service_module
+
+    def start(warm: bool):
+        service = Service(ServerConfig(model_name=MODEL, method="sd"), models["target"], models["draft"])
+        seconds = service.warm_up() if warm else None
+        return service, seconds
+
+    warmed, seconds = start(True)
+    assert seconds is not None and seconds > 0
+    (engine,) = warmed.worker._engines.values()
+    assert engine.finished == {} and not engine.has_work
+    assert engine.prefixes is None or engine.prefixes.lookup(list(range(1, 300))) == []
+    assert engine._decode_s is not None  # the engine's timings are measured already
+    cold, _ = start(False)
+    body = {"model": MODEL, "prompt": _prompt(3), "max_tokens": 12, "temperature": 0}
+    answers = []
+    for service in (warmed, cold):
+        server = ThreadedServer(create_app(service)).start()
+        try:
+            status, answer, _ = _raw(server.url, "/v1/completions", body)
+            assert status == 200, answer
+            answers.append(answer["choices"][0]["text"])
+            metrics = _metrics(server.url)
+        finally:
+            server.stop()
+        assert sum(v for (name, _), v in metrics.items() if name.endswith("request_success_total")) == 1  # this one
+    assert answers[0] == answers[1]
+    assert len(warmed.worker._engines) == 1  # the request ran on the warm engine
+    assert service_module.WARM_UP_TOKENS > 128  # longer than a prefill chunk

@@ -46,6 +46,8 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_target: str, method_
                    help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", dest="access_log", action="store_false", help="no line per request")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="take requests without first running one through the default method's engine")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id, when the target has none")
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
@@ -132,10 +134,12 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_engines=args.max_engines,
                               prefix_cache_mb=args.prefix_cache_mb, body_timeout_s=args.body_timeout)
         service = Service(config, target, draft, companion, sampled_draft=sampled)
+        warmed = service.warm_up() if args.warm_up else None
+        warm = f"; warmed up in {warmed:.1f} s" if warmed is not None else ""
         host, port = sock.getsockname()[:2]
         print(f"draftwise: serving {config.model_name!r} with {args.method} on http://{_url_host(host)}:{port}/v1 "
               f"(methods: {', '.join(service.runnable())})"
-              + (f"; drafts: {draft_spec} at T=0, {sampled_spec} at T>0" if sampled is not None else ""),
+              + (f"; drafts: {draft_spec} at T=0, {sampled_spec} at T>0" if sampled is not None else "") + warm,
               file=sys.stderr, flush=True)
         serve(create_app(service), sock, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
               access_log=args.access_log)

@@ -4,6 +4,7 @@ the plans built once, and each request turned into an engine request (`Service.p
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,9 @@ class ServerConfig:
 
 # Options that name a file or a model: only the server's command line sets them, never a request.
 RESOURCE_OPTIONS = frozenset({"verifier", "head", "companion", "profile"})
+
+
+WARM_UP_TOKENS = 160  # the warm-up request's prompt: longer than a prefill chunk (a chunked prefill runs too)
 
 
 def resource_options(spec: Method) -> set[str]:
@@ -317,6 +321,35 @@ class Service:
             return builder.build_engine(shared, size, stream_text=True, prefix_cache_mb=prefix_mb)
 
         return key, make_engine, request, spec
+
+    def warm_up(self, *, new_tokens: int = 8) -> float | None:
+        """Build the default method's engine for greedy requests and run one request through it before the server
+        takes any (vLLM warms up too), so the first client does not pay for building the engine and the fast
+        forward, the kernels' first calls and the engine's first timings. The prompt (WARM_UP_TOKENS, within the
+        context window) is longer than a prefill chunk, so a chunked prefill runs too. Nothing of it stays: no metrics, no result, no stored prefix. The
+        engine is handed to the worker for the requests that share its key. Returns the seconds it took, or None
+        when the default method refuses such a request: nothing runs then."""
+        started = time.perf_counter()
+        tokenizer = self.target.tokenizer
+        words = tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False) \
+            if tokenizer is not None else []
+        words = [t for t in words if 0 <= t < self.target.vocab_size] or list(range(1, 9))
+        length = min(WARM_UP_TOKENS, self.window - new_tokens - 1)
+        ids = (words * (length // len(words) + 1))[:length]
+        try:
+            parsed = protocol.parse({"model": self.config.model_name, "prompt": ids, "max_tokens": new_tokens,
+                                     "temperature": 0, "draftwise": {"ignore_eos": True}}, chat=False)
+            key, make_engine, request, _ = self.prepare(parsed)
+        except ApiError:
+            return None
+        engine = make_engine()
+        rid = engine.submit(request)
+        engine.run()
+        engine.finished.pop(rid, None)
+        if engine.prefixes is not None:
+            engine.prefixes.clear()
+        self.worker.adopt(key, engine)
+        return time.perf_counter() - started
 
     def _record(self, ticket: Ticket, result: Any) -> None:
         """Engine thread, at a request's end: the metrics from the same numbers as the response's usage."""

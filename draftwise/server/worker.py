@@ -70,6 +70,12 @@ class EngineWorker:
         self.alive = True
         self._thread.start()
 
+    def adopt(self, key: Hashable, engine: Engine) -> None:
+        """Keep an engine built before the thread starts (the warm-up's) for the requests of its key."""
+        if self.alive:
+            raise RuntimeError("adopt() after start(): the engines belong to the engine thread")
+        self._engines[key] = engine
+
     def submit(self, ticket: Ticket) -> None:
         self._commands.put(("submit", ticket))
 
