@@ -38,6 +38,11 @@ def post(url: str, path: str, body: dict) -> tuple[float, dict]:
     return time.perf_counter() - started, answer
 
 
+def cached_tokens(answer: dict) -> int:
+    """Prompt tokens the server restored from its prefix store (usage.prompt_tokens_details.cached_tokens)."""
+    return int(((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
@@ -69,19 +74,24 @@ def main() -> int:
     service = Service(ServerConfig(model_name="m", method=args.method), target, draft)
     vocab = target.tokenizer.get_vocab()
     words = [i for t, i in sorted(vocab.items()) if t.isalpha() and len(t) > 3][:2000]  # token ids of words
-    long_prompt = [words[(i * 7919) % len(words)] for i in range(args.long_tokens)]  # a prompt of token ids
+
+    def long_prompt(repeat: int) -> list[int]:
+        """Token ids of words, a different prompt each repeat: the server's prefix store would otherwise hold
+        most of the last one, and the repeat would measure a shorter prefill at a deeper context."""
+        return [words[(i * 7919 + repeat * 104729) % len(words)] for i in range(args.long_tokens)]
     runs = []
     with ThreadedServer(create_app(service)) as server:
         url = server.url
         body = {"model": "m", **SHORT, "max_tokens": args.short_tokens, "ignore_eos": args.ignore_eos}
         post(url, "/v1/chat/completions", body)  # warm-up
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             alone, answer = post(url, "/v1/chat/completions", body)
             results: dict[str, float] = {}
 
             def send_long() -> None:
-                results["long_s"] = post(url, "/v1/completions", {"model": "m", "prompt": long_prompt,
-                                                                  "max_tokens": 1})[0]
+                timed, answer_long = post(url, "/v1/completions", {"model": "m", "prompt": long_prompt(repeat),
+                                                                   "max_tokens": 1})
+                results["long_s"], results["long_cached"] = timed, cached_tokens(answer_long)
 
             thread = threading.Thread(target=send_long)
             thread.start()
@@ -90,6 +100,7 @@ def main() -> int:
             thread.join()
             same = answer["choices"][0]["message"]["content"] == answer_beside["choices"][0]["message"]["content"]
             runs.append({"alone_s": alone, "beside_long_s": beside, "ratio": beside / alone, "long_s": results["long_s"],
+                         "long_cached_tokens": results["long_cached"],
                          "same_text": same, "completion_tokens": answer["usage"]["completion_tokens"]})
             print(json.dumps(runs[-1]), flush=True)
     from draftwise.engine import core as engine
