@@ -123,7 +123,9 @@ def generate(
         return run.result()
     requests = [request_for(plan, plan.prompt_ids)] + [
         request_for(plan, encode_prompt(p, plan.target, plan.vocab_size)) for p in prompts[1:]]
-    engine = build_engine(plan, max_batch_size, prefix_cache_mb=prefix_cache_mb)
+    # the caller waits for every request: prompts are prefilled first, so the rows decode together (vLLM's offline
+    # schedule); a server keeps the time budget that spares its decoding rows
+    engine = build_engine(plan, max_batch_size, prefix_cache_mb=prefix_cache_mb, prefill_first=True)
     if kv_budget_mb is not None:
         engine.kv_budget_tokens = int(kv_budget_mb * 2**20 // kv_bytes_per_token(plan.target.model))
     ids = [engine.submit(request) for request in requests]

@@ -20,9 +20,11 @@ from draftwise.plan import Plan
 from draftwise.engine.protocols import ScoringDrafter
 
 
-def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, prefix_cache_mb: float = 0.0) -> Any:
+def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, prefix_cache_mb: float = 0.0,
+                 prefill_first: bool = False) -> Any:
     """The batched engine for a plan: the target's runner, the method's drafter and rule, and a prefix store of
-    `prefix_cache_mb` megabytes (0: none). The sequence-level cascade is two engines behind one interface."""
+    `prefix_cache_mb` megabytes (0: none); `prefill_first` for a batch whose caller waits for every request (see
+    `Engine`). The sequence-level cascade is two engines behind one interface."""
     from draftwise.engine.prefix import PrefixStore
 
     spec = plan.method
@@ -32,9 +34,9 @@ def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, 
         draft_plan = dataclasses.replace(plan, target=plan.draft, method=METHODS["ar"], options={})
         aggregate, alpha = plan.options["aggregate"], plan.options["alpha"]
         return SequenceCascadeEngine(
-            build_engine(draft_plan, max_batch_size, stream_text=stream_text),
+            build_engine(draft_plan, max_batch_size, stream_text=stream_text, prefill_first=prefill_first),
             build_engine(dataclasses.replace(plan, method=METHODS["ar"], options={}), max_batch_size,
-                         stream_text=stream_text, prefix_cache_mb=prefix_cache_mb),
+                         stream_text=stream_text, prefix_cache_mb=prefix_cache_mb, prefill_first=prefill_first),
             lambda log_probs: sequence_confidence(log_probs, aggregate), 1.0 - alpha, method=spec.name)
     rule = spec.make_rule(plan.options)
     gamma = spec.draft_run(plan.options, plan.gamma)
@@ -47,7 +49,7 @@ def build_engine(plan: Plan, max_batch_size: int, *, stream_text: bool = False, 
                   stream_text=stream_text, selector=_selector(plan, gamma),
                   prefixes=PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 else None,
                   tree_nodes=int(plan.options.get("tree_nodes", 0)),
-                  tree_adaptive=bool(plan.options.get("tree_adaptive", 1)))
+                  tree_adaptive=bool(plan.options.get("tree_adaptive", 1)), prefill_first=prefill_first)
 
 
 def _drafter(plan: Plan, rule: Any) -> Any:

@@ -263,6 +263,28 @@ def test_a_long_rows_memory_goes_back_when_it_ends_though_others_go_on():
     assert engine.result(g).token_ids == _alone(target, draft, long)
 
 
+def test_a_batch_engine_prefills_first_and_decodes_as_alone(llama_pair):
+    """`prefill_first` (generate with a list of prompts): every waiting prompt is fed each step, a chunk a row, beside
+    the decoding rows and in forwards of prompts alone that are not cut short; every request still decodes token for
+    token as alone."""
+    from draftwise.engine import core as engine_module
+    target, draft = llama_pair
+    engine = _engine(target, draft, max_batch_size=8)
+    engine.prefill_first = True
+    engine._idle_token_s = engine_module.PREFILL_FORWARD_S  # would cut a forward of prompts alone to one piece
+    chunk = engine_module.PREFILL_CHUNK
+    requests = [Request(tuple(1 + (i * 7 + j) % 50 for j in range(n)), GREEDY, max_new_tokens=6)
+                for i, n in enumerate([1, 5, chunk + 40, 2 * chunk + 3, 30])]
+    ids = [engine.submit(r) for r in requests]
+    engine.step()  # nothing decodes: one forward feeds every prompt a chunk
+    assert sorted(row.unfed for row in engine.prefilling) == [39, chunk + 2]
+    engine.step()  # beside the decoding rows: every prompt again a chunk, not a time budget
+    assert [row.unfed for row in engine.prefilling] == [2]
+    engine.run()
+    for rid, request in zip(ids, requests):
+        assert engine.result(rid).token_ids == _alone(target, draft, request), request
+
+
 def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_its_share(llama_pair):
     """The budget beside decoding rows is keyed on what waits: a prompt costing at most SHORT_PROMPT_STEPS
     decoding steps is fed whole in the next step; a long prompt gets prefill_share of a decoding step per step,

@@ -74,7 +74,7 @@ class Engine:
         self, target: ModelRunner, drafter: RowsDrafter, rule: TargetRule, *, gamma: int, tokenizer: Any = None,
         max_batch_size: int = 16, kv_budget_tokens: int | None = None, method: str = "", stream_text: bool = True,
         selector: VerifySelector | None = None, prefill_share: float | None = None, prefixes: Any = None,
-        tree_nodes: int = 0, tree_adaptive: bool = True,
+        tree_nodes: int = 0, tree_adaptive: bool = True, prefill_first: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise DraftwiseError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
@@ -109,6 +109,10 @@ class Engine:
         self.live: list[Row] = []  # row i of every cache is live[i]
         self.prefilling: list[Row] = []  # row len(live) + j of the target's cache is prefilling[j]
         self.prefill_share = prefill_share
+        # a batch whose caller waits for every request (`generate` with a list of prompts): every waiting prompt is fed
+        # each step (a chunk a row, PREFILL_TOKENS a forward), as vLLM's offline generate schedules prefill first,
+        # so the rows decode together; no time budget, and no forward of prompts alone is cut short
+        self.prefill_first = prefill_first
         self._decode_s: float | None = None  # moving averages: a decoding step's time,
         self._prompt_token_s: float | None = None  # and what one prompt token adds to it
         self._idle_token_s: float | None = None  # a prompt token's time in a forward of prompts alone
@@ -177,7 +181,7 @@ class Engine:
         if not self.live and self.prefilling:  # nothing decoding here: prompts in wide chunks (short ones when
             # another engine of the server decodes: its steps wait for this one's)
             wide = PREFILL_SHARED if self.others_decoding else PREFILL_TOKENS
-            if self._idle_token_s is not None:  # no longer than PREFILL_FORWARD_S at the measured cost a token,
+            if self._idle_token_s is not None and not self.prefill_first:  # no longer than PREFILL_FORWARD_S at the measured cost a token,
                 # though the prompt nearest its end may finish (a short one arriving beside a long one starts now)
                 nearest = min(row.unfed for row in self.prefilling)
                 finish = nearest + len(self.prefilling) - 1 if nearest <= PREFILL_CHUNK else 0
@@ -588,6 +592,8 @@ class Engine:
         than that share on average. Every `DECODE_SAMPLE`-th step (and before the first measure) feeds none, to
         time a decoding step alone."""
         self._steps += 1
+        if self.prefill_first:
+            return min(PREFILL_TOKENS, sum(min(row.unfed, PREFILL_CHUNK) for row in self.prefilling))
         if self._decode_s is None or self._steps % DECODE_SAMPLE == 0:
             return 0
         if self._prompt_token_s is None:
@@ -629,7 +635,8 @@ class Engine:
     def _prompt_plan(self, budget: int, chunk: int) -> list[int]:
         """Tokens per prefilling row for one forward: at least one each (the forward covers them all), the rest
         to the rows with the fewest left first, so a short prompt is not held behind a long one; when some rows
-        can finish in this forward, the others get one token each, so the finishing ones start decoding soon.
+        can finish in this forward, the others get one token each, so the finishing ones start decoding soon (not
+        with `prefill_first`: every row gets its chunk).
         [] when the budget is 0."""
         if budget <= 0:
             return []
@@ -642,7 +649,7 @@ class Engine:
             plan[j] += extra
             left -= extra
         finishing = [n == row.unfed for n, row in zip(plan, self.prefilling)]
-        if any(finishing) and not all(finishing):
+        if any(finishing) and not all(finishing) and not self.prefill_first:
             plan = [n if done else 1 for n, done in zip(plan, finishing)]
         return plan
 
