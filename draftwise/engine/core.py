@@ -181,8 +181,9 @@ class Engine:
         if not self.live and self.prefilling:  # nothing decoding here: prompts in wide chunks (short ones when
             # another engine of the server decodes: its steps wait for this one's)
             wide = PREFILL_SHARED if self.others_decoding else PREFILL_TOKENS
-            if self._idle_token_s is not None and not self.prefill_first:  # no longer than PREFILL_FORWARD_S at the measured cost a token,
-                # though the prompt nearest its end may finish (a short one arriving beside a long one starts now)
+            if self._idle_token_s is not None and not self.prefill_first:  # no longer than PREFILL_FORWARD_S at
+                # the measured cost a token, though the prompt nearest its end may finish (a short one arriving
+                # beside a long one starts now)
                 nearest = min(row.unfed for row in self.prefilling)
                 finish = nearest + len(self.prefilling) - 1 if nearest <= PREFILL_CHUNK else 0
                 wide = max(LONG_PIECE, min(wide, max(int(PREFILL_FORWARD_S / self._idle_token_s), finish)))

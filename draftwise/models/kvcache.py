@@ -15,7 +15,8 @@ contiguous by moving the last live row into a freed slot (`move_row`).
 The buffers grow when a row outgrows them: capacity doubles (rounded up to
 `BLOCK` positions); the row dimension doubles too. Attention reads only up to the
 longest row touched by the forward (`kv_length`), not the whole buffer. They are
-cut when a request's row ends and those left use at most 1/SHRINK of them (`fit`): a long request's memory goes back when it ends, not when the cache next
+cut when a request's row ends and those left use at most 1/SHRINK of them
+(`fit`): a long request's memory goes back when it ends, not when the cache next
 goes idle. Not paged: every row holds the longest row's capacity meanwhile.
 
 It plugs into transformers' causal LMs through the `Cache` interface: the model

@@ -326,9 +326,10 @@ class Service:
         """Build the default method's engine for greedy requests and run one request through it before the server
         takes any (vLLM warms up too), so the first client does not pay for building the engine and the fast
         forward, the kernels' first calls and the engine's first timings. The prompt (WARM_UP_TOKENS, within the
-        context window) is longer than a prefill chunk, so a chunked prefill runs too. Nothing of it stays: no metrics, no result, no stored prefix. The
-        engine is handed to the worker for the requests that share its key. Returns the seconds it took, or None
-        when the default method refuses such a request: nothing runs then."""
+        context window) is longer than a prefill chunk, so a chunked prefill runs too. Nothing of it stays: no
+        metrics, no result, no stored prefix. The engine is handed to the worker for the requests that share its
+        key. Returns the seconds it took, or None when the default method refuses such a request: nothing runs
+        then."""
         started = time.perf_counter()
         tokenizer = self.target.tokenizer
         words = tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False) \
