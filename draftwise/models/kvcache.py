@@ -55,6 +55,13 @@ def _malloc_trim():
         return None
 
 
+def _doubled(capacity: int, need: int) -> int:
+    """`capacity` doubled until it holds `need` positions, rounded up to a multiple of BLOCK."""
+    while capacity < need:
+        capacity *= 2
+    return -(-capacity // BLOCK) * BLOCK
+
+
 def release_heap() -> None:
     """Hand freed heap memory back to the system (glibc's malloc_trim; nothing elsewhere). An idle engine calls
     it after freeing its buffers, so a long prompt's memory does not stay in the allocator's free lists."""
@@ -217,10 +224,7 @@ class PositionCache(Cache):
         (the same doubling as `add_rows` and `_grow`; before any cut `fit` may make)."""
         allocated = self.keys[0].shape[0] if self.keys else 0
         new_rows = allocated if rows <= allocated else max(rows, 2 * allocated)
-        capacity = self.capacity
-        while capacity < length:
-            capacity *= 2
-        return new_rows * (-(-capacity // BLOCK) * BLOCK)
+        return new_rows * _doubled(self.capacity, length)
 
     @torch.inference_mode()
     def add_rows(self, count: int) -> None:
@@ -322,33 +326,27 @@ class PositionCache(Cache):
             return
         allocated, held = self.keys[0].shape[0], max(self.num_rows, 1)
         longest = max(self.lengths, default=0)
-        capacity = self._initial_capacity
-        while capacity < longest + 1:
-            capacity *= 2
-        capacity = -(-capacity // BLOCK) * BLOCK
+        capacity = _doubled(self._initial_capacity, longest + 1)
         capacity = capacity if capacity * SHRINK <= self.capacity else self.capacity
         rows = held if held * SHRINK <= allocated else allocated
         if (rows, capacity) == (allocated, self.capacity):
             return
-        kept = min(self.num_rows, rows)
-        for store in (self.keys, self.values):
-            for i, buf in enumerate(store):
-                cut = buf.new_zeros((rows, buf.shape[1], capacity, buf.shape[3]))
-                cut[:kept, :, :longest] = buf[:kept, :, :longest]
-                store[i] = cut
-        self.capacity = capacity
+        self._reallocate(rows, capacity, min(self.num_rows, rows), longest)
+
+    def _grow(self, need: int) -> None:
+        self._reallocate(self.keys[0].shape[0] if self.keys else 0, _doubled(self.capacity, need))
 
     @torch.inference_mode()
-    def _grow(self, need: int) -> None:
-        capacity = self.capacity
-        while capacity < need:
-            capacity *= 2
-        capacity = -(-capacity // BLOCK) * BLOCK
+    def _reallocate(self, rows: int, capacity: int, kept_rows: int | None = None, kept: int | None = None) -> None:
+        """Buffers of `rows` rows and `capacity` positions, holding the first `kept_rows` rows' first `kept`
+        positions of the old ones (default: all that fits)."""
         for store in (self.keys, self.values):
             for i, buf in enumerate(store):
-                grown = buf.new_zeros((buf.shape[0], buf.shape[1], capacity, buf.shape[3]))
-                grown[:, :, : self.capacity] = buf
-                store[i] = grown
+                n_rows = min(buf.shape[0], rows) if kept_rows is None else kept_rows
+                n = min(self.capacity, capacity) if kept is None else kept
+                new = buf.new_zeros((rows, buf.shape[1], capacity, buf.shape[3]))
+                new[:n_rows, :, :n] = buf[:n_rows, :, :n]
+                store[i] = new
         self.capacity = capacity
 
     # ---- the transformers side ----------------------------------------------
