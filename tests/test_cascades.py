@@ -20,6 +20,7 @@ negative control per family that the same test must catch.
 from __future__ import annotations
 
 import math
+import zlib
 from functools import lru_cache
 
 import numpy as np
@@ -105,12 +106,14 @@ def test_rule_matches_hand_computed_example(rule, alpha, greedy, expected):
 @pytest.mark.parametrize("rule", CASCADE_RULES)
 @pytest.mark.parametrize("greedy", [False, True])
 def test_pi_is_a_distribution_on_random_inputs(rule: str, greedy: bool):
-    generator = torch.Generator().manual_seed(hash(rule) % 1000)
+    generator = torch.Generator().manual_seed(zlib.crc32(rule.encode()) % 1000)  # str hash() changes per process
     q_logits = 3 * torch.randn(200, 50, generator=generator, dtype=torch.float64)
     p_logits = 3 * torch.randn(200, 50, generator=generator, dtype=torch.float64)
     sampling = SamplingConfig(temperature=0.0) if greedy else SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)
     q, p = torch.softmax(q_logits, -1), torch.softmax(p_logits, -1)
     qw, pw = warp(q_logits, sampling).double(), warp(p_logits, sampling).double()
+    # warp works in float32: renormalise in float64 so the sum checks the formula, not float32 rounding (up to 2e-7)
+    qw, pw = qw / qw.sum(-1, keepdim=True), pw / pw.sum(-1, keepdim=True)
     for alpha in (-0.5, 0.0, 0.05, 0.3, 0.9, 1.0, 3.0):
         pi = cascade_pi(rule, alpha, q, p, qw, pw, greedy=greedy)
         assert (pi >= 0).all()
