@@ -169,9 +169,13 @@ def test_the_tensor_table_reader_sees_what_ggufs_reader_sees():
 
 @pytest.fixture(scope="module")
 def smollm2_both():
-    from draftwise.models.loading import load_model
+    from draftwise.models import loading
 
-    return load_model("smollm2-135m", dtype="gguf"), load_model("smollm2-135m", dtype="fp32")
+    # fp32 activations for the codes too, on every CPU: 'gguf' runs bf16 activations where the CPU has native bf16
+    # (AVX512-BF16, AMX), and the comparison with the fp32 dequantised model is of the weights, not of bf16 rounding
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "cpu_has_native_bf16", lambda: False)
+        return loading.load_model("smollm2-135m", dtype="gguf"), loading.load_model("smollm2-135m", dtype="fp32")
 
 
 def _logits(loaded, ids):
@@ -223,9 +227,11 @@ def test_control_the_files_row_order_left_as_stored_is_caught(smollm2_both, monk
 def test_a_gguf_draft_of_a_target_in_codes_loads_in_codes_without_a_float_copy(smollm2_both, monkeypatch, tmp_path):
     """In a cache where no float copy exists, the draft is resolved and loaded without making one."""
     from draftwise.models import registry
+    from draftwise.models import loading
     from draftwise.models.loading import load_draft
 
     codes, _ = smollm2_both
+    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)  # the activations the fixture's target has
     monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
     monkeypatch.setattr(registry, "convert_gguf", lambda *a, **k: pytest.fail("a float copy was made"))
     draft = load_draft("smollm2-135m", codes)
