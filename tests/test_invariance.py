@@ -285,6 +285,56 @@ def test_the_float_product_is_the_product_and_rows_never_depend_on_their_batch(k
             assert torch.equal(kernel.fmm(x[start: start + width].contiguous(), w, False), full[start: start + width])
 
 
+def _rows_keep_their_bits(product, x, w) -> bool:
+    """Every slice of rows of x (widths 1 .. 17, at the start and the end, and across the kernel's row blocks) gives
+    the bits the whole of x gives those rows."""
+    full = product(x, w)
+    return all(torch.equal(product(x[start: start + width].contiguous(), w), full[start: start + width])
+               for width in (1, 2, 3, 4, 5, 8, 16, 17, 40) for start in (0, 7, x.shape[0] - width))
+
+
+@pytest.mark.parametrize("k", [64, 1536])  # 1536: the kernel takes activation rows in blocks of 32
+def test_the_bf16_product_is_the_product_and_rows_never_depend_on_their_batch(kernel, k):
+    if not kernel.bf16_native():
+        pytest.skip("bmm16 runs on CPUs with AVX512-BF16 only; this one has none")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(37, k, generator=g).bfloat16()
+    x = torch.randn(75, k, generator=g).bfloat16()
+    expected = x.double() @ w.double().T  # bf16 products are exact in float32: only the float32 sums round
+    assert float((kernel.bmm16(x, w).double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+    assert _rows_keep_their_bits(kernel.bmm16, x, w)
+    # the control: a product whose single rows take another order of sums is caught by the same check
+    assert not _rows_keep_their_bits(
+        lambda a, b: kernel.bmm16(a, b) if a.shape[0] > 1 else (a.float() @ b.float().T), x, w)
+
+
+def test_bf16_products_run_bmm16_for_every_feed_where_the_cpu_has_avx512_bf16(kernel, monkeypatch):
+    from draftwise.models import fast
+
+    monkeypatch.setenv("DRAFTWISE_BMM16", "1")
+    linear = fast.FloatLinear(torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16())
+    if not kernel.bf16_native():
+        assert linear._bf16 is None
+        return
+    x = torch.randn(3, 5, 64).bfloat16()
+    expected = (kernel.bmm16(x.reshape(15, 64), linear.weight) + linear.bias.float()).bfloat16().reshape(3, 5, 40)
+    assert torch.equal(linear(x), expected) and torch.equal(linear(x[1:2, 2:3]), expected[1:2, 2:3])
+    monkeypatch.setenv("DRAFTWISE_BMM16", "0")
+    assert fast.FloatLinear(linear.weight)._bf16 is None  # off: fmm runs the bf16 weights in float32
+    assert fast.FloatLinear(torch.randn(40, 48).bfloat16())._bf16 is None  # 48 inputs: not a multiple of 32
+
+
+def test_bf16_shapes_that_do_not_match_are_refused(kernel):
+    if not kernel.bf16_native():
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            kernel.bmm16(torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(4, 32, dtype=torch.bfloat16))
+        return
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.bmm16(torch.zeros(2, 48, dtype=torch.bfloat16), torch.zeros(4, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        kernel.bmm16(torch.zeros(2, 32), torch.zeros(4, 32, dtype=torch.bfloat16))
+
+
 def test_float_shapes_that_do_not_match_are_refused(kernel):
     with pytest.raises(RuntimeError, match="K as x's"):
         kernel.fmm(torch.randn(2, 16), torch.randn(4, 8), False)

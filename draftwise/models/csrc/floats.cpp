@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include "simd.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -137,5 +138,114 @@ torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable) {
   }
 #endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_scalar(xp, wp, type, yp, M, K, N, n0, n1); });
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// bmm16: bfloat16 activations x bfloat16 weights on CPUs with AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake,
+// Sapphire Rapids and later), float32 out. Each output is summed in 16 float32 lanes over k in order, a pair of
+// products a lane and chunk of 32 (vdpbf16ps: the products of two bfloat16 numbers are exact in float32), then one
+// fixed horizontal sum. As in fmm, nothing depends on M: tiles of 4 output rows and up to 4 activation rows, and the
+// activation rows taken in blocks (for the cache) never change an output's order of operations. Callers use it for
+// every width or for none, so a row's result is the same bits whatever its batch-mates.
+#ifdef FL_X86
+namespace {
+
+#define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+
+BF_TARGET inline float hsum16(__m512 v) {
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return draftwise_simd::hsum(_mm256_add_ps(lo, hi));
+}
+
+template <int R, int J>
+BF_TARGET inline void tile16(const uint16_t* x, const uint16_t* const* w, float* y, int64_t K, int64_t N, int64_t n,
+                             int64_t m) {
+  __m512 acc[J][R];
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh xs[J];
+    for (int j = 0; j < J; ++j) xs[j] = (__m512bh)_mm512_loadu_si512(x + (m + j) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(w[r] + k);
+      for (int j = 0; j < J; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], v, xs[j]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) y[(m + j) * N + n + r] = hsum16(acc[j][r]);
+}
+
+template <int R>
+BF_TARGET void rows16_r(const uint16_t* x, const uint16_t* const* w, float* y, int64_t m0, int64_t m1, int64_t K,
+                        int64_t N, int64_t n) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) tile16<R, 4>(x, w, y, K, N, n, m);
+  switch (m1 - m) {
+    case 3: tile16<R, 3>(x, w, y, K, N, n, m); break;
+    case 2: tile16<R, 2>(x, w, y, K, N, n, m); break;
+    case 1: tile16<R, 1>(x, w, y, K, N, n, m); break;
+    default: break;
+  }
+}
+
+// Output rows n0 .. n1 for every activation row, activation rows in blocks that stay in the core's cache while the
+// weight rows of the range pass over them.
+BF_TARGET void rows16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                      int64_t n1) {
+  const int64_t block = std::max<int64_t>(4, (int64_t(96) * 1024 / (K * 2)) / 4 * 4);  // ~96 KB of activations
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t m1 = std::min(M, m0 + block);
+    for (int64_t n = n0; n < n1; n += 4) {
+      const uint16_t* rows[4];
+      const int64_t R = std::min<int64_t>(4, n1 - n);
+      for (int64_t r = 0; r < R; ++r) rows[r] = w + (n + r) * K;
+      switch (R) {
+        case 4: rows16_r<4>(x, rows, y, m0, m1, K, N, n); break;
+        case 3: rows16_r<3>(x, rows, y, m0, m1, K, N, n); break;
+        case 2: rows16_r<2>(x, rows, y, m0, m1, K, N, n); break;
+        default: rows16_r<1>(x, rows, y, m0, m1, K, N, n);
+      }
+    }
+  }
+}
+
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                          && __builtin_cpu_supports("avx512bf16") && draftwise_simd::avx2_fma();
+  return yes;
+}
+
+}  // namespace
+#endif
+
+// Whether bmm16 runs here (AVX512-BF16).
+bool bf16_native() {
+#ifdef FL_X86
+  return has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+// x: [M, K] contiguous bfloat16; w: [N, K] contiguous bfloat16; K a multiple of 32. Returns [M, N] float32.
+torch::Tensor bmm16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(bf16_native(), "bmm16 needs AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: [M, K] contiguous bf16");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.size(1) == x.size(1),
+              "w: [N, K] contiguous bf16, K as x's");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0, "bmm16: K must be a multiple of 32");
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  if (M == 0 || N == 0) return y;
+#ifdef FL_X86
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
+    rows16(xp, wp, yp, M, K, N, t0 * 4, std::min(N, t1 * 4));
+  });
+#endif
   return y;
 }

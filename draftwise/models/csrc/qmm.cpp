@@ -204,6 +204,8 @@ torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
                      std::vector<int64_t> counts, int64_t kv, double scale, bool portable);  // attention.cpp
 torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable);  // floats.cpp
+torch::Tensor bmm16(torch::Tensor x, torch::Tensor w);  // floats.cpp
+bool bf16_native();  // floats.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "float activations x weights in GGUF codes");
@@ -211,5 +213,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)");
   m.def("fmm", &fmm, "float32 activations x float weights, each row's sums in one order whatever M (floats.cpp)");
+  m.def("bmm16", &bmm16, "bf16 activations x bf16 weights (AVX512-BF16), each row's sums in one order whatever M");
+  m.def("bf16_native", &bf16_native, "whether bmm16 runs here (AVX512-BF16)");
   m.def("accelerated", &accelerated, "whether the AVX2 path runs here");
 }
