@@ -17,8 +17,8 @@
 // 8 query tokens of a row: the G query heads that share the kv head, and the tile's queries, read each key once.
 //
 // The cache may hold float32 or bfloat16 keys and values (queries and all arithmetic are float32). A bfloat16 cache
-// halves the bytes a decoding step reads; the AVX2 path widens a block of cache positions into a float32 scratch
-// once for every query and head of the task.
+// halves the bytes a decoding step reads; the AVX2 path reads it in place, widening 8 elements at a time in registers
+// (exactly: the same bits as a float32 copy, without writing one).
 #include <torch/extension.h>
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -114,21 +114,33 @@ AT_TARGET inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-// Eight keys' scores at once: k[m] is key m's row (D floats, D a multiple of 8). Key m's score is one accumulator
-// over the head dimension in order, then its lanes summed as ((0+1)+(2+3)) + ((4+5)+(6+7)) by a transposing network
-// (the same for every m), times the scale.
-AT_TARGET inline void score8(const float* q, const float* const* k, int64_t D, float scale, float* s) {
+// 8 consecutive elements of a cache row from `at` on, as float32 (bfloat16: widened exactly, in registers).
+template <bool BF16>
+AT_TARGET inline __m256 load8(const void* row, int64_t at) {
+  if constexpr (BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + at);
+  }
+}
+
+// Eight keys' scores at once: k[m] is key m's row (D elements, D a multiple of 8, float32 or bfloat16 read straight
+// from the cache). Key m's score is one accumulator over the head dimension in order, then its lanes summed as
+// ((0+1)+(2+3)) + ((4+5)+(6+7)) by a transposing network (the same for every m), times the scale.
+template <bool BF16>
+AT_TARGET inline void score8(const float* q, const void* const* k, int64_t D, float scale, float* s) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 x = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
-    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
-    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
-    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
-    a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[4] + d), a4);
-    a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[5] + d), a5);
-    a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + d), a6);
-    a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + d), a7);
+    a0 = _mm256_fmadd_ps(x, load8<BF16>(k[0], d), a0);
+    a1 = _mm256_fmadd_ps(x, load8<BF16>(k[1], d), a1);
+    a2 = _mm256_fmadd_ps(x, load8<BF16>(k[2], d), a2);
+    a3 = _mm256_fmadd_ps(x, load8<BF16>(k[3], d), a3);
+    a4 = _mm256_fmadd_ps(x, load8<BF16>(k[4], d), a4);
+    a5 = _mm256_fmadd_ps(x, load8<BF16>(k[5], d), a5);
+    a6 = _mm256_fmadd_ps(x, load8<BF16>(k[6], d), a6);
+    a7 = _mm256_fmadd_ps(x, load8<BF16>(k[7], d), a7);
   }
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // per key: 01+23 | 45+67
   const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
@@ -136,32 +148,17 @@ AT_TARGET inline void score8(const float* q, const float* const* k, int64_t D, f
   _mm256_storeu_ps(s, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
 }
 
-// Rows j0 .. j1 - 1 of a [C, D] cache block as float32: the cache itself, or (bfloat16) widened into scratch. The
-// result points at row j0.
-AT_TARGET inline const float* as_float(const void* base, bool bf16, int64_t j0, int64_t j1, int64_t D,
-                                       std::vector<float>& scratch) {
-  if (!bf16) return static_cast<const float*>(base) + j0 * D;
-  const uint16_t* src = static_cast<const uint16_t*>(base) + j0 * D;
-  const int64_t n = (j1 - j0) * D;
-  scratch.resize(n);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(scratch.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-  }
-  return scratch.data();
-}
-
 // o[0 .. 8 LANES) += sum over ranks c0 .. c1 - 1, in order, of p[c] * v[keys_of[c]] (v: the value rows, D apart). The
 // LANES accumulators are registers (a compile-time count), independent chains that hide the multiply-add latency.
-template <int LANES>
-AT_TARGET inline void value_sums(const float* p, const int32_t* keys_of, int64_t c0, int64_t c1, const float* v,
+template <int LANES, bool BF16>
+AT_TARGET inline void value_sums(const float* p, const int32_t* keys_of, int64_t c0, int64_t c1, const void* v,
                                  int64_t D, float* o) {
   __m256 acc[LANES];
   for (int r = 0; r < LANES; ++r) acc[r] = _mm256_loadu_ps(o + 8 * r);
   for (int64_t c = c0; c < c1; ++c) {
     const __m256 weight = _mm256_set1_ps(p[c]);
-    const float* row = v + int64_t(keys_of[c]) * D;
-    for (int r = 0; r < LANES; ++r) acc[r] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * r), acc[r]);
+    const int64_t row = int64_t(keys_of[c]) * D;
+    for (int r = 0; r < LANES; ++r) acc[r] = _mm256_fmadd_ps(weight, load8<BF16>(v, row + 8 * r), acc[r]);
   }
   for (int r = 0; r < LANES; ++r) _mm256_storeu_ps(o + 8 * r, acc[r]);
 }
@@ -183,13 +180,14 @@ struct Tile {
 
 struct Scratch {
   std::vector<int32_t> index[TILE];
-  std::vector<float> scores[TILE], totals, positions, rows;
+  std::vector<float> scores[TILE], totals, positions;
 };
 
+template <bool BF16>
 AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
   const Task& t0 = tile.query[0];
   const int64_t D = t0.D, G = t0.G;
-  const int64_t block = std::max<int64_t>(8, (4096 / D) / 8 * 8);  // positions a block: 16 KB of float32 rows
+  const int64_t block = std::max<int64_t>(8, (4096 / D) / 8 * 8);  // positions a block: 8-16 KB of rows
   int64_t L[TILE], stride[TILE], cursor[TILE], last = -1;
   for (int i = 0; i < tile.n; ++i) {
     visible_keys(tile.query[i], w.index[i]);
@@ -204,7 +202,7 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
   // there, kept by rank
   for (int64_t j0 = 0; j0 <= last; j0 += block) {
     const int64_t j1 = std::min(j0 + block, last + 1);
-    const float* k = as_float(t0.keys, t0.bf16, j0, j1, D, w.rows);
+    const char* k = static_cast<const char*>(t0.keys) + j0 * D * (BF16 ? 2 : 4);  // row j0, read in place
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* index = w.index[i].data();
       const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(index, L[i], c0, j1);
@@ -212,9 +210,10 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
       const Task& t = tile.query[i];
       const int64_t from = (index[c0] - j0) / 8 * 8, to = index[c1 - 1] - j0 + 1;
       for (int64_t p = from; p < to; p += 8) {
-        const float* rows[8];
-        for (int m = 0; m < 8; ++m) rows[m] = k + std::min<int64_t>(p + m, j1 - j0 - 1) * D;
-        for (int64_t g = 0; g < G; ++g) score8(t.q + g * D, rows, D, t.scale, w.positions.data() + g * block + p);
+        const void* rows[8];
+        for (int m = 0; m < 8; ++m) rows[m] = k + std::min<int64_t>(p + m, j1 - j0 - 1) * D * (BF16 ? 2 : 4);
+        for (int64_t g = 0; g < G; ++g)
+          score8<BF16>(t.q + g * D, rows, D, t.scale, w.positions.data() + g * block + p);
       }
       for (int64_t g = 0; g < G; ++g) {
         float* s = w.scores[i].data() + g * stride[i];
@@ -250,7 +249,6 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
   // lane's multiply-adds are the same, in rank order
   for (int64_t j0 = 0; j0 <= last; j0 += block) {
     const int64_t j1 = std::min(j0 + block, last + 1);
-    const float* v0 = as_float(t0.values, t0.bf16, j0, j1, D, w.rows);
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* keys_of = w.index[i].data();
       const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(keys_of, L[i], c0, j1);
@@ -259,16 +257,16 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
         const float* p = w.scores[i].data() + g * stride[i];
         float* o = tile.query[i].out + g * D;
         for (int64_t d = 0; d < D; d += 64) {
-          const float* v = v0 - j0 * D + d;
+          const void* v = static_cast<const char*>(t0.values) + d * (BF16 ? 2 : 4);  // column d of row 0
           switch (std::min<int64_t>(8, (D - d) / 8)) {
-            case 8: value_sums<8>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 7: value_sums<7>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 6: value_sums<6>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 5: value_sums<5>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 4: value_sums<4>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 3: value_sums<3>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 2: value_sums<2>(p, keys_of, c0, c1, v, D, o + d); break;
-            default: value_sums<1>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 8: value_sums<8, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 7: value_sums<7, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 6: value_sums<6, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 5: value_sums<5, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 4: value_sums<4, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 3: value_sums<3, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
+            case 2: value_sums<2, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
+            default: value_sums<1, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
           }
         }
       }
@@ -354,7 +352,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
         Tile tile;
         tile.n = int(w1 - w0);
         for (int64_t w = w0; w < w1; ++w) tile.query[w - w0] = task(w);
-        tile_avx2(tile, scratch);
+        if (bf16) tile_avx2<true>(tile, scratch);
+        else tile_avx2<false>(tile, scratch);
         continue;
       }
 #endif
