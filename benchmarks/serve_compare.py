@@ -143,10 +143,12 @@ def summarise(report: dict[str, Any]) -> list[dict[str, Any]]:
             return node.get(key)
 
         strategy = bench.get("config", {}).get("strategy") or bench.get("scheduler", {}).get("strategy") or {}
+        totals = metrics.get("request_totals") or bench.get("request_totals") or {}  # guidellm 0.8: under metrics
         rows.append({
             "concurrency": strategy.get("streams"),
-            "requests": (bench.get("request_totals") or {}).get("successful"),
-            "errored": (bench.get("request_totals") or {}).get("errored"),
+            "requests": totals.get("successful"),
+            "errored": totals.get("errored"),
+            "incomplete": totals.get("incomplete"),  # cut off by the window's end
             "output_tokens_per_s": stat("output_tokens_per_second", "mean"),
             "requests_per_s": stat("requests_per_second", "mean"),
             "ttft_ms_p50": stat("time_to_first_token_ms", "p50"),
