@@ -620,6 +620,22 @@ def test_requests_above_t0_draft_with_the_sampled_answer_head(tmp_path):
     assert service.prepare(suffix)[3].name == "suffix"
 
 
+def test_work_called_on_the_engine_thread_runs_there_and_returns_or_raises():
+    from draftwise.server.metrics import Metrics
+    from draftwise.server.worker import EngineWorker
+
+    worker = EngineWorker(metrics=Metrics("tiny"), max_batch_size=2)
+    try:
+        assert worker.call(threading.current_thread) is worker._thread
+        with pytest.raises(ZeroDivisionError):
+            worker.call(lambda: 1 / 0)
+        worker.start()  # a second start does nothing
+        assert worker.call(lambda: 7) == 7
+    finally:
+        worker.stop()
+    assert not worker.alive
+
+
 def test_the_warm_up_runs_the_default_engine_once_and_leaves_nothing_behind(models):
     """`draftwise serve` warms up before taking requests: one request through the default method's engine, which
     the worker then keeps for requests of its key. No metric, result or stored prefix stays from it, and the
@@ -631,8 +647,22 @@ def test_the_warm_up_runs_the_default_engine_once_and_leaves_nothing_behind(mode
         seconds = service.warm_up() if warm else None
         return service, seconds
 
-    warmed, seconds = start(True)
+    ran_on = []
+    from draftwise.engine.core import Engine
+
+    real_run = Engine.run
+
+    def run(self, *args, **kwargs):
+        ran_on.append(threading.current_thread())
+        return real_run(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "run", run)
+        warmed, seconds = start(True)
     assert seconds is not None and seconds > 0
+    # on the engine thread, which steps that engine later: stepping it on another thread than the one that warmed it
+    # up ran ~1.5x slower (OpenMP's thread teams are per calling thread)
+    assert ran_on == [warmed.worker._thread]
     (engine,) = warmed.worker._engines.values()
     assert engine.finished == {} and not engine.has_work
     assert engine.prefixes is None or engine.prefixes.lookup(list(range(1, 300))) == []

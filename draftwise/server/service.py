@@ -343,13 +343,17 @@ class Service:
             key, make_engine, request, _ = self.prepare(parsed)
         except ApiError:
             return None
-        engine = make_engine()
-        rid = engine.submit(request)
-        engine.run()
-        engine.finished.pop(rid, None)
-        if engine.prefixes is not None:
-            engine.prefixes.clear()
-        self.worker.adopt(key, engine)
+
+        def run() -> None:  # on the engine thread (see EngineWorker.call), which keeps the engine
+            engine = make_engine()
+            rid = engine.submit(request)
+            engine.run()
+            engine.finished.pop(rid, None)
+            if engine.prefixes is not None:
+                engine.prefixes.clear()
+            self.worker.adopt(key, engine)
+
+        self.worker.call(run)
         return time.perf_counter() - started
 
     def _record(self, ticket: Ticket, result: Any) -> None:

@@ -67,14 +67,29 @@ class EngineWorker:
     # ---- event-loop side ----
 
     def start(self) -> None:
-        self.alive = True
-        self._thread.start()
+        """Start the engine thread (once: a later call does nothing)."""
+        if self._thread.ident is None:
+            self.alive = True
+            self._thread.start()
 
     def adopt(self, key: Hashable, engine: Engine) -> None:
-        """Keep an engine built before the thread starts (the warm-up's) for the requests of its key."""
-        if self.alive:
+        """Keep an engine built before the thread starts, or on it (the warm-up's), for the requests of its key."""
+        if self.alive and threading.current_thread() is not self._thread:
             raise RuntimeError("adopt() after start(): the engines belong to the engine thread")
         self._engines[key] = engine
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread (starting it if need be) and return what it returns, or raise what it
+        raised. Work that runs engines belongs there: PyTorch's OpenMP keeps a team of threads for each thread that
+        runs parallel work, and an engine stepped on the engine thread after a warm-up on the main thread decoded
+        about 1.5x slower (SmolLM2-135M in bf16: 20 against 13.5 ms a token)."""
+        self.start()
+        done, box = threading.Event(), {}
+        self._commands.put(("call", (fn, done, box)))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     def submit(self, ticket: Ticket) -> None:
         self._commands.put(("submit", ticket))
@@ -132,7 +147,15 @@ class EngineWorker:
                         self._finished(key, engine, row.id, "")
                 if kind == "stop":
                     return False
-            if kind == "submit":
+            if kind == "call":
+                fn, done, box = ticket
+                try:
+                    box["value"] = fn()
+                except BaseException as error:  # noqa: BLE001 - handed to the caller, which raises it
+                    box["error"] = error
+                finally:
+                    done.set()
+            elif kind == "submit":
                 self._submit(ticket)
             elif kind == "cancel" and not ticket.done and ticket.engine_id is not None:
                 engine = self._engines.get(ticket.key)
