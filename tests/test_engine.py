@@ -77,7 +77,10 @@ def test_random_per_row_rollbacks_then_replay_match_a_cache_free_forward(name):
         out = runner.forward_rows(feed, [len(n) for n in new])
         for b, n in enumerate(new):
             reference = _full_logits(model, sequences[b] + n)[len(sequences[b]):]
-            assert torch.allclose(out.logits[b, : len(n)], reference, atol=1e-4), (name, b)
+            # 5e-4: the fast forward's norms and products sum in other orders than transformers' modules, each
+            # within float32 rounding, and these tiny models' weights (std 0.5) carry that to 1.2e-4 in the logits
+            # (mistral); a cache that kept or lost a wrong position moves them by far more than that
+            assert torch.allclose(out.logits[b, : len(n)], reference, atol=5e-4), (name, b)
             sequences[b] += n
             keep = rng.randint(1, len(sequences[b]))
             runner.trim_row(b, keep)

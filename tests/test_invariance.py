@@ -335,6 +335,26 @@ def test_bf16_shapes_that_do_not_match_are_refused(kernel):
         kernel.bmm16(torch.zeros(2, 32), torch.zeros(4, 32, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_kernel_is_rms_norm_and_rows_never_depend_on_their_batch(kernel, dtype):
+    g = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(40, 576, generator=g)).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    xd = x.double()
+    expected = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    out = kernel.rmsnorm(x, w, 1e-5, False)
+    bound = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: the one rounding of the output
+    assert out.dtype == dtype and float(((out.double() - expected).abs() / expected.abs().clamp(min=1)).max()) <= bound
+    assert torch.equal(kernel.rmsnorm(x, w, 1e-5, True), out)  # the portable path: the same arithmetic, the same bits
+    assert _rows_keep_their_bits(lambda a, b: kernel.rmsnorm(a, b, 1e-5, False), x, w)
+    odd = x[:, :100].contiguous()  # 100: not a multiple of 8, the portable loop runs
+    assert torch.allclose(kernel.rmsnorm(odd, w[:100].contiguous(), 1e-5, False).double(),
+                          (odd.double() / torch.sqrt(odd.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+                           * w[:100].double()), rtol=bound, atol=bound)
+    with pytest.raises(RuntimeError, match="x's type"):
+        kernel.rmsnorm(x, w.double(), 1e-5, False)
+
+
 def test_float_shapes_that_do_not_match_are_refused(kernel):
     with pytest.raises(RuntimeError, match="K as x's"):
         kernel.fmm(torch.randn(2, 16), torch.randn(4, 8), False)

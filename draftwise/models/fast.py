@@ -233,6 +233,7 @@ class FastModel:
         self.rotary = base.rotary_emb
         self.scaling = self.head_dim ** -0.5
         self._attend = invariant_kernel("attend")
+        self._norm = invariant_kernel("rmsnorm")  # one call a norm on CPU (PyTorch's rms_norm runs several on bf16)
         self.cache_dtype = cache_dtype(self.dtype, self.device, kernel=self._attend is not None)
         make_linear = formats.linear if formats is not None else _float_linear
         layers = []
@@ -293,6 +294,9 @@ class FastModel:
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # one fused kernel (fp32 inside); transformers rounds to the activation type before the weight
         # product, this after it: equal in fp32, one rounding apart in bf16
+        if (self._norm is not None and x.device.type == "cpu" and x.dtype == weight.dtype
+                and x.dtype in (torch.float32, torch.bfloat16)):
+            return self._norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, self.eps, False).reshape(x.shape)
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     # ---- forward ------------------------------------------------------------

@@ -9,7 +9,9 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -247,5 +249,89 @@ torch::Tensor bmm16(torch::Tensor x, torch::Tensor w) {
     rows16(xp, wp, yp, M, K, N, t0 * 4, std::min(N, t1 * 4));
   });
 #endif
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// rmsnorm: y = x / sqrt(mean(x^2) + eps) * w for each row of x [M, K] (float32 or bfloat16, w the same type), in
+// float32 inside and rounded to x's type once at the end: one call, where PyTorch's CPU rms_norm on bf16 runs several
+// kernels (about 30 us a decoding row). A row's sum of squares goes over k in 8 lanes in order, then the fixed
+// horizontal sum: its result never depends on the other rows.
+namespace {
+
+template <typename T>
+inline float as_f32(T v) { return static_cast<float>(v); }
+
+template <typename T>
+void norm_rows_scalar(const T* x, const T* w, T* y, int64_t m0, int64_t m1, int64_t K, float eps) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* row = x + m * K;
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t k = 0; k < K; ++k) lanes[k % 8] = std::fma(as_f32(row[k]), as_f32(row[k]), lanes[k % 8]);
+    // hsum's order: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1
+    const float total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    const float r = 1.0f / std::sqrt(total / float(K) + eps);
+    for (int64_t k = 0; k < K; ++k) y[m * K + k] = T((as_f32(row[k]) * r) * as_f32(w[k]));
+  }
+}
+
+#ifdef FL_X86
+template <typename T>
+FL_TARGET inline __m256 load_row8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// The same arithmetic as norm_rows_scalar (K a multiple of 8): lane l sums k = l, l + 8, ... by fused multiply-adds.
+template <typename T>
+FL_TARGET void norm_rows_avx2(const T* x, const T* w, T* y, int64_t m0, int64_t m1, int64_t K, float eps) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* row = x + m * K;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 v = load_row8(row + k);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const float r = 1.0f / std::sqrt(draftwise_simd::hsum(acc) / float(K) + eps);
+    const __m256 scale = _mm256_set1_ps(r);
+    float out[8];
+    for (int64_t k = 0; k < K; k += 8) {
+      _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_mul_ps(load_row8(row + k), scale), load_row8(w + k)));
+      for (int i = 0; i < 8; ++i) y[m * K + k + i] = T(out[i]);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat32 ||
+              x.scalar_type() == torch::kBFloat16), "x: [M, K] contiguous float32 or bfloat16");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.scalar_type() == x.scalar_type() && w.size(0) == x.size(1),
+              "w: [K] contiguous, x's type");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty_like(x);
+  if (M == 0 || K == 0) return y;
+  const float e = float(eps);
+#ifdef FL_X86
+  const bool fast = !portable && has_avx2() && K % 8 == 0;
+#else
+  const bool fast = false;
+#endif
+  auto run = [&](auto* xp, auto* wp, auto* yp) {
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+#ifdef FL_X86
+      if (fast) return norm_rows_avx2(xp, wp, yp, m0, m1, K, e);
+#endif
+      norm_rows_scalar(xp, wp, yp, m0, m1, K, e);
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32) run(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>());
+  else run(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
   return y;
 }

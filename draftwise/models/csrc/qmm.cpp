@@ -206,6 +206,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable);  // floats.cpp
 torch::Tensor bmm16(torch::Tensor x, torch::Tensor w);  // floats.cpp
 bool bf16_native();  // floats.cpp
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps, bool portable);  // floats.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "float activations x weights in GGUF codes");
@@ -214,6 +215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)");
   m.def("fmm", &fmm, "float32 activations x float weights, each row's sums in one order whatever M (floats.cpp)");
   m.def("bmm16", &bmm16, "bf16 activations x bf16 weights (AVX512-BF16), each row's sums in one order whatever M");
+  m.def("rmsnorm", &rmsnorm, "RMS norm of each row, float32 inside, in one call (floats.cpp)");
   m.def("bf16_native", &bf16_native, "whether bmm16 runs here (AVX512-BF16)");
   m.def("accelerated", &accelerated, "whether the AVX2 path runs here");
 }
