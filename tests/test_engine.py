@@ -330,13 +330,15 @@ def test_the_prompt_budget_lets_rows_with_long_to_go_afford_a_wave_of_prompts(ll
     """Rows with long to go afford SHORT_SHARE of their remaining steps (each counted up to SHORT_HORIZON, at its
     own tokens a step) for prompts fed at once, fewest unfed first while they fit; a prompt costing more is long
     and gets the credit; rows about to end keep the SHORT_PROMPT_STEPS allowance (timings pinned: a step 1.0 s,
-    a prompt token 0.1 s)."""
+    a prompt token such that the allowance buys one prefill chunk)."""
     from types import SimpleNamespace
 
     from draftwise.engine import core as engine_module
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=8)
-    engine._decode_s, engine._prompt_token_s = 1.0, 0.1
+    allowance = engine_module.SHORT_SHARE * engine_module.SHORT_HORIZON  # decoding steps
+    token_s = allowance / engine_module.PREFILL_CHUNK  # the allowance buys one chunk's tokens
+    engine._decode_s, engine._prompt_token_s = 1.0, token_s
 
     def row(budget: int, made: int, steps: int) -> SimpleNamespace:
         return SimpleNamespace(unfed=0, budget=budget, token_ids=[1] * made, counters=SimpleNamespace(steps=steps))
@@ -349,10 +351,9 @@ def test_the_prompt_budget_lets_rows_with_long_to_go_afford_a_wave_of_prompts(ll
 
     fresh = row(1000, 0, 0)  # counted up to the horizon
     engine.live = [fresh, fresh]
-    allowance = engine_module.SHORT_SHARE * engine_module.SHORT_HORIZON  # decoding steps
     assert engine._short_allowance() == allowance * 1.0
-    fits = int(allowance / 0.1)  # prompt tokens the allowance buys
-    assert fits > engine_module.SHORT_PROMPT_STEPS / 0.1  # more than a row about to end allows
+    fits = round(allowance / token_s)  # prompt tokens the allowance buys
+    assert fits > engine_module.SHORT_PROMPT_STEPS / token_s  # more than a row about to end allows
     chunk = engine_module.PREFILL_CHUNK
     engine.prefilling = [SimpleNamespace(unfed=min(fits, chunk))]
     assert first_budget() == min(fits, chunk)  # fed whole at once
