@@ -77,13 +77,12 @@ class FloatLinear:
 
     def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
         shape = x.shape
-        if self._bf16 is not None and x.dtype == torch.bfloat16:
-            y = self._bf16(x.reshape(-1, shape[-1]).contiguous(), self.weight)
-            if self._bias32 is not None:
-                y = y + self._bias32
-            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if self._invariant is not None:
-            y = self._invariant(x.reshape(-1, shape[-1]).float().contiguous(), self.weight, False)
+            flat = x.reshape(-1, shape[-1])
+            if self._bf16 is not None and x.dtype == torch.bfloat16:
+                y = self._bf16(flat.contiguous(), self.weight)
+            else:
+                y = self._invariant(flat.float().contiguous(), self.weight, False)
             if self._bias32 is not None:
                 y = y + self._bias32
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -233,7 +232,9 @@ class FastModel:
         self.rotary = base.rotary_emb
         self.scaling = self.head_dim ** -0.5
         self._attend = invariant_kernel("attend")
-        self._norm = invariant_kernel("rmsnorm")  # one call a norm on CPU (PyTorch's rms_norm runs several on bf16)
+        # one call a norm on CPU (PyTorch's rms_norm runs several on bf16), for the float types the kernel takes
+        self._norm = invariant_kernel("rmsnorm") if self.device.type == "cpu" and self.dtype in (
+            torch.float32, torch.bfloat16) else None
         self.cache_dtype = cache_dtype(self.dtype, self.device, kernel=self._attend is not None)
         make_linear = formats.linear if formats is not None else _float_linear
         layers = []
@@ -294,8 +295,7 @@ class FastModel:
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # one fused kernel (fp32 inside); transformers rounds to the activation type before the weight
         # product, this after it: equal in fp32, one rounding apart in bf16
-        if (self._norm is not None and x.device.type == "cpu" and x.dtype == weight.dtype
-                and x.dtype in (torch.float32, torch.bfloat16)):
+        if self._norm is not None and x.dtype == weight.dtype:
             return self._norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, self.eps, False).reshape(x.shape)
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
@@ -449,8 +449,7 @@ class _Writer:
             self.start = int(step.write_index[0, 0])
             self.stop = self.start + width
         elif pack.at_row is None:  # no padding: every slot is a token
-            self.at_row = torch.arange(rows, device=step.write_index.device).repeat_interleave(width)
-            self.at_pos = step.write_index.reshape(-1)
+            self.at_row, self.at_pos = step.slots()
         else:
             self.at_row, self.at_pos = pack.at_row, step.write_index[pack.at_row, pack.at_col]
 

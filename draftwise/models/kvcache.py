@@ -106,6 +106,17 @@ class _Step:
     rows: int  # rows in the block
     write_index: torch.Tensor  # [rows, n] positions the n fed tokens are written at
     kv_length: int  # keys read: up to the longest row after the write
+    _slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `slots()`, once built
+
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row within the block, position) of every slot of the forward, row-major [rows * n] each: the index a
+        layer's keys and values are written by (PyTorch's CPU scatter_ is thousands of times slower on bf16).
+        Built once a forward, at the first layer that asks."""
+        if self._slots is None:
+            width = self.write_index.shape[1]
+            rows = torch.arange(self.rows, device=self.write_index.device).repeat_interleave(width)
+            self._slots = (rows, self.write_index.reshape(-1))
+        return self._slots
 
 
 class PositionCache(Cache):
@@ -365,13 +376,9 @@ class PositionCache(Cache):
             self.values.append(value_states.new_zeros((*shape[:3], value_states.shape[3])))
         keys = self.keys[layer_idx][step.begin : step.begin + step.rows]  # views: no gather
         values = self.values[layer_idx][step.begin : step.begin + step.rows]
-        # every slot by (row, position) index: PyTorch's CPU scatter_ is thousands of times slower on bf16
-        width = step.write_index.shape[1]
-        at_row = torch.arange(step.rows, device=step.write_index.device).repeat_interleave(width)
-        at_pos = step.write_index.reshape(-1)
-        keys[at_row, :, at_pos] = key_states.transpose(1, 2).reshape(-1, *key_states.shape[1:2], key_states.shape[3])
-        values[at_row, :, at_pos] = value_states.transpose(1, 2).reshape(-1, value_states.shape[1],
-                                                                          value_states.shape[3])
+        at_row, at_pos = step.slots()  # every slot, padding included (past its row's length: never read)
+        keys[at_row, :, at_pos] = key_states.transpose(1, 2).flatten(0, 1)  # [rows * width, kv_heads, d]
+        values[at_row, :, at_pos] = value_states.transpose(1, 2).flatten(0, 1)
         return keys[:, :, : step.kv_length], values[:, :, : step.kv_length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
