@@ -321,7 +321,7 @@ class FastModel:
         cos, sin = self._rope(flat_pos)
         cos, sin = cos[:, None], sin[:, None]  # [tokens, 1, d]; sin carries rotate_half's sign
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q_end, k_end = heads * d, (heads + kv_heads) * d
+        k_end = (heads + kv_heads) * d  # q is qkv[:, :heads * d]
         captured: dict[int, torch.Tensor] = {}
         write = _Writer(step, pack, rows, width)
         kv = step.kv_length

@@ -247,7 +247,6 @@ class ModelRunner:
               tree: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The fast forward (`models.fast`): logits where asked (None for `embeds` feeds) and, with `hidden`,
         the states of every fed position [rows, width, (features +) hidden]."""
-        rows = len(counts)
         self.fast.ensure_cache(self.cache, self.cache.num_rows)
         features = self.feature_layers if hidden and ids is not None else ()  # forward_states: the last layer only
         final, captured, pack = self.fast.forward(self.cache, ids=ids, embeds=embeds, counts=counts, positions=positions,
