@@ -10,6 +10,8 @@ one token) and the same checks catch it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,6 +24,36 @@ def kernel():
     if module is None:
         pytest.skip(f"draftwise's kernel is not built here: {qkernel.problem()}")
     return module
+
+
+PATHS = ["avx512", "avx2", "portable"]
+
+
+@pytest.fixture(params=PATHS)
+def attend(kernel, request):
+    """The attention kernel on one of its paths: AVX-512 (where the CPU has it), AVX2 (forced even where AVX-512
+    runs), the portable loops. Every check on a query's bits holds on each path."""
+    path = request.param
+    if path == "avx512" and not kernel.attention_avx512():
+        pytest.skip("no AVX-512 here (or DRAFTWISE_AVX512=0)")
+    return lambda q, keys, values, visible, counts, kv, scale: kernel.attend(
+        q, keys, values, visible, counts, kv, scale, path == "portable", path == "avx512")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_the_avx512_attention_runs_where_the_cpu_has_it(kernel):
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo")
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"} <= flags
+    assert kernel.attention_avx512() == (has and os.environ.get("DRAFTWISE_AVX512", "1") != "0")
 
 
 def _reference(q, keys, values, visible, counts, kv, scale):
@@ -55,37 +87,39 @@ def _case(seed: int, R=3, W=5, H=6, KVH=2, D=64, C=40):
     return q, keys, values, visible, counts, kv
 
 
-@pytest.mark.parametrize("shape", [dict(H=6, KVH=2, D=64), dict(H=4, KVH=4, D=128), dict(H=3, KVH=1, D=24)])
-@pytest.mark.parametrize("portable", [False, True])
-def test_the_attention_kernel_is_attention(kernel, shape, portable):
+@pytest.mark.parametrize("shape", [dict(H=6, KVH=2, D=64), dict(H=4, KVH=4, D=128), dict(H=3, KVH=1, D=24),
+                                   dict(H=4, KVH=1, D=96), dict(H=8, KVH=4, D=32), dict(H=10, KVH=2, D=48)])
+def test_the_attention_kernel_is_attention(attend, shape):
+    """Heads a kv head: 3, 1, 3, 4 (a group of 3 and one), 2, 5; head dimensions: multiples of 32 (the AVX-512
+    path, with a tail of one chunk at 96) and not (24, 48: AVX2)."""
     q, keys, values, visible, counts, kv = _case(0, **shape)
-    out = kernel.attend(q, keys, values, visible, counts, kv, 0.125, portable)
+    out = attend(q, keys, values, visible, counts, kv, 0.125)
     expected = _reference(q, keys, values, visible, counts, kv, 0.125)
     assert float((out.double() - expected).abs().max()) < 2e-5
     for r, c in enumerate(counts):
         assert not out[r, c:].any()  # padded queries stay zero
     # one query over every key, no mask
-    single = kernel.attend(q[:1, :1].contiguous(), keys[:1], values[:1], None, [1], 30, 0.125, portable)
+    single = attend(q[:1, :1].contiguous(), keys[:1], values[:1], None, [1], 30, 0.125)
     assert float((single.double() - _reference(q[:1, :1], keys[:1], values[:1], None, [1], 30, 0.125)).abs().max()) < 2e-5
 
 
-def test_a_query_is_the_same_bits_alone_or_among_others(kernel):
+def test_a_query_is_the_same_bits_alone_or_among_others(attend):
     q, keys, values, visible, counts, kv = _case(1)
-    full = kernel.attend(q, keys, values, visible, counts, kv, 0.125, False)
+    full = attend(q, keys, values, visible, counts, kv, 0.125)
     for r, c in enumerate(counts):
         for w in range(c):
             n = int(visible[r, w].nonzero().max()) + 1
-            alone = kernel.attend(q[r: r + 1, w: w + 1].contiguous(), keys[r: r + 1], values[r: r + 1],
-                                  visible[r: r + 1, w: w + 1, :n].contiguous(), [1], n, 0.125, False)
+            alone = attend(q[r: r + 1, w: w + 1].contiguous(), keys[r: r + 1], values[r: r + 1],
+                                  visible[r: r + 1, w: w + 1, :n].contiguous(), [1], n, 0.125)
             assert torch.equal(alone[0, 0], full[r, w]), (r, w)
     # the tree query sees the same keys as one whose hidden slot is gone (moved away): the same bits
     kept = [j for j in range(kv) if visible[0, 3, j]]
     moved_keys, moved_values = keys[:1, :, kept].contiguous(), values[:1, :, kept].contiguous()
-    moved = kernel.attend(q[:1, 3:4].contiguous(), moved_keys, moved_values, None, [1], len(kept), 0.125, False)
+    moved = attend(q[:1, 3:4].contiguous(), moved_keys, moved_values, None, [1], len(kept), 0.125)
     assert torch.equal(moved[0, 0], full[0, 3])
 
 
-def test_a_wide_feed_is_tiled_and_each_query_keeps_its_bits(kernel):
+def test_a_wide_feed_is_tiled_and_each_query_keeps_its_bits(attend):
     """A prompt chunk (16 or more queries a row) runs in tiles of queries that share their key loads: each query
     is still attention (against float64), its bits are those it has alone and those of a narrow feed, padded
     queries stay zero, and a query that sees no key past others' (a hole in its mask) is unaffected."""
@@ -101,29 +135,28 @@ def test_a_wide_feed_is_tiled_and_each_query_keeps_its_bits(kernel):
             visible[r, w, : lengths[r] + w + 1] = True
     visible[0, 20, 55:60] = False  # holes, as a token tree's
     visible[1, 4, 0] = False
-    wide = kernel.attend(q, keys, values, visible, counts, kv, 0.125, False)
+    wide = attend(q, keys, values, visible, counts, kv, 0.125)
     assert float((wide.double() - _reference(q, keys, values, visible, counts, kv, 0.125)).abs().max()) < 2e-5
     assert not wide[1, 19:].any()
-    narrow = torch.cat([kernel.attend(q[:, w: w + 5].contiguous(), keys, values,
+    narrow = torch.cat([attend(q[:, w: w + 5].contiguous(), keys, values,
                                       visible[:, w: w + 5].contiguous(), [max(0, min(5, c - w)) for c in counts],
-                                      kv, 0.125, False) for w in range(0, W, 5)], 1)[:, :W]
+                                      kv, 0.125) for w in range(0, W, 5)], 1)[:, :W]
     assert torch.equal(wide, narrow)  # one query a task (narrow feeds) and tiles: the same bits
     long_kv = 1100  # a narrow feed over a long context is tiled too
     lk, lv = torch.randn(1, KVH, long_kv, D, generator=g), torch.randn(1, KVH, long_kv, D, generator=g)
-    few = kernel.attend(q[:1, :5].contiguous(), lk, lv, None, [5], long_kv, 0.125, False)
-    one = torch.cat([kernel.attend(q[:1, w: w + 1].contiguous(), lk, lv, None, [1], long_kv, 0.125, False)
+    few = attend(q[:1, :5].contiguous(), lk, lv, None, [5], long_kv, 0.125)
+    one = torch.cat([attend(q[:1, w: w + 1].contiguous(), lk, lv, None, [1], long_kv, 0.125)
                      for w in range(5)], 1)
     assert torch.equal(few, one)
     assert float((few.double() - _reference(q[:1, :5], lk, lv, None, [5], long_kv, 0.125)).abs().max()) < 2e-5
     for r, w in ((0, 0), (0, 20), (0, 36), (1, 4), (1, 18)):
         n = int(visible[r, w].nonzero().max()) + 1
-        alone = kernel.attend(q[r: r + 1, w: w + 1].contiguous(), keys[r: r + 1], values[r: r + 1],
-                              visible[r: r + 1, w: w + 1, :n].contiguous(), [1], n, 0.125, False)
+        alone = attend(q[r: r + 1, w: w + 1].contiguous(), keys[r: r + 1], values[r: r + 1],
+                              visible[r: r + 1, w: w + 1, :n].contiguous(), [1], n, 0.125)
         assert torch.equal(alone[0, 0], wide[r, w]), (r, w)
 
 
-@pytest.mark.parametrize("portable", [False, True])
-def test_a_bfloat16_cache_is_read_as_its_float32_widening(kernel, portable):
+def test_a_bfloat16_cache_is_read_as_its_float32_widening(kernel, attend):
     """Keys and values kept in bfloat16 give the bits of the same (rounded) keys and values in float32, on every
     path: wide feeds in tiles, narrow ones, a long context, holes in the mask; and each query is still attention."""
     g = torch.Generator().manual_seed(11)
@@ -138,13 +171,13 @@ def test_a_bfloat16_cache_is_read_as_its_float32_widening(kernel, portable):
             for w in range(counts[r]):
                 visible[r, w, : lengths[r] + w + 1] = True
         visible[0, 0, 3:9] = False
-        half = kernel.attend(q, keys, values, visible, counts, kv, 0.125, portable)
-        widened = kernel.attend(q, keys.float(), values.float(), visible, counts, kv, 0.125, portable)
+        half = attend(q, keys, values, visible, counts, kv, 0.125)
+        widened = attend(q, keys.float(), values.float(), visible, counts, kv, 0.125)
         assert torch.equal(half, widened), (counts, lengths)
         expected = _reference(q, keys.float(), values.float(), visible, counts, kv, 0.125)
         assert float((half.double() - expected).abs().max()) < 2e-5
     with pytest.raises(RuntimeError, match="both the same"):
-        kernel.attend(q, keys, values.float(), None, [W, W], 10, 0.1, portable)
+        attend(q, keys, values.float(), None, [W, W], 10, 0.1)
 
 
 def test_bad_attention_inputs_are_refused(kernel):

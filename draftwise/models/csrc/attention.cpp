@@ -16,15 +16,23 @@
 // laid out contiguously give equal bits. A task is one kv head and one query token, or (a wide feed) a tile of up to
 // 8 query tokens of a row: the G query heads that share the kv head, and the tile's queries, read each key once.
 //
+// Where the CPU has AVX-512 (and the head dimension is a multiple of 32), the same scheme runs at 16 lanes with the
+// G query heads of a kv head computed together (see `load_pairs`); its scores are summed in another fixed order than
+// the AVX2 path's, so a machine gives one set of bits for every feed, and `attend(..., avx512=False)` runs the AVX2
+// path there (DRAFTWISE_AVX512=0 for the whole process).
+//
 // The cache may hold float32 or bfloat16 keys and values (queries and all arithmetic are float32). A bfloat16 cache
 // halves the bytes a decoding step reads; the AVX2 path reads it in place, widening 8 elements at a time in registers
 // (exactly: the same bits as a float32 copy, without writing one).
 #include <torch/extension.h>
 #include "simd.h"
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -169,6 +177,196 @@ inline int64_t ranks_before(const int32_t* index, int64_t L, int64_t c, int64_t 
   return c;
 }
 
+// A SIMD width's two inner loops (the rest of a tile's work is shared):
+// - scores: the scores of the 8 keys whose rows are rows[0 .. 8), for every query head g of the task, into
+//   s[g * stride + m] (already times the scale);
+// - values: o_g += sum over ranks c0 .. c1 - 1, in order, of p_g[c] * v[keys_of[c]] for every head g of the task
+//   (p_g = p + g * stride, o_g its output row), each output lane one chain of multiply-adds in rank order.
+struct Kernels {
+  void (*scores)(const Task& t, const void* const* rows, float* s, int64_t stride);
+  void (*values)(const Task& t, const float* p, int64_t stride, const int32_t* keys_of, int64_t c0, int64_t c1);
+};
+
+template <bool BF16>
+AT_TARGET void scores_avx2(const Task& t, const void* const* rows, float* s, int64_t stride) {
+  for (int64_t g = 0; g < t.G; ++g) score8<BF16>(t.q + g * t.D, rows, t.D, t.scale, s + g * stride);
+}
+
+template <bool BF16>
+AT_TARGET void values_avx2(const Task& t, const float* p, int64_t stride, const int32_t* keys_of, int64_t c0,
+                           int64_t c1) {
+  const int64_t D = t.D;
+  for (int64_t g = 0; g < t.G; ++g) {
+    const float* pg = p + g * stride;
+    float* o = t.out + g * D;
+    for (int64_t d = 0; d < D; d += 64) {
+      const void* v = static_cast<const char*>(t.values) + d * (BF16 ? 2 : 4);  // column d of row 0
+      switch (std::min<int64_t>(8, (D - d) / 8)) {
+        case 8: value_sums<8, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+        case 7: value_sums<7, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+        case 6: value_sums<6, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+        case 5: value_sums<5, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+        case 4: value_sums<4, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+        case 3: value_sums<3, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+        case 2: value_sums<2, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+        default: value_sums<1, BF16>(pg, keys_of, c0, c1, v, D, o + d); break;
+      }
+    }
+  }
+}
+
+// A query's scores s[0 .. L) become exp(s - max) (lanes L .. stride zero); returns their total, summed in 8 lanes
+// by rank, then hsum.
+AT_TARGET float softmax_avx2(float* s, int64_t L, int64_t stride) {
+  for (int64_t l = L; l < stride; ++l) s[l] = s[0];  // tail lanes: a visible score, never summed
+  __m256 top8 = _mm256_loadu_ps(s);
+  for (int64_t l = 8; l < stride; l += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + l));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top8);
+  float top = lanes[0];
+  for (int m = 1; m < 8; ++m) top = std::max(top, lanes[m]);
+  const __m256 m = _mm256_set1_ps(top);
+  for (int64_t l = 0; l < stride; l += 8)
+    _mm256_storeu_ps(s + l, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + l), m)));
+  for (int64_t l = L; l < stride; ++l) s[l] = 0.f;
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t l = 0; l < stride; l += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(s + l));
+  return hsum(total);
+}
+
+AT_TARGET void divide_avx2(float* o, int64_t D, float total) {
+  const __m256 t = _mm256_set1_ps(total);
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), t));
+}
+
+// AVX-512 (D a multiple of 32): the same scheme at 16 lanes, and the G query heads of a kv head computed together,
+// so that each key (and value) row is loaded once for all of them. The head dimension goes in chunks of 32, each as
+// its even and its odd elements: 32 bfloat16 numbers are one 512-bit load whose 32-bit lanes hold an (even, odd)
+// pair, widened exactly by a shift and a mask (no shuffle). Queries come split the same way (`split_pairs`).
+// - A key's score is one 16-lane accumulator over the chunks in order, lane l taking elements 2l then 2l + 1 of each
+//   chunk, then its lanes summed by one fixed network (`sums8`); a float32 cache is split into the same lanes (two
+//   permutes a chunk), so both caches give the same bits.
+// - The value sums are the same chains of multiply-adds as the AVX2 path's, one output element each: a bfloat16
+//   cache's outputs come out split (evens, odds of each chunk) and are put back in order at the end.
+#define AT_TARGET512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+// Chunk c of a row's 32 elements from `at` on, as float32: its even elements, and its odd ones.
+template <bool BF16>
+AT_TARGET512 inline void load_pairs(const void* row, int64_t at, __m512& even, __m512& odd) {
+  if constexpr (BF16) {
+    const __m512i h = _mm512_loadu_si512(static_cast<const uint16_t*>(row) + at);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int(0xFFFF0000u))));
+  } else {
+    const float* f = static_cast<const float*>(row) + at;
+    const __m512 a = _mm512_loadu_ps(f), b = _mm512_loadu_ps(f + 16);
+    even = _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
+    odd = _mm512_permutex2var_ps(a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), b);
+  }
+}
+
+// Pairs of accumulators folded: quarters x(0+2), x(1+3), y(0+2), y(1+3).
+AT_TARGET512 inline __m512 fold_halves(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+}
+
+// Two folded pairs: quarter i holds key i's four lane partials.
+AT_TARGET512 inline __m512 fold_quarters(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// The lane sums of 8 accumulators, in key order: for every key, quarters (0+2)+(1+3), then within the quarter lanes
+// (0+2)+(1+3). The same network for every key, whichever of the 8 it is.
+AT_TARGET512 inline __m256 sums8(const __m512* a) {
+  const __m512 lo = fold_quarters(fold_halves(a[0], a[1]), fold_halves(a[2], a[3]));  // keys 0-3
+  const __m512 hi = fold_quarters(fold_halves(a[4], a[5]), fold_halves(a[6], a[7]));  // keys 4-7
+  const __m512 t = _mm512_add_ps(_mm512_unpacklo_ps(lo, hi), _mm512_unpackhi_ps(lo, hi));
+  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(1, 0, 3, 2)));  // quarter i: keys i, i + 4
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, u));
+}
+
+// GN query heads (split, D apart) against the 8 keys at k[0 .. 8): scores into s[g * stride + m].
+template <int GN, bool BF16>
+AT_TARGET512 inline void score8x(const float* q, int64_t D, const void* const* k, float scale, float* s,
+                                 int64_t stride) {
+  __m512 acc[GN][8];
+  for (int g = 0; g < GN; ++g)
+    for (int m = 0; m < 8; ++m) acc[g][m] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 32) {
+    for (int m = 0; m < 8; ++m) {
+      __m512 even, odd;
+      load_pairs<BF16>(k[m], d, even, odd);
+      for (int g = 0; g < GN; ++g) {
+        acc[g][m] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), even, acc[g][m]);
+        acc[g][m] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d + 16), odd, acc[g][m]);
+      }
+    }
+  }
+  const __m256 by = _mm256_set1_ps(scale);
+  for (int g = 0; g < GN; ++g) _mm256_storeu_ps(s + g * stride, _mm256_mul_ps(sums8(acc[g]), by));
+}
+
+template <bool BF16>
+AT_TARGET512 void scores_avx512(const Task& t, const void* const* rows, float* s, int64_t stride) {
+  const int64_t D = t.D;
+  int64_t g = 0;
+  for (; g + 3 <= t.G; g += 3) score8x<3, BF16>(t.q + g * D, D, rows, t.scale, s + g * stride, stride);
+  if (t.G - g == 2) score8x<2, BF16>(t.q + g * D, D, rows, t.scale, s + g * stride, stride);
+  if (t.G - g == 1) score8x<1, BF16>(t.q + g * D, D, rows, t.scale, s + g * stride, stride);
+}
+
+// GN heads' outputs o + g * D over CHUNKS chunks of 32 columns from column 0 of v (and o), ranks c0 .. c1. A bfloat16
+// cache's outputs are kept split (a chunk's evens, then its odds); a float32 cache's in order.
+template <int GN, int CHUNKS, bool BF16>
+AT_TARGET512 inline void value_sums32(const float* p, int64_t stride, const int32_t* keys_of, int64_t c0, int64_t c1,
+                                      const void* v, int64_t D, float* o) {
+  __m512 acc[GN][2 * CHUNKS];
+  for (int g = 0; g < GN; ++g)
+    for (int r = 0; r < 2 * CHUNKS; ++r) acc[g][r] = _mm512_loadu_ps(o + g * D + 16 * r);
+  for (int64_t c = c0; c < c1; ++c) {
+    __m512 weight[GN];
+    for (int g = 0; g < GN; ++g) weight[g] = _mm512_set1_ps(p[g * stride + c]);
+    const int64_t row = int64_t(keys_of[c]) * D;
+    for (int r = 0; r < CHUNKS; ++r) {
+      __m512 first, second;
+      if constexpr (BF16) {
+        load_pairs<true>(v, row + 32 * r, first, second);
+      } else {
+        first = _mm512_loadu_ps(static_cast<const float*>(v) + row + 32 * r);
+        second = _mm512_loadu_ps(static_cast<const float*>(v) + row + 32 * r + 16);
+      }
+      for (int g = 0; g < GN; ++g) {
+        acc[g][2 * r] = _mm512_fmadd_ps(weight[g], first, acc[g][2 * r]);
+        acc[g][2 * r + 1] = _mm512_fmadd_ps(weight[g], second, acc[g][2 * r + 1]);
+      }
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int r = 0; r < 2 * CHUNKS; ++r) _mm512_storeu_ps(o + g * D + 16 * r, acc[g][r]);
+}
+
+template <int GN, bool BF16>
+AT_TARGET512 inline void value_columns32(const float* p, int64_t stride, const int32_t* keys_of, int64_t c0,
+                                         int64_t c1, const void* values, int64_t D, float* o) {
+  for (int64_t d = 0; d < D; d += 64) {
+    const void* v = static_cast<const char*>(values) + d * (BF16 ? 2 : 4);  // column d of row 0
+    if (D - d >= 64) value_sums32<GN, 2, BF16>(p, stride, keys_of, c0, c1, v, D, o + d);
+    else value_sums32<GN, 1, BF16>(p, stride, keys_of, c0, c1, v, D, o + d);
+  }
+}
+
+template <bool BF16>
+AT_TARGET512 void values_avx512(const Task& t, const float* p, int64_t stride, const int32_t* keys_of, int64_t c0,
+                                int64_t c1) {
+  const int64_t D = t.D;
+  int64_t g = 0;
+  for (; g + 3 <= t.G; g += 3)
+    value_columns32<3, BF16>(p + g * stride, stride, keys_of, c0, c1, t.values, D, t.out + g * D);
+  if (t.G - g == 2) value_columns32<2, BF16>(p + g * stride, stride, keys_of, c0, c1, t.values, D, t.out + g * D);
+  if (t.G - g == 1) value_columns32<1, BF16>(p + g * stride, stride, keys_of, c0, c1, t.values, D, t.out + g * D);
+}
+
 // Up to TILE queries of one row and kv head, each computed exactly as it would be alone: its scores (each from its
 // query and key only), then by rank among its visible keys its maximum, exponentials, total and output sums. The
 // cache is walked once, a block of positions at a time (the block stays in L1 while every query of the tile and
@@ -183,10 +381,20 @@ struct Scratch {
   std::vector<float> scores[TILE], totals, positions;
 };
 
-template <bool BF16>
-AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
+// Cache rows are read from memory (a batch's cache is far larger than the caches): the keys a few groups ahead of
+// the scores, and the values the second pass will read, are asked for early. Past the end of a row's cache these
+// are hints for addresses inside the tensor or just beyond, which never fault.
+constexpr int64_t PREFETCH_AHEAD = 32;
+
+inline void prefetch_rows(const char* at, int64_t bytes, int hint) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    if (hint == _MM_HINT_T0) _mm_prefetch(at + b, _MM_HINT_T0);
+    else _mm_prefetch(at + b, _MM_HINT_T1);
+}
+
+void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
   const Task& t0 = tile.query[0];
-  const int64_t D = t0.D, G = t0.G;
+  const int64_t D = t0.D, G = t0.G, bytes = t0.bf16 ? 2 : 4;
   const int64_t block = std::max<int64_t>(8, (4096 / D) / 8 * 8);  // positions a block: 8-16 KB of rows
   int64_t L[TILE], stride[TILE], cursor[TILE], last = -1;
   for (int i = 0; i < tile.n; ++i) {
@@ -202,7 +410,7 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
   // there, kept by rank
   for (int64_t j0 = 0; j0 <= last; j0 += block) {
     const int64_t j1 = std::min(j0 + block, last + 1);
-    const char* k = static_cast<const char*>(t0.keys) + j0 * D * (BF16 ? 2 : 4);  // row j0, read in place
+    const char* k = static_cast<const char*>(t0.keys) + j0 * D * bytes;  // row j0, read in place
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* index = w.index[i].data();
       const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(index, L[i], c0, j1);
@@ -210,10 +418,11 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
       const Task& t = tile.query[i];
       const int64_t from = (index[c0] - j0) / 8 * 8, to = index[c1 - 1] - j0 + 1;
       for (int64_t p = from; p < to; p += 8) {
+        prefetch_rows(k + (p + PREFETCH_AHEAD) * D * bytes, 8 * D * bytes, _MM_HINT_T0);
+        prefetch_rows(static_cast<const char*>(t0.values) + (j0 + p) * D * bytes, 8 * D * bytes, _MM_HINT_T1);
         const void* rows[8];
-        for (int m = 0; m < 8; ++m) rows[m] = k + std::min<int64_t>(p + m, j1 - j0 - 1) * D * (BF16 ? 2 : 4);
-        for (int64_t g = 0; g < G; ++g)
-          score8<BF16>(t.q + g * D, rows, D, t.scale, w.positions.data() + g * block + p);
+        for (int m = 0; m < 8; ++m) rows[m] = k + std::min<int64_t>(p + m, j1 - j0 - 1) * D * bytes;
+        kernels.scores(t, rows, w.positions.data() + p, block);
       }
       for (int64_t g = 0; g < G; ++g) {
         float* s = w.scores[i].data() + g * stride[i];
@@ -225,23 +434,8 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
   w.totals.resize(TILE * G);
   for (int i = 0; i < tile.n; ++i) {
     for (int64_t g = 0; g < G; ++g) {
-      float* s = w.scores[i].data() + g * stride[i];
       std::memset(tile.query[i].out + g * D, 0, sizeof(float) * D);
-      if (L[i] == 0) continue;
-      for (int64_t l = L[i]; l < stride[i]; ++l) s[l] = s[0];  // tail lanes: a visible score, never summed
-      __m256 top8 = _mm256_loadu_ps(s);
-      for (int64_t l = 8; l < stride[i]; l += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + l));
-      float lanes[8];
-      _mm256_storeu_ps(lanes, top8);
-      float top = lanes[0];
-      for (int m = 1; m < 8; ++m) top = std::max(top, lanes[m]);
-      const __m256 m = _mm256_set1_ps(top);
-      for (int64_t l = 0; l < stride[i]; l += 8)
-        _mm256_storeu_ps(s + l, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + l), m)));
-      for (int64_t l = L[i]; l < stride[i]; ++l) s[l] = 0.f;
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t l = 0; l < stride[i]; l += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(s + l));
-      w.totals[i * G + g] = hsum(total);
+      if (L[i]) w.totals[i * G + g] = softmax_avx2(w.scores[i].data() + g * stride[i], L[i], stride[i]);
     }
     cursor[i] = 0;
   }
@@ -252,46 +446,58 @@ AT_TARGET void tile_avx2(const Tile& tile, Scratch& w) {
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* keys_of = w.index[i].data();
       const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(keys_of, L[i], c0, j1);
-      if (c1 == c0) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = w.scores[i].data() + g * stride[i];
-        float* o = tile.query[i].out + g * D;
-        for (int64_t d = 0; d < D; d += 64) {
-          const void* v = static_cast<const char*>(t0.values) + d * (BF16 ? 2 : 4);  // column d of row 0
-          switch (std::min<int64_t>(8, (D - d) / 8)) {
-            case 8: value_sums<8, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 7: value_sums<7, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 6: value_sums<6, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 5: value_sums<5, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 4: value_sums<4, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 3: value_sums<3, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-            case 2: value_sums<2, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-            default: value_sums<1, BF16>(p, keys_of, c0, c1, v, D, o + d); break;
-          }
-        }
-      }
+      if (c1 > c0) kernels.values(tile.query[i], w.scores[i].data(), stride[i], keys_of, c0, c1);
     }
   }
-  for (int i = 0; i < tile.n; ++i) {
-    if (L[i] == 0) continue;
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256 total = _mm256_set1_ps(w.totals[i * G + g]);
-      float* o = tile.query[i].out + g * D;
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_div_ps(_mm256_loadu_ps(o + d), total));
-    }
-  }
+  for (int i = 0; i < tile.n; ++i)
+    if (L[i])
+      for (int64_t g = 0; g < G; ++g) divide_avx2(tile.query[i].out + g * D, D, w.totals[i * G + g]);
 }
 
 const auto has_avx2 = draftwise_simd::avx2_fma;
+
+// AVX-512 F/BW/VL/DQ, unless DRAFTWISE_AVX512=0 (read once).
+bool has_avx512() {
+  static const bool yes = [] {
+    const char* off = std::getenv("DRAFTWISE_AVX512");
+    return !(off && std::string(off) == "0") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && has_avx2();
+  }();
+  return yes;
+}
+
+const Kernels avx2_f32{scores_avx2<false>, values_avx2<false>}, avx2_bf16{scores_avx2<true>, values_avx2<true>},
+    avx512_f32{scores_avx512<false>, values_avx512<false>}, avx512_bf16{scores_avx512<true>, values_avx512<true>};
 #endif
 
 }  // namespace
+
+// A [..., D] float32 tensor with each chunk of 32 elements laid out as its 16 even elements, then its 16 odd ones;
+// `join_pairs` undoes it.
+torch::Tensor split_pairs(const torch::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  const int64_t D = sizes.back();
+  sizes.back() = D / 32;
+  sizes.push_back(16);
+  sizes.push_back(2);
+  return x.reshape(sizes).transpose(-1, -2).contiguous().reshape(x.sizes());
+}
+
+torch::Tensor join_pairs(const torch::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  const int64_t D = sizes.back();
+  sizes.back() = D / 32;
+  sizes.push_back(2);
+  sizes.push_back(16);
+  return x.reshape(sizes).transpose(-1, -2).contiguous().reshape(x.sizes());
+}
 
 // q: [R, W, H, D] float32; keys, values: [R, KVH, C, D] float32 or bfloat16 (the forward's cache rows); visible:
 // [R, W, KV] bool or None (every key 0 .. kv - 1); counts: real queries a row (the rest are padding, left zero).
 // Returns [R, W, H, D] float32.
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
-                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable) {
+                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable, bool avx512) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [R, W, H, D] float32");
   const auto dtype = keys.scalar_type();
   TORCH_CHECK(keys.dim() == 4 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && keys.is_contiguous() &&
@@ -313,14 +519,18 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   const int64_t G = H / KVH;
   const bool bf16 = dtype == torch::kBFloat16;
   const int64_t bytes = bf16 ? 2 : 4;
+#ifdef AT_X86
+  const bool fast = !portable && has_avx2() && D % 8 == 0;
+  const bool wide = fast && avx512 && has_avx512() && D % 32 == 0;
+  const Kernels& kernels = wide ? (bf16 ? avx512_bf16 : avx512_f32) : (bf16 ? avx2_bf16 : avx2_f32);
+  if (wide) q = split_pairs(q);  // the AVX-512 path's lanes: each chunk of 32 as its evens, then its odds
+#else
+  const bool fast = false;
+  const bool wide = false;
+#endif
   const float* qp = q.data_ptr<float>();
   const char *kp = static_cast<const char*>(keys.data_ptr()), *vp = static_cast<const char*>(values.data_ptr());
   float* op = out.data_ptr<float>();
-#ifdef AT_X86
-  const bool fast = !portable && has_avx2() && D % 8 == 0;
-#else
-  const bool fast = false;
-#endif
   // queries a task takes: a tile of a wide feed (a prompt chunk), of any feed over a long context, or of a narrow
   // feed (verification) where rows and kv heads alone make tasks enough for the threads, shares its key loads; a
   // narrow feed of few rows over a short context keeps one query a task, for more tasks to share out. Each query's
@@ -330,14 +540,18 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 #else
   const int64_t per = 1;
 #endif
-  const int64_t spans = (W + per - 1) / per;
-  at::parallel_for(0, R * spans * KVH, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t spans = (W + per - 1) / per, tasks = R * spans * KVH;
+  // tasks are claimed one at a time by whichever thread is free: rows of a batch differ in length (and a prompt
+  // chunk's late queries see more keys), so equal shares of tasks are not equal shares of work. Which thread runs a
+  // task changes none of its arithmetic.
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
 #ifdef AT_X86
     Scratch scratch;
 #endif
     std::vector<int32_t> index;
     std::vector<float> scores;
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t; (t = claimed.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t r = t / (spans * KVH), span = (t / KVH) % spans, g = t % KVH;
       const int64_t w0 = span * per, w1 = std::min(std::min(W, w0 + per), counts[r]);
       auto task = [&](int64_t w) {
@@ -352,13 +566,21 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
         Tile tile;
         tile.n = int(w1 - w0);
         for (int64_t w = w0; w < w1; ++w) tile.query[w - w0] = task(w);
-        if (bf16) tile_avx2<true>(tile, scratch);
-        else tile_avx2<false>(tile, scratch);
+        run_tile(tile, scratch, kernels);
         continue;
       }
 #endif
       for (int64_t w = w0; w < w1; ++w) task_scalar(task(w), index, scores);
     }
   });
-  return out;
+  return wide && bf16 ? join_pairs(out) : out;  // a bfloat16 cache's value sums come out split
+}
+
+// Whether attend's AVX-512 path runs here (a head dimension that is a multiple of 16 takes it).
+bool attention_avx512() {
+#ifdef AT_X86
+  return has_avx512();
+#else
+  return false;
+#endif
 }
