@@ -227,6 +227,38 @@ def test_bf16_activations_keep_a_bf16_cache_that_changes_no_bit(family, monkeypa
         _runner(copy.deepcopy(model), monkeypatch, fast=True)
 
 
+def test_a_cache_the_kernel_alone_reads_grows_without_zeroing(monkeypatch):
+    """On the CPU every feed runs draftwise's attention kernel, which reads only visible keys, so the cache's buffers
+    grow without being zeroed. Poisoned with NaN instead of left as they come, they give the same logits bit for
+    bit as zeroed ones through the whole script (reallocations included); the generic path (PyTorch's attention,
+    where a masked slot's NaN would spread) clears the poison before it reads the cache."""
+    from draftwise.models import kvcache, qkernel
+
+    if not qkernel.available():
+        pytest.skip(f"draftwise's kernel is not built here: {qkernel.problem()}")
+    model = FAMILIES["llama"]()
+    ops = _script(seed=SEEDS["llama"])
+
+    def play(poison: bool):
+        runner = _runner(copy.deepcopy(model), monkeypatch, fast=True)
+        runner.cache.capacity = runner.cache._initial_capacity = 4  # grows (reallocates) several times
+        monkeypatch.setattr(kvcache.PositionCache, "_new", lambda self, like, shape: (
+            like.new_full(shape, float("nan")) if poison and not self.zero_fill else like.new_zeros(shape)))
+        return runner, _play(runner, ops)
+
+    runner, poisoned = play(True)
+    cache = runner.cache
+    assert not cache.zero_fill and cache.capacity > 4
+    assert any(bool(buf.isnan().any()) for buf in cache.keys)  # the poison is there, never read
+    for a, b in zip(poisoned, play(False)[1]):
+        assert torch.equal(a["logits"], b["logits"]), a["row"]
+    kv_heads, d = cache.keys[0].shape[1], cache.keys[0].shape[3]
+    with torch.inference_mode():  # as every forward runs
+        cache.begin_forward([1])
+        cache.update(torch.zeros(1, kv_heads, 1, d), torch.zeros(1, kv_heads, 1, d), 0)
+    assert cache.zero_fill and not any(bool(buf.isnan().any()) for buf in (*cache.keys, *cache.values))
+
+
 def test_mistral_script_exercises_the_window(monkeypatch):
     """The Mistral comparison sees its window: the same model with the window opened up (full attention)
     gives other logits on the same script, far beyond RTOL."""

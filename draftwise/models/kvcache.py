@@ -128,6 +128,13 @@ class PositionCache(Cache):
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self._step: _Step | None = None
+        # Slots past a row's length must hold finite numbers where PyTorch's attention reads the buffers (a masked
+        # slot's weight is 0, and 0 x NaN is NaN), so new buffers are zeroed. draftwise's attention kernel reads only
+        # each query's visible keys: a cache it alone reads (`FastModel.ensure_cache` says so) grows without zeroing.
+        self.zero_fill = True
+
+    def _new(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return like.new_zeros(shape) if self.zero_fill else like.new_empty(shape)
 
     # ---- the draftwise side -------------------------------------------------
 
@@ -246,7 +253,7 @@ class PositionCache(Cache):
             target = max(self.num_rows, 2 * allocated)
             for store in (self.keys, self.values):
                 for i, buf in enumerate(store):
-                    grown = buf.new_zeros((target, *buf.shape[1:]))
+                    grown = self._new(buf, (target, *buf.shape[1:]))
                     grown[:allocated] = buf
                     store[i] = grown
 
@@ -355,7 +362,7 @@ class PositionCache(Cache):
             for i, buf in enumerate(store):
                 n_rows = min(buf.shape[0], rows) if kept_rows is None else kept_rows
                 n = min(self.capacity, capacity) if kept is None else kept
-                new = buf.new_zeros((rows, buf.shape[1], capacity, buf.shape[3]))
+                new = self._new(buf, (rows, buf.shape[1], capacity, buf.shape[3]))
                 new[:n_rows, :, :n] = buf[:n_rows, :, :n]
                 store[i] = new
         self.capacity = capacity
@@ -369,6 +376,10 @@ class PositionCache(Cache):
         step = self._step
         if step is None:
             raise RuntimeError("PositionCache.update outside begin_forward/commit (use ModelRunner)")
+        if not self.zero_fill:  # PyTorch's attention reads a cache the kernel alone read so far: no NaN in any slot
+            for buf in (*self.keys, *self.values):
+                buf.nan_to_num_(0.0, 0.0, 0.0)
+            self.zero_fill = True
         if layer_idx == len(self.keys):  # lazy: shapes and dtype come from the first forward
             rows = max(self.num_rows, 1)
             shape = (rows, key_states.shape[1], self.capacity, key_states.shape[3])

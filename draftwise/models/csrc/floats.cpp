@@ -153,12 +153,18 @@ torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable) {
 #ifdef FL_X86
 namespace {
 
-#define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+#define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
-BF_TARGET inline float hsum16(__m512 v) {
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  return draftwise_simd::hsum(_mm256_add_ps(lo, hi));
+// The lane sums of 4 accumulators at once: for each, its quarters (0+2)+(1+3), then the quarter's lanes
+// (0+2)+(1+3). One output's sum involves its own lanes only, in the same order whichever of the 4 it is.
+BF_TARGET inline __m128 sums4(const __m512* a) {
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+  const __m512 t = _mm512_add_ps(q, _mm512_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));  // lanes 0+2, 1+3
+  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));  // lane 0: (0+2)+(1+3)
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                         0, 0), u));
 }
 
 template <int R, int J>
@@ -175,8 +181,11 @@ BF_TARGET inline void tile16(const uint16_t* x, const uint16_t* const* w, float*
       for (int j = 0; j < J; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], v, xs[j]);
     }
   }
-  for (int j = 0; j < J; ++j)
-    for (int r = 0; r < R; ++r) y[(m + j) * N + n + r] = hsum16(acc[j][r]);
+  for (int j = 0; j < J; ++j) {
+    __m512 a[4];
+    for (int r = 0; r < 4; ++r) a[r] = r < R ? acc[j][r] : _mm512_setzero_ps();
+    _mm_mask_storeu_ps(y + (m + j) * N + n, __mmask8((1 << R) - 1), sums4(a));
+  }
 }
 
 template <int R>
@@ -192,6 +201,8 @@ BF_TARGET void rows16_r(const uint16_t* x, const uint16_t* const* w, float* y, i
   }
 }
 
+constexpr int64_t PREFETCH_GROUPS = 8;  // how many groups of 4 weight rows ahead the next weights are asked for
+
 // Output rows n0 .. n1 for every activation row, activation rows in blocks that stay in the core's cache while the
 // weight rows of the range pass over them.
 BF_TARGET void rows16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
@@ -203,6 +214,14 @@ BF_TARGET void rows16(const uint16_t* x, const uint16_t* w, float* y, int64_t M,
       const uint16_t* rows[4];
       const int64_t R = std::min<int64_t>(4, n1 - n);
       for (int64_t r = 0; r < R; ++r) rows[r] = w + (n + r) * K;
+      // one pass over the weights (a decoding step's few rows): they come from memory (a model's weights are far
+      // larger than the caches), so rows a few groups ahead are asked for while these are used (a hint, only for
+      // rows that exist). Several passes (a prompt's rows) find the weights in the cache after the first.
+      if (M <= block) {
+        const char* next = reinterpret_cast<const char*>(w + (n + 4 * PREFETCH_GROUPS) * K);
+        const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(4, N - n - 4 * PREFETCH_GROUPS)) * K * 2;
+        for (int64_t b = 0; b < ahead; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+      }
       switch (R) {
         case 4: rows16_r<4>(x, rows, y, m0, m1, K, N, n); break;
         case 3: rows16_r<3>(x, rows, y, m0, m1, K, N, n); break;
