@@ -54,10 +54,12 @@ PREFILL_SHARE = 0.25  # long prompts' tokens a step feeds beside decoding rows m
 LONG_PIECE = 8  # a long prompt beside decoding rows advances this many tokens at least (a piece reads its whole
 # context once, as the attention kernel's tile of 8 queries does: a token or two at a time would read it for each)
 PREFILL_FORWARD_S = 0.25  # a forward of prompts alone is cut to about this long: a request arriving meanwhile waits
-SHORT_PROMPT_STEPS = 4.0  # prompts fed at once beside decoding rows may cost this many decoding steps in a step,
+SHORT_PROMPT_STEPS = 8.0  # prompts fed at once beside decoding rows may cost this many decoding steps in a step,
 SHORT_SHARE = 0.5  # or this share of the decoding rows' remaining steps when that is more (mean over the rows,
-SHORT_HORIZON = 64  # each row's counted up to this many steps). 0.5: at concurrency 16 (SmolLM2-135M bf16, Zen 5,
-# guidellm, 256-token prompts) TTFT p50 709 ms at 224 tokens/s, against 2,115 ms at 239 with 0.25
+SHORT_HORIZON = 64  # each row's counted up to this many steps). At concurrency 16 (SmolLM2-135M bf16, Zen 5 with
+# the AVX-512 attention, guidellm, 256-token prompts, one 120 s run each): 4 steps gave TTFT p50 2,405 ms at 273
+# tokens/s (ITL 37 ms), 8 gave 739 ms at 273 (ITL 50 ms), 12 gave 979 ms at 252 (ITL 54 ms). Share 0.5 against
+# 0.25 (4 steps, before that kernel): 709 against 2,115 ms
 PREFILL_FIRST = 8  # prompt tokens per step beside decoding rows before their cost is measured
 PREFILL_SHARED = 16  # prompt tokens per forward of an engine with nothing decoding while another engine decodes
 DECODE_SAMPLE = 16  # one step in this many feeds no prompt tokens: it times a decoding step alone
