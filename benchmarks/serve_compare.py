@@ -64,6 +64,11 @@ def setup_guidellm(log: Path) -> Path:
     return venv / "bin" / "guidellm"
 
 
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    """ours / theirs, or None (JSON null, never NaN) where a level finished no request on either side."""
+    return ours / theirs if ours and theirs else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -251,8 +256,8 @@ def main() -> int:
         if a and b:
             ratios[f"{ours}/{theirs}"] = [
                 {"concurrency": x["concurrency"],
-                 "output_tokens_per_s": (x["output_tokens_per_s"] or 0) / (y["output_tokens_per_s"] or float("nan")),
-                 "ttft_p50": (x["ttft_ms_p50"] or 0) / (y["ttft_ms_p50"] or float("nan"))}
+                 "output_tokens_per_s": _ratio(x["output_tokens_per_s"], y["output_tokens_per_s"]),
+                 "ttft_p50": _ratio(x["ttft_ms_p50"], y["ttft_ms_p50"])}
                 for x, y in zip(a, b)]
     report = {"target": target, "dtype": args.dtype,
               "draftwise_format": "Q4_K_M GGUF" if args.pair else args.dtype, "hf_dir": str(hf_dir),
