@@ -242,7 +242,7 @@ AT_TARGET void divide_avx2(float* o, int64_t D, float total) {
 // AVX-512 (D a multiple of 32): the same scheme at 16 lanes, and the G query heads of a kv head computed together,
 // so that each key (and value) row is loaded once for all of them. The head dimension goes in chunks of 32, each as
 // its even and its odd elements: 32 bfloat16 numbers are one 512-bit load whose 32-bit lanes hold an (even, odd)
-// pair, widened exactly by a shift and a mask (no shuffle). Queries come split the same way (`split_pairs`).
+// pair, widened exactly by a shift and a mask (no shuffle). Queries come split the same way (`transpose_chunks`).
 // - A key's score is one 16-lane accumulator over the chunks in order, lane l taking elements 2l then 2l + 1 of each
 //   chunk, then its lanes summed by one fixed network (`sums8`); a float32 cache is split into the same lanes (two
 //   permutes a chunk), so both caches give the same bits.
@@ -473,23 +473,13 @@ const Kernels avx2_f32{scores_avx2<false>, values_avx2<false>}, avx2_bf16{scores
 
 }  // namespace
 
-// A [..., D] float32 tensor with each chunk of 32 elements laid out as its 16 even elements, then its 16 odd ones;
-// `join_pairs` undoes it.
-torch::Tensor split_pairs(const torch::Tensor& x) {
+// Each chunk of 32 elements of x's last dimension read as [a, b] and written as [b, a]: (16, 2) lays a chunk out as
+// its 16 even elements, then its 16 odd ones (the AVX-512 path's lanes); (2, 16) puts it back in order.
+static torch::Tensor transpose_chunks(const torch::Tensor& x, int64_t a, int64_t b) {
   auto sizes = x.sizes().vec();
-  const int64_t D = sizes.back();
-  sizes.back() = D / 32;
-  sizes.push_back(16);
-  sizes.push_back(2);
-  return x.reshape(sizes).transpose(-1, -2).contiguous().reshape(x.sizes());
-}
-
-torch::Tensor join_pairs(const torch::Tensor& x) {
-  auto sizes = x.sizes().vec();
-  const int64_t D = sizes.back();
-  sizes.back() = D / 32;
-  sizes.push_back(2);
-  sizes.push_back(16);
+  sizes.back() /= 32;
+  sizes.push_back(a);
+  sizes.push_back(b);
   return x.reshape(sizes).transpose(-1, -2).contiguous().reshape(x.sizes());
 }
 
@@ -523,7 +513,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   const bool fast = !portable && has_avx2() && D % 8 == 0;
   const bool wide = fast && avx512 && has_avx512() && D % 32 == 0;
   const Kernels& kernels = wide ? (bf16 ? avx512_bf16 : avx512_f32) : (bf16 ? avx2_bf16 : avx2_f32);
-  if (wide) q = split_pairs(q);  // the AVX-512 path's lanes: each chunk of 32 as its evens, then its odds
+  if (wide) q = transpose_chunks(q, 16, 2);  // the AVX-512 path's lanes: each chunk of 32 as its evens, then odds
 #else
   const bool fast = false;
   const bool wide = false;
@@ -573,10 +563,10 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
       for (int64_t w = w0; w < w1; ++w) task_scalar(task(w), index, scores);
     }
   });
-  return wide && bf16 ? join_pairs(out) : out;  // a bfloat16 cache's value sums come out split
+  return wide && bf16 ? transpose_chunks(out, 2, 16) : out;  // a bfloat16 cache's value sums come out split
 }
 
-// Whether attend's AVX-512 path runs here (a head dimension that is a multiple of 16 takes it).
+// Whether attend's AVX-512 path runs here (a head dimension that is a multiple of 32 takes it).
 bool attention_avx512() {
 #ifdef AT_X86
   return has_avx512();
