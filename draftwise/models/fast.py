@@ -404,10 +404,11 @@ class FastModel:
 
     def ensure_cache(self, cache, rows: int) -> None:
         """Allocate the cache's per-layer buffers (the generic path allocates them lazily on first update)."""
+        # on the CPU every feed runs the attention kernel, which reads only visible keys: no zeroing needed (also for
+        # buffers a prefix restore allocated first)
+        cache.zero_fill = self._attend is None or self.device.type != "cpu"
         if cache.keys:
             return
-        # on the CPU every feed runs the attention kernel, which reads only visible keys: no zeroing needed
-        cache.zero_fill = self._attend is None or self.device.type != "cpu"
         shape = (max(cache.num_rows, rows, 1), self.num_kv_heads, cache.capacity, self.head_dim)
         for _ in self.layers:
             cache.keys.append(cache._new(torch.empty((), dtype=self.cache_dtype, device=self.device), shape))
