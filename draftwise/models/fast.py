@@ -236,6 +236,8 @@ class FastModel:
         self._norm = invariant_kernel("rmsnorm") if self.device.type == "cpu" and self.dtype in (
             torch.float32, torch.bfloat16) else None
         self.cache_dtype = cache_dtype(self.dtype, self.device, kernel=self._attend is not None)
+        # on the CPU every feed runs the attention kernel, which reads only visible keys: its cache needs no zeroing
+        self._zero_fill = self._attend is None or self.device.type != "cpu"
         make_linear = formats.linear if formats is not None else _float_linear
         layers = []
         for index, layer in enumerate(base.layers):
@@ -404,15 +406,14 @@ class FastModel:
 
     def ensure_cache(self, cache, rows: int) -> None:
         """Allocate the cache's per-layer buffers (the generic path allocates them lazily on first update)."""
-        # on the CPU every feed runs the attention kernel, which reads only visible keys: no zeroing needed (also for
-        # buffers a prefix restore allocated first)
-        cache.zero_fill = self._attend is None or self.device.type != "cpu"
+        cache.zero_fill = self._zero_fill  # also for buffers a prefix restore allocated first
         if cache.keys:
             return
         shape = (max(cache.num_rows, rows, 1), self.num_kv_heads, cache.capacity, self.head_dim)
+        alloc = torch.zeros if cache.zero_fill else torch.empty
         for _ in self.layers:
-            cache.keys.append(cache._new(torch.empty((), dtype=self.cache_dtype, device=self.device), shape))
-            cache.values.append(cache._new(torch.empty((), dtype=self.cache_dtype, device=self.device), shape))
+            cache.keys.append(alloc(shape, dtype=self.cache_dtype, device=self.device))
+            cache.values.append(alloc(shape, dtype=self.cache_dtype, device=self.device))
 
 
 def invariant_kernel(name: str):
