@@ -242,8 +242,8 @@ def test_a_cache_the_kernel_alone_reads_grows_without_zeroing(monkeypatch):
     def play(poison: bool):
         runner = _runner(copy.deepcopy(model), monkeypatch, fast=True)
         runner.cache.capacity = runner.cache._initial_capacity = 4  # grows (reallocates) several times
-        monkeypatch.setattr(kvcache.PositionCache, "_new", lambda self, like, shape: (
-            like.new_full(shape, float("nan")) if poison and not self.zero_fill else like.new_zeros(shape)))
+        monkeypatch.setattr(kvcache.PositionCache, "new_buffer", lambda self, shape, dtype, device: torch.full(
+            shape, float("nan") if poison and not self.zero_fill else 0.0, dtype=dtype, device=device))
         return runner, _play(runner, ops)
 
     runner, poisoned = play(True)

@@ -410,10 +410,9 @@ class FastModel:
         if cache.keys:
             return
         shape = (max(cache.num_rows, rows, 1), self.num_kv_heads, cache.capacity, self.head_dim)
-        alloc = torch.zeros if cache.zero_fill else torch.empty
         for _ in self.layers:
-            cache.keys.append(alloc(shape, dtype=self.cache_dtype, device=self.device))
-            cache.values.append(alloc(shape, dtype=self.cache_dtype, device=self.device))
+            cache.keys.append(cache.new_buffer(shape, self.cache_dtype, self.device))
+            cache.values.append(cache.new_buffer(shape, self.cache_dtype, self.device))
 
 
 def invariant_kernel(name: str):

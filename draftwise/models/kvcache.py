@@ -133,8 +133,9 @@ class PositionCache(Cache):
         # each query's visible keys: a cache it alone reads (`FastModel.ensure_cache` says so) grows without zeroing.
         self.zero_fill = True
 
-    def _new(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return like.new_zeros(shape) if self.zero_fill else like.new_empty(shape)
+    def new_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A keys or values buffer: zeroed unless `zero_fill` is off."""
+        return (torch.zeros if self.zero_fill else torch.empty)(shape, dtype=dtype, device=device)
 
     # ---- the draftwise side -------------------------------------------------
 
@@ -253,7 +254,7 @@ class PositionCache(Cache):
             target = max(self.num_rows, 2 * allocated)
             for store in (self.keys, self.values):
                 for i, buf in enumerate(store):
-                    grown = self._new(buf, (target, *buf.shape[1:]))
+                    grown = self.new_buffer((target, *buf.shape[1:]), buf.dtype, buf.device)
                     grown[:allocated] = buf
                     store[i] = grown
 
@@ -362,7 +363,7 @@ class PositionCache(Cache):
             for i, buf in enumerate(store):
                 n_rows = min(buf.shape[0], rows) if kept_rows is None else kept_rows
                 n = min(self.capacity, capacity) if kept is None else kept
-                new = self._new(buf, (rows, buf.shape[1], capacity, buf.shape[3]))
+                new = self.new_buffer((rows, buf.shape[1], capacity, buf.shape[3]), buf.dtype, buf.device)
                 new[:n_rows, :, :n] = buf[:n_rows, :, :n]
                 store[i] = new
         self.capacity = capacity
