@@ -265,15 +265,8 @@ AT_TARGET512 inline void load_pairs(const void* row, int64_t at, __m512& even, _
   }
 }
 
-// Pairs of accumulators folded: quarters x(0+2), x(1+3), y(0+2), y(1+3).
-AT_TARGET512 inline __m512 fold_halves(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-}
-
-// Two folded pairs: quarter i holds key i's four lane partials.
-AT_TARGET512 inline __m512 fold_quarters(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-}
+using draftwise_simd::fold_halves;
+using draftwise_simd::fold_quarters;
 
 // The lane sums of 8 accumulators, in key order: for every key, quarters (0+2)+(1+3), then within the quarter lanes
 // (0+2)+(1+3). The same network for every key, whichever of the 8 it is.

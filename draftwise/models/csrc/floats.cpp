@@ -155,12 +155,10 @@ namespace {
 
 #define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
-// The lane sums of 4 accumulators at once: for each, its quarters (0+2)+(1+3), then the quarter's lanes
-// (0+2)+(1+3). One output's sum involves its own lanes only, in the same order whichever of the 4 it is.
+// The lane sums of 4 accumulators at once, in simd.h's fixed order (one output's sum involves its own lanes only).
 BF_TARGET inline __m128 sums4(const __m512* a) {
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
-  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+  using draftwise_simd::fold_halves, draftwise_simd::fold_quarters;
+  const __m512 q = fold_quarters(fold_halves(a[0], a[1]), fold_halves(a[2], a[3]));
   const __m512 t = _mm512_add_ps(q, _mm512_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));  // lanes 0+2, 1+3
   const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));  // lane 0: (0+2)+(1+3)
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,

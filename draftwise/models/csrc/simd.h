@@ -25,5 +25,18 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+// AVX-512 lane sums in one fixed order, shared by the kernels that end 16-lane row sums several at a time. For each
+// accumulator: its 128-bit quarters (0+2)+(1+3), then that quarter's lanes (0+2)+(1+3); one sum involves its own
+// accumulator's lanes only, whichever slot it is in.
+// Pairs folded: quarters x(0+2), x(1+3), y(0+2), y(1+3).
+__attribute__((target("avx512f"))) inline __m512 fold_halves(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+}
+
+// Two folded pairs: quarter i holds accumulator i's four lane partials.
+__attribute__((target("avx512f"))) inline __m512 fold_quarters(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
 }  // namespace draftwise_simd
 #endif
