@@ -46,12 +46,25 @@ constexpr int TILE = 8;  // the most queries a task takes (the AVX2 path's tile)
 
 struct Task {
   const float* q;                  // [G, D] of this token
-  const void *keys, *values;       // [C, D] of this row and kv head: float32, or bfloat16 where bf16
+  const void *keys, *values;       // this kv head's rows in page 0 of the pool (float32, or bfloat16 where bf16)
+  const int32_t* pages;            // the row's pages: positions p * P .. p * P + P - 1 sit in page pages[p]
+  int64_t P, page_bytes;           // positions a page; bytes from one page of the pool to the next
   bool bf16;
   const bool* visible;             // [KV] or null (every key 0 .. kv - 1)
   int64_t kv, G, D;
   float scale;
   float* out;                      // [G, D]
+
+  // The row of position j in `base` (keys or values): its page's rows are contiguous, D elements apart.
+  const char* row(const void* base, int64_t j) const {
+    return static_cast<const char*>(base) + int64_t(pages[j / P]) * page_bytes + (j % P) * D * (bf16 ? 2 : 4);
+  }
+  // An address from which position j's row is j * D elements on, for j in the page holding position j0 (the value
+  // kernels index rows by position; a block of positions never spans two pages).
+  const void* page_origin(const void* base, int64_t j0) const {
+    return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(row(base, j0)) -
+                                         uintptr_t(j0 * D * (bf16 ? 2 : 4)));
+  }
 };
 
 inline float widen(uint16_t h) {
@@ -72,7 +85,8 @@ void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>&
   visible_keys(t, index);
   const int64_t L = int64_t(index.size()), D = t.D;
   auto at = [&](const void* base, int64_t j, int64_t d) {
-    return t.bf16 ? widen(static_cast<const uint16_t*>(base)[j * D + d]) : static_cast<const float*>(base)[j * D + d];
+    const char* row = t.row(base, j);
+    return t.bf16 ? widen(reinterpret_cast<const uint16_t*>(row)[d]) : reinterpret_cast<const float*>(row)[d];
   };
   scores.resize(t.G * (L + 8));
   for (int64_t g = 0; g < t.G; ++g) {
@@ -388,7 +402,9 @@ inline void prefetch_rows(const char* at, int64_t bytes, int hint) {
 void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
   const Task& t0 = tile.query[0];
   const int64_t D = t0.D, G = t0.G, bytes = t0.bf16 ? 2 : 4;
-  const int64_t block = std::max<int64_t>(8, (4096 / D) / 8 * 8);  // positions a block: 8-16 KB of rows
+  // positions a block: 8-16 KB of rows, a power of two (at most 64), so a block never spans two pages
+  int64_t block = 8;
+  while (block < 64 && 2 * block * D <= 4096) block *= 2;
   int64_t L[TILE], stride[TILE], cursor[TILE], last = -1;
   for (int i = 0; i < tile.n; ++i) {
     visible_keys(tile.query[i], w.index[i]);
@@ -403,7 +419,7 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
   // there, kept by rank
   for (int64_t j0 = 0; j0 <= last; j0 += block) {
     const int64_t j1 = std::min(j0 + block, last + 1);
-    const char* k = static_cast<const char*>(t0.keys) + j0 * D * bytes;  // row j0, read in place
+    const char* k = t0.row(t0.keys, j0);  // row j0, read in place; the block's rows follow it
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* index = w.index[i].data();
       const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(index, L[i], c0, j1);
@@ -412,7 +428,7 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
       const int64_t from = (index[c0] - j0) / 8 * 8, to = index[c1 - 1] - j0 + 1;
       for (int64_t p = from; p < to; p += 8) {
         prefetch_rows(k + (p + PREFETCH_AHEAD) * D * bytes, 8 * D * bytes, _MM_HINT_T0);
-        prefetch_rows(static_cast<const char*>(t0.values) + (j0 + p) * D * bytes, 8 * D * bytes, _MM_HINT_T1);
+        prefetch_rows(t0.row(t0.values, j0 + p), 8 * D * bytes, _MM_HINT_T1);
         const void* rows[8];
         for (int m = 0; m < 8; ++m) rows[m] = k + std::min<int64_t>(p + m, j1 - j0 - 1) * D * bytes;
         kernels.scores(t, rows, w.positions.data() + p, block);
@@ -439,7 +455,10 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* keys_of = w.index[i].data();
       const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(keys_of, L[i], c0, j1);
-      if (c1 > c0) kernels.values(tile.query[i], w.scores[i].data(), stride[i], keys_of, c0, c1);
+      if (c1 == c0) continue;
+      Task t = tile.query[i];
+      t.values = t.page_origin(t.values, j0);
+      kernels.values(t, w.scores[i].data(), stride[i], keys_of, c0, c1);
     }
   }
   for (int i = 0; i < tile.n; ++i)
@@ -476,20 +495,46 @@ static torch::Tensor transpose_chunks(const torch::Tensor& x, int64_t a, int64_t
   return x.reshape(sizes).transpose(-1, -2).contiguous().reshape(x.sizes());
 }
 
-// q: [R, W, H, D] float32; keys, values: [R, KVH, C, D] float32 or bfloat16 (the forward's cache rows); visible:
-// [R, W, KV] bool or None (every key 0 .. kv - 1); counts: real queries a row (the rest are padding, left zero).
-// Returns [R, W, H, D] float32.
+// q: [R, W, H, D] float32; keys, values: [R, KVH, C, D] float32 or bfloat16 (the forward's cache rows), or with
+// `pages` a pool [N, KVH, P, D] of pages of P positions (P a multiple of 64), whose row r holds positions
+// p * P .. p * P + P - 1 in page pages[r, p] (pages: [R, >= ceil(kv / P)] int32; entries past a row's keys are never
+// read); visible: [R, W, KV] bool or None (every key 0 .. kv - 1); counts: real queries a row (the rest are padding,
+// left zero). Returns [R, W, H, D] float32. Where a row's keys sit changes none of its bits.
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
-                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable, bool avx512) {
+                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable, bool avx512,
+                     c10::optional<torch::Tensor> pages) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [R, W, H, D] float32");
   const auto dtype = keys.scalar_type();
   TORCH_CHECK(keys.dim() == 4 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && keys.is_contiguous() &&
               values.sizes() == keys.sizes() && values.scalar_type() == dtype && values.is_contiguous(),
-              "keys, values: [R, KVH, C, D] float32 or bfloat16 (both the same), contiguous");
+              "keys, values: [R, KVH, C, D] or [pages, KVH, P, D], float32 or bfloat16 (both the same), contiguous");
   const int64_t R = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = keys.size(1), C = keys.size(2);
-  TORCH_CHECK(keys.size(0) == R && keys.size(3) == D && KVH > 0 && H % KVH == 0, "q and keys do not match");
+  TORCH_CHECK(keys.size(3) == D && KVH > 0 && H % KVH == 0, "q and keys do not match");
   TORCH_CHECK(int64_t(counts.size()) == R, "one count a row");
-  TORCH_CHECK(kv >= 0 && kv <= C, "kv past the cache");
+  // a flat cache is a pool of R pages of C positions, row r's one page being page r
+  std::vector<int32_t> own;
+  const int32_t* table;
+  int64_t P, table_width;
+  if (pages.has_value() && pages->defined()) {
+    const auto& t = *pages;
+    P = C;
+    TORCH_CHECK(P % 64 == 0, "pages of a multiple of 64 positions");
+    TORCH_CHECK(t.scalar_type() == torch::kInt32 && t.is_contiguous() && t.dim() == 2 && t.size(0) == R &&
+                t.size(1) * P >= kv, "pages: [R, >= kv / P] int32, contiguous");
+    table = t.data_ptr<int32_t>();
+    table_width = t.size(1);
+    const int64_t N = keys.size(0);
+    for (int64_t i = 0; i < t.numel(); ++i) TORCH_CHECK(table[i] >= 0 && table[i] < N, "a page past the pool");
+  } else {
+    TORCH_CHECK(keys.size(0) == R, "q and keys do not match");
+    TORCH_CHECK(kv >= 0 && kv <= C, "kv past the cache");
+    P = std::max<int64_t>(C, 1);
+    table_width = 1;
+    own.resize(R);
+    for (int64_t r = 0; r < R; ++r) own[r] = int32_t(r);
+    table = own.data();
+  }
+  TORCH_CHECK(kv >= 0, "kv past the cache");
   const bool* mask = nullptr;
   if (visible.has_value() && visible->defined()) {
     const auto& v = *visible;
@@ -538,10 +583,10 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
       const int64_t r = t / (spans * KVH), span = (t / KVH) % spans, g = t % KVH;
       const int64_t w0 = span * per, w1 = std::min(std::min(W, w0 + per), counts[r]);
       auto task = [&](int64_t w) {
-        const int64_t cache_at = (r * KVH + g) * C * D * bytes;
-        return Task{qp + ((r * W + w) * H + g * G) * D, kp + cache_at, vp + cache_at, bf16,
-                    mask ? mask + (r * W + w) * mask_kv : nullptr, kv, G, D, float(scale),
-                    op + ((r * W + w) * H + g * G) * D};
+        const int64_t head_at = g * C * D * bytes;
+        return Task{qp + ((r * W + w) * H + g * G) * D, kp + head_at, vp + head_at, table + r * table_width, P,
+                    KVH * C * D * bytes, bf16, mask ? mask + (r * W + w) * mask_kv : nullptr, kv, G, D,
+                    float(scale), op + ((r * W + w) * H + g * G) * D};
       };
       if (w0 >= w1) continue;
 #ifdef AT_X86

@@ -202,7 +202,8 @@ bool accelerated() {
 torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable);  // qblocks.cpp
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
-                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable, bool avx512);  // attention.cpp
+                     std::vector<int64_t> counts, int64_t kv, double scale, bool portable, bool avx512,
+                     c10::optional<torch::Tensor> pages);  // attention.cpp
 bool attention_avx512();  // attention.cpp
 torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable);  // floats.cpp
 torch::Tensor bmm16(torch::Tensor x, torch::Tensor w);  // floats.cpp
@@ -215,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("visible"), py::arg("counts"), py::arg("kv"),
-        py::arg("scale"), py::arg("portable"), py::arg("avx512") = true);
+        py::arg("scale"), py::arg("portable"), py::arg("avx512") = true, py::arg("pages") = py::none());
   m.def("attention_avx512", &attention_avx512, "whether attend's AVX-512 path runs here (off: DRAFTWISE_AVX512=0)");
   m.def("fmm", &fmm, "float32 activations x float weights, each row's sums in one order whatever M (floats.cpp)");
   m.def("bmm16", &bmm16, "bf16 activations x bf16 weights (AVX512-BF16), each row's sums in one order whatever M");
