@@ -236,6 +236,11 @@ def test_a_long_prompt_never_stalls_the_decoding_rows(llama_pair):
     assert engine.target.cache.keys == [] and engine.target.cache.num_rows == 0  # idle: memory released
 
 
+def _slots(cache) -> int:
+    """Positions a layer's keys buffer holds as allocated: rows x capacity, or a paged cache's pages x page."""
+    return cache.keys[0].shape[0] * cache.keys[0].shape[2] if cache.keys else 0
+
+
 def test_a_long_rows_memory_goes_back_when_it_ends_though_others_go_on():
     """The cache's buffers follow the longest row: when a long request ends while a short one decodes on, the
     target's and the draft model's buffers are cut to what the short row needs (the engine never goes idle), and
@@ -255,12 +260,16 @@ def test_a_long_rows_memory_goes_back_when_it_ends_though_others_go_on():
     peak = [0, 0]
     while engine.result(g) is None:
         engine.step()
-        peak = [max(p, c.capacity) for p, c in zip(peak, caches)]
+        peak = [max(p, _slots(c)) for p, c in zip(peak, caches)]
     assert engine.result(s) is None  # the short request decodes on
     for cache, most in zip(caches, peak):
         assert most >= 1100
-        assert cache.capacity * kvcache.SHRINK <= most and cache.keys[0].shape[2] == cache.capacity  # cut
-        assert cache.keys[0].shape[0] * kvcache.SHRINK > cache.num_rows  # rows kept for the rows held
+        assert _slots(cache) * kvcache.SHRINK <= most  # cut
+        if isinstance(cache, kvcache.PagedCache):  # the pages left are the short row's
+            assert cache.pages_used == -(-cache.lengths[0] // cache.page) and cache.num_rows == 1
+        else:
+            assert cache.keys[0].shape[2] == cache.capacity
+            assert cache.keys[0].shape[0] * kvcache.SHRINK > cache.num_rows  # rows kept for the rows held
     engine.run()
     assert engine.result(s).token_ids == _alone(target, draft, short)
     assert engine.result(g).token_ids == _alone(target, draft, long)
@@ -720,21 +729,29 @@ def test_prompt_lookup_rows_stop_drafting_at_eos():
     assert proposal.tokens[0, : proposal.counts[0]].tolist() == [7]
 
 
-def test_the_kv_budget_counts_the_buffers_as_allocated(llama_pair):
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "buffers"])
+def test_the_kv_budget_counts_the_buffers_as_allocated(llama_pair, monkeypatch, paged):
+    """Buffers: every row holds the first 256-position block, so a budget of two blocks admits two rows. Pages: each
+    short request needs one 64-position page, and the pool starts at 4 pages (256 slots): a budget of 256 slots
+    admits four, and a fifth would double the pool past it."""
+    from draftwise.models import kvcache
+
+    monkeypatch.setenv("DRAFTWISE_PAGED", "1" if paged else "0")
     target, _ = llama_pair
     engine = _engine(target)
-    engine.kv_budget_tokens = 2 * 256  # two rows of the first 256-position block
+    assert isinstance(engine.target.cache, kvcache.PagedCache) == paged
+    budget, admitted = (256, 4) if paged else (2 * 256, 2)
+    engine.kv_budget_tokens = budget
     for p in PROMPTS:
         engine.submit(Request(tuple(p), GREEDY, max_new_tokens=10))
     engine.step()
-    assert len(engine.live) == 2
+    assert len(engine.live) == admitted
     cache = engine.target.cache
     most = 0
     while engine.has_work:
         engine.step()
-        if cache.keys:
-            most = max(most, cache.keys[0].shape[0] * cache.capacity)
-    assert 0 < most <= 2 * 256 and len(engine.results()) == len(PROMPTS)
+        most = max(most, _slots(cache))
+    assert 0 < most <= budget and len(engine.results()) == len(PROMPTS)
 
 
 def test_batched_requests_cut_by_the_window_finish_with_context():

@@ -227,28 +227,34 @@ def test_bf16_activations_keep_a_bf16_cache_that_changes_no_bit(family, monkeypa
         _runner(copy.deepcopy(model), monkeypatch, fast=True)
 
 
-def test_a_cache_the_kernel_alone_reads_grows_without_zeroing(monkeypatch):
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "buffers"])
+def test_a_cache_the_kernel_alone_reads_grows_without_zeroing(monkeypatch, paged):
     """On the CPU every feed runs draftwise's attention kernel, which reads only visible keys, so the cache's buffers
-    grow without being zeroed. Poisoned with NaN instead of left as they come, they give the same logits bit for
-    bit as zeroed ones through the whole script (reallocations included); the generic path (PyTorch's attention,
-    where a masked slot's NaN would spread) clears the poison before it reads the cache."""
+    (or a paged cache's pools) grow without being zeroed. Poisoned with NaN instead of left as they come, they give
+    the same logits bit for bit as zeroed ones through the whole script (reallocations included); the generic path
+    (PyTorch's attention, where a masked slot's NaN would spread) clears the poison before it reads the cache."""
     from draftwise.models import kvcache, qkernel
 
     if not qkernel.available():
         pytest.skip(f"draftwise's kernel is not built here: {qkernel.problem()}")
+    monkeypatch.setenv("DRAFTWISE_PAGED", "1" if paged else "0")
     model = FAMILIES["llama"]()
     ops = _script(seed=SEEDS["llama"])
 
     def play(poison: bool):
         runner = _runner(copy.deepcopy(model), monkeypatch, fast=True)
-        runner.cache.capacity = runner.cache._initial_capacity = 4  # grows (reallocates) several times
+        assert isinstance(runner.cache, kvcache.PagedCache) == paged
+        if paged:
+            runner.cache._initial_pages = 1  # the pool grows (reallocates) as rows share and copy pages
+        else:
+            runner.cache.capacity = runner.cache._initial_capacity = 4  # grows (reallocates) several times
         monkeypatch.setattr(kvcache.PositionCache, "new_buffer", lambda self, shape, dtype, device: torch.full(
             shape, float("nan") if poison and not self.zero_fill else 0.0, dtype=dtype, device=device))
         return runner, _play(runner, ops)
 
     runner, poisoned = play(True)
     cache = runner.cache
-    assert not cache.zero_fill and cache.capacity > 4
+    assert not cache.zero_fill and (cache.pages_allocated > 1 if paged else cache.capacity > 4)
     assert any(bool(buf.isnan().any()) for buf in cache.keys)  # the poison is there, never read
     for a, b in zip(poisoned, play(False)[1]):
         assert torch.equal(a["logits"], b["logits"]), a["row"]

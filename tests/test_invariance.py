@@ -180,6 +180,61 @@ def test_a_bfloat16_cache_is_read_as_its_float32_widening(kernel, attend):
         attend(q, keys, values.float(), None, [W, W], 10, 0.1)
 
 
+def _paged(flat: torch.Tensor, page: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One buffer's rows [R, KVH, C, D] scattered over a pool of shuffled pages: (pool, table [R, C / page])."""
+    R, KVH, C, D = flat.shape
+    n = C // page
+    order = torch.randperm(R * n + 3, generator=torch.Generator().manual_seed(seed))  # 3 pages no row holds
+    pool = torch.randn(R * n + 3, KVH, page, D).to(flat.dtype)
+    table = order[: R * n].view(R, n).to(torch.int32)
+    for r in range(R):
+        for p in range(n):
+            pool[table[r, p]] = flat[r, :, p * page: (p + 1) * page]
+    return pool, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", PATHS)
+def test_keys_read_from_pages_give_the_bits_of_one_buffer(kernel, dtype, path):
+    """A paged cache's rows: each row's positions in pages of 64 (or 128) scattered over a pool in shuffled order.
+    Decoding queries, a verification and a wide chunk over several pages give the bits of the same keys in one
+    buffer, on every path."""
+    if path == "avx512" and not kernel.attention_avx512():
+        pytest.skip("no AVX-512 here (or DRAFTWISE_AVX512=0)")
+    g = torch.Generator().manual_seed(4)
+    R, W, H, KVH, D, C = 3, 20, 6, 2, 64, 384
+    q = torch.randn(R, W, H, D, generator=g)
+    keys, values = (torch.randn(R, KVH, C, D, generator=g).to(dtype) for _ in range(2))
+    counts, lengths = [W, 1, 5], [150, 300, 63]
+    kv = max(n + c for n, c in zip(lengths, counts))
+    visible = torch.zeros(R, W, kv, dtype=torch.bool)
+    for r in range(R):
+        for w in range(counts[r]):
+            visible[r, w, : lengths[r] + w + 1] = True
+    visible[2, 4, 64] = False  # a tree query's hidden slot, the first of a page
+    flat = kernel.attend(q, keys, values, visible, counts, kv, 0.125, path == "portable", path == "avx512")
+    for page in (64, 128):
+        pool_k, table = _paged(keys, page, seed=page)
+        pool_v, _ = _paged(values, page, seed=page)
+        out = kernel.attend(q, pool_k, pool_v, visible, counts, kv, 0.125, path == "portable", path == "avx512",
+                            pages=table)
+        assert torch.equal(out, flat), page
+
+
+def test_bad_pages_are_refused(kernel):
+    q, keys, values, visible, counts, kv = _case(2)
+    table = torch.zeros(3, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernel.attend(q, keys, values, visible, counts, kv, 0.1, False, pages=table)  # 40 positions a page
+    pool = torch.randn(2, 2, 64, 64)
+    with pytest.raises(RuntimeError, match="a page past the pool"):
+        kernel.attend(q, pool, pool, visible, counts, kv, 0.1, False, pages=table + 2)
+    with pytest.raises(RuntimeError, match="pages"):
+        kernel.attend(q, pool, pool, visible, counts, 65, 0.1, False, pages=table)  # 65 keys in one page
+    with pytest.raises(RuntimeError, match="pages"):
+        kernel.attend(q, pool, pool, visible, counts, kv, 0.1, False, pages=table.long())
+
+
 def test_bad_attention_inputs_are_refused(kernel):
     q, keys, values, visible, counts, kv = _case(2)
     with pytest.raises(RuntimeError, match="one count a row"):
@@ -225,16 +280,22 @@ def _width_dependent(monkeypatch, model):
     fast = fast_model(model)
     real = fast._attend
 
-    def attend(q, keys, values, visible, counts, kv, scale, portable):
-        out = real(q, keys, values, visible, counts, kv, scale, portable)
+    def attend(q, keys, values, visible, counts, kv, scale, portable, pages=None):
+        out = real(q, keys, values, visible, counts, kv, scale, portable, pages=pages)
         if sum(counts) == 1:
             return out
         G = q.shape[2] // keys.shape[1]
+
+        def row(pool, b):  # [KVH, positions, D] of row b
+            if pages is None:
+                return pool[b]
+            return torch.cat(list(pool[pages[b].long()].unbind(0)), dim=1)
+
         for b, c in enumerate(counts):
             for w in range(c):
                 seen = visible[b, w, :kv]
-                k = keys[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0).float()  # [H, L, D]
-                v = values[b, :, :kv][:, seen].flip(1).repeat_interleave(G, 0).float()
+                k = row(keys, b)[:, :kv][:, seen].flip(1).repeat_interleave(G, 0).float()  # [H, L, D]
+                v = row(values, b)[:, :kv][:, seen].flip(1).repeat_interleave(G, 0).float()
                 p = torch.softmax(torch.einsum("hld,hd->hl", k, q[b, w]) * scale, -1)
                 out[b, w] = torch.einsum("hl,hld->hd", p, v)
         return out

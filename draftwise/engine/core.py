@@ -564,11 +564,11 @@ class Engine:
             candidate = self.waiting[0]
             held = self.admitted
             if self.kv_budget_tokens is not None and held:
-                # the buffers are [rows allocated, capacity]: capacity follows the longest row (plus a draft
-                # window), rows grow by doubling; admit only what keeps that within budget
-                longest = max(len(r.request.prompt_ids) + r.request.max_new_tokens
-                              for r in [*held, candidate]) + self.draft_width + 1
-                if self.target.cache.slots_after(len(held) + 1, longest) > self.kv_budget_tokens:
+                # each row may reach its prompt, its new tokens and a draft window; admit only what the cache's
+                # buffers would then hold (pages a row, or the longest row's capacity in every row) within budget
+                lengths = [len(r.request.prompt_ids) + r.request.max_new_tokens + self.draft_width + 1
+                           for r in [*held, candidate]]
+                if self.target.cache.slots_for(lengths) > self.kv_budget_tokens:
                     break
             row = self.waiting.pop(0)
             self.target.cache.reset_row(len(held))

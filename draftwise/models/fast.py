@@ -325,13 +325,16 @@ class FastModel:
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_end = (heads + kv_heads) * d  # q is qkv[:, :heads * d]
         captured: dict[int, torch.Tensor] = {}
-        write = _Writer(step, pack, rows, width)
+        write = _Writer(step, pack, rows, width, cache)
         kv = step.kv_length
         cache_dtype = self.cache_dtype
         # draftwise's attention (csrc/attention.cpp) on the CPU, for every feed (prompt chunks, decoding, verification,
         # trees): each query over its visible keys in order, so a token's result depends neither on its batch-mates
         # nor on how its prompt was cut into chunks (the forward is batch invariant).
         kernel = self._attend if source.device.type == "cpu" else None
+        pages = cache.page_table()  # a paged cache: the rows' pages, which only the kernel reads in place
+        if pages is not None and kernel is None:
+            raise DraftwiseError("a paged KV cache needs draftwise's attention kernel (on the CPU)")
         visible = None if mask is None or kernel is None else mask[:, 0].contiguous()  # [rows, width, kv] bool
         # Without the kernel: rows of uneven length (decode steps over ragged contexts, a burst's prefill): attention
         # row by row on the packed tokens, each row reading its own live keys only, where padding would be over a
@@ -357,13 +360,12 @@ class FastModel:
             qk = qk * cos + torch.cat((qk[..., d // 2:], qk[..., : d // 2]), dim=-1) * sin
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(-1, kv_heads, d)
-            keys = cache.keys[index][step.begin: step.begin + rows]
-            values = cache.values[index][step.begin: step.begin + rows]
+            keys, values = cache.layer_buffers(index)  # the block's rows, or a paged cache's pools
             if kernel is not None:
                 write(keys, k.to(cache_dtype))
                 write(values, v.to(cache_dtype))
                 out = kernel(pack.rows(q.float()).contiguous(), keys, values, visible, counts, kv, self.scaling,
-                             False)  # [rows, width, heads, d] float32
+                             False, pages=pages)  # [rows, width, heads, d] float32
                 out = pack.flat(out).reshape(-1, heads * d).to(h.dtype)
             elif per_row is not None and width <= PACKED_ROWS_WIDTH:  # decode / verify: one write, padded queries
                 write(keys, k.to(cache_dtype))
@@ -404,12 +406,17 @@ class FastModel:
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         return self.head(states)
 
+    @property
+    def reads_pages(self) -> bool:
+        """Every forward runs the attention kernel (on the CPU with the kernel built), so a paged cache serves."""
+        return self._attend is not None and self.device.type == "cpu"
+
     def ensure_cache(self, cache, rows: int) -> None:
         """Allocate the cache's per-layer buffers (the generic path allocates them lazily on first update)."""
         cache.zero_fill = self._zero_fill  # also for buffers a prefix restore allocated first
         if cache.keys:
             return
-        shape = (max(cache.num_rows, rows, 1), self.num_kv_heads, cache.capacity, self.head_dim)
+        shape = cache.buffer_shape(rows, self.num_kv_heads, self.head_dim)
         for _ in self.layers:
             cache.keys.append(cache.new_buffer(shape, self.cache_dtype, self.device))
             cache.values.append(cache.new_buffer(shape, self.cache_dtype, self.device))
@@ -445,16 +452,19 @@ class _Writer:
     tokens only, by (row, position) index (`index_put_`; PyTorch's CPU `scatter_` on bf16 took ~4 ms to write one
     token of each of 32 rows, 2,000 times longer than this)."""
 
-    def __init__(self, step, pack: "Packing", rows: int, width: int) -> None:
+    def __init__(self, step, pack: "Packing", rows: int, width: int, cache) -> None:
         self.pack = pack
         self.start = None
-        if rows == 1:  # one row: a contiguous slice
+        paged = cache.page_table() is not None
+        if rows == 1 and not paged:  # one row: a contiguous slice
             self.start = int(step.write_index[0, 0])
             self.stop = self.start + width
-        elif pack.at_row is None:  # no padding: every slot is a token
-            self.at_row, self.at_pos = step.slots()
+            return
+        if pack.at_row is None:  # no padding: every slot is a token
+            at_row, at_pos = step.slots()
         else:
-            self.at_row, self.at_pos = pack.at_row, step.write_index[pack.at_row, pack.at_col]
+            at_row, at_pos = pack.at_row, step.write_index[pack.at_row, pack.at_col]
+        self.at_row, self.at_pos = cache.slot_index(at_row, at_pos)  # a paged cache's (page, offset)
 
     def __call__(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
         if self.start is not None:
@@ -529,6 +539,10 @@ def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
 
 def _float_linear(name: str, parts, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
     return FloatLinear(weight, bias)
+
+
+def paged_enabled() -> bool:
+    return os.environ.get("DRAFTWISE_PAGED", "1") not in ("0", "false", "no")
 
 
 def fast_disabled() -> bool:

@@ -30,6 +30,7 @@ models that mix full and windowed layers are refused by `check_supported`.
 from __future__ import annotations
 
 import functools
+import heapq
 from typing import Sequence
 
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ class _Step:
     write_index: torch.Tensor  # [rows, n] positions the n fed tokens are written at
     kv_length: int  # keys read: up to the longest row after the write
     _slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `slots()`, once built
+    counts: list[int] | None = None  # real tokens a row (a paged cache writes those only)
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row within the block, position) of every slot of the forward, row-major [rows * n] each: the index a
@@ -136,6 +138,29 @@ class PositionCache(Cache):
     def new_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A keys or values buffer: zeroed unless `zero_fill` is off."""
         return (torch.zeros if self.zero_fill else torch.empty)(shape, dtype=dtype, device=device)
+
+    def buffer_shape(self, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of a layer's keys or values buffer, first allocated for `rows` rows."""
+        return (max(self.num_rows, rows, 1), kv_heads, self.capacity, head_dim)
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values as the forward in flight writes and reads them: its block of rows (views)."""
+        step = self._step
+        assert step is not None
+        return (self.keys[layer][step.begin: step.begin + step.rows],
+                self.values[layer][step.begin: step.begin + step.rows])
+
+    def slot_index(self, at_row: torch.Tensor, at_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where in `layer_buffers` (first and third index) the forward's slots (row within the block, position) are."""
+        return at_row, at_pos
+
+    def page_table(self) -> torch.Tensor | None:
+        """The forward's rows' pages (a `PagedCache`); None: the buffers hold each row's positions in order."""
+        return None
+
+    def slots_for(self, lengths: Sequence[int]) -> int:
+        """Token slots per layer the buffers would hold with rows of these lengths."""
+        return self.slots_after(len(lengths), max(lengths, default=0))
 
     # ---- the draftwise side -------------------------------------------------
 
@@ -426,3 +451,343 @@ class PositionCache(Cache):
 
     def reset(self) -> None:
         self.lengths = [0] * self.num_rows
+
+
+PAGE = 64  # positions a page of a PagedCache holds (a multiple of the attention kernel's 64-position blocks)
+
+
+class PagedCache(PositionCache):
+    """A PositionCache whose keys and values live in pages of `page` positions, drawn from one pool a layer.
+
+    Layout: per layer, keys and values are pools `[pages, kv_heads, page, head_dim]`; row `b`'s positions
+    `p * page .. p * page + page - 1` sit in page `tables[b][p]`. A row holds the pages its length needs, not the
+    longest row's capacity, and gives them back when it is trimmed, reset or dropped (a long request's memory is
+    free for the next ones as soon as it ends). Rows share pages where they hold the same prefix: moving a row
+    (`move_row`), swapping two (`swap_rows`) and copying rows (`copy_rows`, beam search) change tables only; a page
+    that two rows hold is copied before either writes into it (`refs` counts the rows holding each page). The pool
+    grows by doubling and `fit` compacts it when its pages in use fall to 1/SHRINK of it.
+
+    Only draftwise's attention kernel reads pages in place (`attend(..., pages=...)`); the runner takes a paged
+    cache where its forward runs that kernel. The generic path (`update`) works on it too, on a gathered copy of
+    the forward's rows: correct, and slower."""
+
+    def __init__(self, *, rows: int = 1, window: int | None = None, page: int = PAGE, pages: int = 4) -> None:
+        if page <= 0 or page % 64:
+            raise ValueError(f"pages of {page} positions: a page holds a positive multiple of 64")
+        super().__init__(rows=rows, capacity=page, window=window)
+        self.page = page
+        self._initial_pages = pages
+        self.tables: list[list[int]] = [[] for _ in range(rows)]
+        self.refs: list[int] = []  # rows holding each page of the pool (0: free)
+        self._free: list[int] = []  # a heap of the free pages: the lowest first, which keeps the used ones together
+        self._table: torch.Tensor | None = None  # the forward's rows' pages, int32 (`page_table`), built once
+
+    # ---- pages ---------------------------------------------------------------
+
+    @property
+    def pages_allocated(self) -> int:
+        return len(self.refs)
+
+    @property
+    def pages_used(self) -> int:
+        return len(self.refs) - len(self._free)
+
+    def _pages(self, positions: int) -> int:
+        return -(-positions // self.page)
+
+    def _pool_size(self, used: int) -> int:
+        """Pages of a pool holding `used` pages: the allocated count (at least the initial one) doubled as needed."""
+        size = max(len(self.refs), self._initial_pages)
+        while size < used:
+            size *= 2
+        return size
+
+    def _take(self, count: int) -> list[int]:
+        if len(self._free) < count:
+            self._grow_pool(self._pool_size(self.pages_used + count))
+        taken = [heapq.heappop(self._free) for _ in range(count)]
+        for page in taken:
+            self.refs[page] = 1
+        return taken
+
+    def _release(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                heapq.heappush(self._free, page)
+
+    @torch.inference_mode()
+    def _grow_pool(self, size: int) -> None:
+        old = len(self.refs)
+        self.refs.extend([0] * (size - old))
+        for page in range(old, size):
+            heapq.heappush(self._free, page)
+        for store in (self.keys, self.values):
+            for i, pool in enumerate(store):
+                grown = self.new_buffer((size, *pool.shape[1:]), pool.dtype, pool.device)
+                grown[:old] = pool
+                store[i] = grown
+
+    def _own(self, row: int, start: int, end: int, copies: list[tuple[int, int]]) -> None:
+        """Row `row` holds pages of its own for positions start .. end - 1 (taken where it has none; a page another
+        row also holds is swapped for a copy, (copy, original) appended to `copies` for `_copy_pages`)."""
+        if end <= start:
+            return
+        table = self.tables[row]
+        first, last = start // self.page, (end - 1) // self.page
+        for index in range(first, min(last + 1, len(table))):
+            page = table[index]
+            if self.refs[page] > 1:
+                (fresh,) = self._take(1)
+                copies.append((fresh, page))
+                self._release([page])
+                table[index] = fresh
+        if last >= len(table):
+            table.extend(self._take(last + 1 - len(table)))
+        self._table = None
+
+    @torch.inference_mode()
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        if not copies or not self.keys:
+            return
+        dst = torch.tensor([c for c, _ in copies], dtype=torch.long, device=self.keys[0].device)
+        src = torch.tensor([o for _, o in copies], dtype=torch.long, device=self.keys[0].device)
+        for store in (self.keys, self.values):
+            for pool in store:
+                pool[dst] = pool[src]
+
+    def _keep_pages(self, row: int) -> None:
+        """Give back row `row`'s pages past its length."""
+        table = self.tables[row]
+        keep = self._pages(self.lengths[row])
+        if len(table) > keep:
+            self._release(table[keep:])
+            del table[keep:]
+            self._table = None
+
+    def page_table(self) -> torch.Tensor:
+        """The pages of the forward's rows, [rows, n] int32 (entries past a row's pages: page 0, never read)."""
+        step = self._step
+        assert step is not None
+        if self._table is None:
+            tables = self.tables[step.begin: step.begin + step.rows]
+            width = max(1, self._pages(step.kv_length), *(len(t) for t in tables))
+            self._table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        return self._table
+
+    def slot_index(self, at_row: torch.Tensor, at_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of the forward's slots (row within the block, position): where `layer_buffers` are written."""
+        table = self.page_table().to(device=at_pos.device, dtype=torch.long)
+        return table[at_row, at_pos // self.page], at_pos % self.page
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer], self.values[layer]
+
+    def buffer_shape(self, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (max(len(self.refs), 1), kv_heads, self.page, head_dim)
+
+    def _positions(self, row: int, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.tables[row]
+        device = self.keys[0].device if self.keys else "cpu"
+        pages = torch.tensor([table[p // self.page] for p in positions], dtype=torch.long, device=device)
+        offsets = torch.tensor([p % self.page for p in positions], dtype=torch.long, device=device)
+        return pages, offsets
+
+    # ---- the draftwise side -------------------------------------------------
+
+    def begin_forward(self, counts: list[int], *, begin: int = 0, width: int | None = None,
+                      device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+        rows = len(counts)
+        width = max(counts) if width is None else width
+        if begin + rows > self.num_rows:
+            self.add_rows(begin + rows - self.num_rows)
+        starts = self.lengths[begin: begin + rows]
+        copies: list[tuple[int, int]] = []
+        for i, (start, count) in enumerate(zip(starts, counts)):  # the real tokens' slots (padding is not written)
+            self._own(begin + i, start, start + count, copies)
+        self._copy_pages(copies)
+        base = torch.tensor(starts, dtype=torch.long, device=device)
+        positions = base[:, None] + torch.arange(width, device=device)
+        kv_length = max(s + c for s, c in zip(starts, counts))
+        self._step = _Step(begin, rows, positions, kv_length, counts=list(counts))
+        self._table = None
+        return positions, kv_length
+
+    def compact_rows(self, moves: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        picked = [(row, dest, list(sources)) for row, dest, sources in moves
+                  if sources and list(sources) != list(range(dest, dest + len(sources)))]
+        if not picked:
+            return
+        copies: list[tuple[int, int]] = []
+        for row, dest, sources in picked:
+            self._own(row, dest, dest + len(sources), copies)
+        self._copy_pages(copies)
+        parts = [(self._positions(row, range(dest, dest + len(sources))), self._positions(row, sources))
+                 for row, dest, sources in picked]
+        to_page = torch.cat([d[0] for d, _ in parts])
+        to_at = torch.cat([d[1] for d, _ in parts])
+        from_page = torch.cat([s[0] for _, s in parts])
+        from_at = torch.cat([s[1] for _, s in parts])
+        with torch.inference_mode():
+            for store in (self.keys, self.values):
+                for pool in store:
+                    pool[to_page, :, to_at] = pool[from_page, :, from_at]  # the gather is read whole first
+
+    def trim(self, row: int, keep: int) -> None:
+        super().trim(row, keep)
+        self._keep_pages(row)
+
+    def reset_row(self, row: int) -> None:
+        super().reset_row(row)
+        self._release(self.tables[row])
+        self.tables[row] = []
+        self._table = None
+
+    def reset(self) -> None:
+        for row in range(self.num_rows):
+            self.reset_row(row)
+
+    def slots_for(self, lengths: Sequence[int]) -> int:
+        """Token slots per layer the pool would hold with rows of these lengths (pages taken, pool doubled)."""
+        return self._pool_size(sum(self._pages(n) for n in lengths)) * self.page
+
+    def slots_after(self, rows: int, length: int) -> int:
+        return self.slots_for([length] * rows)
+
+    def _grow(self, need: int) -> None:
+        """Room for every row to reach `need` positions without the pool growing."""
+        more = sum(max(0, self._pages(need) - len(t)) for t in self.tables)
+        if more > len(self._free):
+            self._grow_pool(self._pool_size(self.pages_used + more))
+
+    def add_rows(self, count: int) -> None:
+        self.lengths.extend([0] * count)
+        self.tables.extend([] for _ in range(count))
+
+    def move_row(self, src: int, dst: int) -> None:
+        if src == dst:
+            return
+        shared = self.tables[src][: self._pages(self.lengths[src])]
+        for page in shared:
+            self.refs[page] += 1
+        self._release(self.tables[dst])
+        self.tables[dst] = list(shared)
+        self.lengths[dst] = self.lengths[src]
+        self._table = None
+
+    def swap_rows(self, a: int, b: int) -> None:
+        self.tables[a], self.tables[b] = self.tables[b], self.tables[a]
+        self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
+        self._table = None
+
+    @torch.inference_mode()
+    def read_row(self, row: int, start: int, end: int) -> torch.Tensor:
+        if not 0 <= start <= end <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} positions, not {start} .. {end}")
+        pages, at = self._positions(row, range(start, end))
+        return torch.stack([torch.stack([k[pages, :, at].transpose(0, 1), v[pages, :, at].transpose(0, 1)])
+                            for k, v in zip(self.keys, self.values)])
+
+    @torch.inference_mode()
+    def restore_row(self, row: int, kv: torch.Tensor) -> None:
+        if self.lengths[row]:
+            raise ValueError(f"restore_row needs an empty row; row {row} holds {self.lengths[row]} positions")
+        if self.keys and (len(self.keys) != kv.shape[0] or self.keys[0].shape[1] != kv.shape[2]):
+            raise ValueError("stored keys and values do not match this cache's layers or heads")
+        n = kv.shape[3]
+        self._release(self.tables[row])
+        self.tables[row] = self._take(self._pages(n))
+        if not self.keys:
+            shape = self.buffer_shape(self.num_rows, kv.shape[2], kv.shape[4])
+            for _ in range(kv.shape[0]):
+                self.keys.append(self.new_buffer(shape, kv.dtype, kv.device))
+                self.values.append(self.new_buffer(shape, kv.dtype, kv.device))
+        pages, at = self._positions(row, range(n))
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[pages, :, at] = kv[layer, 0].transpose(0, 1).to(k.dtype)
+            v[pages, :, at] = kv[layer, 1].transpose(0, 1).to(v.dtype)
+        self.lengths[row] = n
+        self._table = None
+
+    def shrink(self) -> None:
+        super().shrink()
+        self.tables, self.refs, self._free, self._table = [], [], [], None
+
+    def copy_rows(self, sources: list[int], begin: int) -> None:
+        end = begin + len(sources)
+        if end > self.num_rows:
+            self.add_rows(end - self.num_rows)
+        lengths = [self.lengths[s] for s in sources]
+        tables = [self.tables[s][: self._pages(n)] for s, n in zip(sources, lengths)]
+        for table in tables:  # held by their new rows before the old tables are given back
+            for page in table:
+                self.refs[page] += 1
+        for row, table in zip(range(begin, end), tables):
+            self._release(self.tables[row])
+            self.tables[row] = list(table)
+        self.lengths[begin:end] = lengths
+        self._table = None
+
+    def drop_rows(self, keep: int) -> None:
+        for table in self.tables[keep:]:
+            self._release(table)
+        del self.tables[keep:]
+        del self.lengths[keep:]
+        self._table = None
+
+    @torch.inference_mode()
+    def fit(self) -> None:
+        """Compact the pool when its pages in use are at most 1/SHRINK of it: the used pages move to the front (in
+        order), the tables follow, and the pool is cut to the doubling of the initial size that holds them."""
+        if self._step is not None or not self.refs:
+            return
+        used = [page for page, n in enumerate(self.refs) if n]
+        size = self._initial_pages
+        while size < len(used):
+            size *= 2
+        if size * SHRINK > len(self.refs):
+            return
+        renumber = {page: new for new, page in enumerate(used)}
+        self.tables = [[renumber[page] for page in table] for table in self.tables]
+        self.refs = [self.refs[page] for page in used] + [0] * (size - len(used))
+        self._free = list(range(len(used), size))  # ascending: already a heap
+        if self.keys:
+            index = torch.tensor(used, dtype=torch.long, device=self.keys[0].device)
+            for store in (self.keys, self.values):
+                for i, pool in enumerate(store):
+                    new = self.new_buffer((size, *pool.shape[1:]), pool.dtype, pool.device)
+                    new[: len(used)] = pool[index]
+                    store[i] = new
+        self._table = None
+
+    # ---- the transformers side ----------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this layer's new keys/values into their pages; return the block's rows gathered up to kv_length."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("PagedCache.update outside begin_forward/commit (use ModelRunner)")
+        if not self.zero_fill:
+            for buf in (*self.keys, *self.values):
+                buf.nan_to_num_(0.0, 0.0, 0.0)
+            self.zero_fill = True
+        if layer_idx == len(self.keys):
+            shape = self.buffer_shape(self.num_rows, key_states.shape[1], key_states.shape[3])
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros(shape))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        width = step.write_index.shape[1]
+        real = torch.arange(width, device=step.write_index.device)[None] < torch.tensor(
+            step.counts, device=step.write_index.device)[:, None]
+        at_row, at_col = real.nonzero(as_tuple=True)  # the real tokens: padding has no pages to go to
+        page, at = self.slot_index(at_row, step.write_index[at_row, at_col])
+        keys[page, :, at] = key_states.transpose(1, 2)[at_row, at_col]
+        values[page, :, at] = value_states.transpose(1, 2)[at_row, at_col]
+        table = self.page_table().to(device=keys.device, dtype=torch.long)  # [rows, n]
+        rows, n = table.shape
+
+        def gathered(pool: torch.Tensor) -> torch.Tensor:
+            flat = pool[table].permute(0, 2, 1, 3, 4).reshape(rows, pool.shape[1], n * self.page, pool.shape[3])
+            return flat[:, :, : step.kv_length]
+
+        return gathered(keys), gathered(values)

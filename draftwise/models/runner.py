@@ -23,8 +23,8 @@ import torch
 from transformers import PreTrainedModel
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.fast import FastModel, fast_disabled, supports
-from draftwise.models.kvcache import PositionCache, check_supported, sliding_window
+from draftwise.models.fast import FastModel, fast_disabled, paged_enabled, supports
+from draftwise.models.kvcache import PagedCache, PositionCache, check_supported, sliding_window
 
 # Families whose decoder layer is exactly pre-norm attention + MLP with rotary q/k (Llama's): the runner can
 # run their position-wise parts on packed tokens (see `_packed`).
@@ -100,8 +100,8 @@ class ModelRunner:
         self._split = getattr(model.config, "model_type", "") in _PLAIN_HEAD and model.get_output_embeddings() is not None
         self.packing = (self._split and getattr(config, "model_type", "") in _PACKABLE
                         and os.environ.get("DRAFTWISE_NO_PACKING", "") in ("", "0"))
-        self.cache = PositionCache(rows=rows, window=self._window)
         self.fast = fast_model(model)  # None: the generic transformers path
+        self.cache = self._new_cache()
         self.calls = 0  # forward passes
         self.tokens_processed = 0  # tokens fed through forward passes (padding excluded)
         # Multi-layer features (EAGLE-3 heads and their training data): with layers set, `hidden`
@@ -129,8 +129,15 @@ class ModelRunner:
         small = torch.nn.functional.linear(states, self._out_weight, self._out_bias)
         return full_vocabulary_logits(small, self._out_ids, self._out_width)
 
+    def _new_cache(self) -> PositionCache:
+        """A paged cache where every forward runs draftwise's attention kernel (the fast forward on the CPU), which
+        reads pages in place; elsewhere one buffer a layer (`PositionCache`). DRAFTWISE_PAGED=0 keeps the buffers."""
+        if self.fast is not None and self.fast.reads_pages and paged_enabled():
+            return PagedCache(rows=self._rows, window=self._window)
+        return PositionCache(rows=self._rows, window=self._window)
+
     def reset(self) -> None:
-        self.cache = PositionCache(rows=self._rows, window=self._window)
+        self.cache = self._new_cache()
         self.calls = 0
         self.tokens_processed = 0
 
