@@ -124,6 +124,34 @@ def test_the_block_kernels_portable_loop_agrees_with_the_avx2_path(kind):
     assert float((portable.double() - _reference(kind, x, weights)).abs().max()) <= 1e-5 * float(portable.abs().max())
 
 
+@pytest.mark.parametrize("kind", ("q4_k", "q6_k"))
+def test_the_vnni_path_gives_the_avx2_paths_bits(kind):
+    """Where the CPU has AVX512-VNNI, Q4_K and Q6_K blocks are summed four products an instruction: the integer
+    lanes are the AVX2 path's exactly, so every row of every width (8-row, 4-row and single-row groups) is the
+    same bits on both paths; rows of all-extreme activations (codes of +-127) too."""
+    module = qkernel.load()
+    if not module.blocks_vnni():
+        pytest.skip("no AVX512-VNNI here (or DRAFTWISE_AVX512=0)")
+    linear, _ = _blocks(kind, 40, 1024, seed=7)
+    x = torch.randn(29, 1024, generator=torch.Generator().manual_seed(2))
+    x[3] = torch.where(torch.arange(1024) % 3 == 0, -5.0, 5.0)  # every code +-127
+    x[4] = 1e-30  # a tiny row
+    for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 29):
+        rows = x[:width].contiguous()
+        vnni = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, True)
+        avx2 = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, False)
+        assert torch.equal(vnni, avx2), width
+
+
+def test_the_vnni_path_runs_where_the_cpu_has_it():
+    import os
+
+    with open("/proc/cpuinfo") as info:
+        flags = next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"} <= flags
+    assert qkernel.load().blocks_vnni() == (has and os.environ.get("DRAFTWISE_AVX512", "1") != "0")
+
+
 def test_block_shapes_that_do_not_match_are_refused():
     linear, _ = _blocks("q4_k", 4, 512)
     with pytest.raises(RuntimeError, match="x has 256 inputs"):

@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cstring>
 #include <vector>
+#include <string>
+#include <cstdlib>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -370,12 +372,154 @@ QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& x
   }
 }
 
+// ---- AVX512-VNNI: the same integer lanes, summed four products an instruction -----------------------------------
+// A K-quant block's products with a row are exact integers, so computing them with vpdpbusd (u8 x s8, four products
+// into an int32 lane) over 64 bytes at once gives the AVX2 path's int32 lanes exactly, once the two 256-bit halves
+// are folded (lane i of the AVX2 sum holds bytes 4i .. 4i + 3 of both 32-byte halves a 64-byte step reads; here
+// lane i holds the first half's and lane 8 + i the second's). The float steps after them are the AVX2 path's, so
+// a row's result is the same bits on either path. Up to 8 activation rows share a block's decoding (32 registers).
+#define QB_TARGET512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+QB_TARGET512 inline __m256i fold(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+QB_TARGET512 inline __m512i load64(const void* p) { return _mm512_loadu_si512(p); }
+
+template <int R>
+QB_TARGET512 inline void dot_q4k_vnni(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16,
+                                      const float* dx, __m256* acc) {
+  uint32_t s[3]; std::memcpy(s, blk + 4, 12);
+  const uint32_t sc_lo = s[0] & 0x3F3F3F3F, mn_lo = s[1] & 0x3F3F3F3F;
+  const uint32_t sc_hi = (s[2] & 0x0F0F0F0F) | (((s[0] >> 6) & 0x03030303) << 4);
+  const uint32_t mn_hi = ((s[2] >> 4) & 0x0F0F0F0F) | (((s[1] >> 6) & 0x03030303) << 4);
+  const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0));  // scales 0-7
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512i sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+  for (int p = 0; p < 4; ++p) {
+    // group 2p's 32 codes (low nibbles), then group 2p + 1's (high nibbles): the order of x's 64 bytes
+    const __m256i v = load(blk + 16 + 32 * p);
+    const __m512i w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
+    const __m512i scale = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                          2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1), sc32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, load64(x[r] + 64 * p));
+      sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dot, scale));
+    }
+  }
+  const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0));
+  const __m256i mins = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(mn16, 0x50), _mm256_setr_epi8(
+      0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
+  const float d = f16(blk), dmin = f16(blk + 2);
+  for (int r = 0; r < R; ++r) {
+    const __m256i side = _mm256_madd_epi16(mins, load(s16[r]));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold(sum[r])), _mm256_set1_ps(d * dx[r]), acc[r]);
+    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_set1_ps(dmin * dx[r]), acc[r]);
+  }
+}
+
+template <int R>
+QB_TARGET512 inline void dot_q6k_vnni(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16,
+                                      const float* dx, __m256* acc) {
+  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  const __m512i sc32 = _mm512_cvtepi8_epi32(raw);  // the 16 groups' signed scales
+  __m512i sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
+    const __m256i q[4] = {
+        _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi16(_mm256_and_si256(c, low2), 4)),
+        _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), low2), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low2), 4)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), low2), 4))};
+    for (int j = 0; j < 4; j += 2) {  // codes i and i + 1 (32 bytes each: two groups of 16) against x's 64 bytes
+      const int i = 4 * h + j, g = 2 * i;
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q[j]), q[j + 1], 1);
+      const __m512i scale = _mm512_permutexvar_epi32(
+          _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2, g + 2, g + 3, g + 3, g + 3,
+                            g + 3), sc32);
+      for (int r = 0; r < R; ++r) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, load64(x[r] + 32 * i));
+        sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dot, scale));
+      }
+    }
+  }
+  const __m256i scales = _mm256_cvtepi8_epi16(raw);
+  const float d = f16(blk + 208);
+  for (int r = 0; r < R; ++r) {
+    const __m256i side = _mm256_madd_epi16(scales, load(s16[r]));
+    const __m256i total = _mm256_sub_epi32(fold(sum[r]), _mm256_slli_epi32(side, 5));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx[r]), acc[r]);
+  }
+}
+
+template <int KIND, int R>
+QB_TARGET512 inline void kquant_rows_vnni(const uint8_t* blk, const Quantised& xq, int64_t r0, int64_t b,
+                                          __m256* acc) {
+  constexpr int PER = KIND_WEIGHTS[KIND];
+  const int64_t K = xq.K;
+  const int8_t* x[R];
+  const int16_t* s16[R];
+  float dx[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = xq.q.data() + (r0 + r) * K + b * PER;
+    s16[r] = xq.s16.data() + (r0 + r) * (K / 16) + b * (PER / 16);
+    dx[r] = xq.d[(r0 + r) * (K / PER) + b];
+  }
+  if constexpr (KIND == Q4K) dot_q4k_vnni<R>(blk, x, s16, dx, acc);
+  else dot_q6k_vnni<R>(blk, x, s16, dx, acc);
+}
+
+template <int KIND>
+QB_TARGET512 void rows_vnni(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
+                            int64_t n0, int64_t n1) {
+  constexpr int PER = KIND_WEIGHTS[KIND], BYTES = KIND_BYTES[KIND];
+  const int64_t blocks = xq.K / PER;
+  __m256 acc[MCHUNK];
+  for (int64_t m0 = 0; m0 < xq.M; m0 += MCHUNK) {
+    const int64_t mc = std::min<int64_t>(MCHUNK, xq.M - m0);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t m = 0; m < mc; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = row + b * BYTES;
+        int64_t m = 0;
+        for (; m + 8 <= mc; m += 8) kquant_rows_vnni<KIND, 8>(blk, xq, m0 + m, b, acc + m);
+        if (mc - m >= 4) { kquant_rows_vnni<KIND, 4>(blk, xq, m0 + m, b, acc + m); m += 4; }
+        switch (mc - m) {
+          case 3: kquant_rows_vnni<KIND, 3>(blk, xq, m0 + m, b, acc + m); break;
+          case 2: kquant_rows_vnni<KIND, 2>(blk, xq, m0 + m, b, acc + m); break;
+          case 1: kquant_rows_vnni<KIND, 1>(blk, xq, m0 + m, b, acc + m); break;
+          default: break;
+        }
+      }
+      for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]);
+    }
+  }
+}
+
 const auto has_avx2 = draftwise_simd::avx2_fma_f16c;
+
+// AVX512-VNNI (with F/BW/VL), unless DRAFTWISE_AVX512=0 (read once).
+bool has_vnni() {
+  static const bool yes = [] {
+    const char* off = std::getenv("DRAFTWISE_AVX512");
+    return !(off && std::string(off) == "0") && has_avx2() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return yes;
+}
 #endif
 
 }  // namespace
 
-torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable) {
+torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable, bool vnni) {
   TORCH_CHECK(kind >= 0 && kind < 4, "kind: 0 q4_k, 1 q6_k, 2 q5_0, 3 q8_0");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
@@ -392,6 +536,13 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
 #ifdef QB_X86
+  if (!portable && vnni && (kind == Q4K || kind == Q6K) && has_vnni()) {
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (kind == Q4K) rows_vnni<Q4K>(wp, row_bytes, xq, yp, N, n0, n1);
+      else rows_vnni<Q6K>(wp, row_bytes, xq, yp, N, n0, n1);
+    });
+    return y;
+  }
   if (!portable && has_avx2()) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       switch (kind) {
@@ -406,6 +557,15 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
 #endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_scalar(int(kind), wp, row_bytes, xq, yp, N, n0, n1); });
   return y;
+}
+
+// Whether qmm_blocks' AVX512-VNNI path runs here (Q4_K and Q6_K blocks).
+bool blocks_vnni() {
+#ifdef QB_X86
+  return has_vnni();
+#else
+  return false;
+#endif
 }
 
 // The activations as the block product quantises them (codes times scales), for checks: [M, K] float32.

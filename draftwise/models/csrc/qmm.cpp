@@ -199,7 +199,9 @@ bool accelerated() {
 #endif
 }
 
-torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable);  // qblocks.cpp
+torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable,
+                         bool vnni);  // qblocks.cpp
+bool blocks_vnni();  // qblocks.cpp
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
                      std::vector<int64_t> counts, int64_t kv, double scale, bool portable, bool avx512,
@@ -212,7 +214,9 @@ torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps, bool portabl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm", &qmm, "float activations x weights in GGUF codes");
-  m.def("qmm_blocks", &qmm_blocks, "activations (quantised to int8 per block) x weights in a GGUF file's own blocks");
+  m.def("qmm_blocks", &qmm_blocks, "activations (quantised to int8 per block) x weights in a GGUF file's own blocks",
+        py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("K"), py::arg("portable"), py::arg("vnni") = true);
+  m.def("blocks_vnni", &blocks_vnni, "whether qmm_blocks' AVX512-VNNI path runs here (off: DRAFTWISE_AVX512=0)");
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("visible"), py::arg("counts"), py::arg("kv"),
