@@ -416,10 +416,8 @@ class FastModel:
         cache.zero_fill = self._zero_fill  # also for buffers a prefix restore allocated first
         if cache.keys:
             return
-        shape = cache.buffer_shape(rows, self.num_kv_heads, self.head_dim)
-        for _ in self.layers:
-            cache.keys.append(cache.new_buffer(shape, self.cache_dtype, self.device))
-            cache.values.append(cache.new_buffer(shape, self.cache_dtype, self.device))
+        cache.allocate(len(self.layers), cache.buffer_shape(rows, self.num_kv_heads, self.head_dim), self.cache_dtype,
+                       self.device)
 
 
 def invariant_kernel(name: str):

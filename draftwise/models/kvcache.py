@@ -139,6 +139,12 @@ class PositionCache(Cache):
         """A keys or values buffer: zeroed unless `zero_fill` is off."""
         return (torch.zeros if self.zero_fill else torch.empty)(shape, dtype=dtype, device=device)
 
+    def allocate(self, layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        """The first buffers: a keys and a values buffer of `shape` a layer."""
+        for _ in range(layers):
+            self.keys.append(self.new_buffer(shape, dtype, device))
+            self.values.append(self.new_buffer(shape, dtype, device))
+
     def buffer_shape(self, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """The shape of a layer's keys or values buffer, first allocated for `rows` rows."""
         return (max(self.num_rows, rows, 1), kv_heads, self.capacity, head_dim)
@@ -516,17 +522,33 @@ class PagedCache(PositionCache):
             if self.refs[page] == 0:
                 heapq.heappush(self._free, page)
 
+    def allocate(self, layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        """Every layer's keys and values pools are views of one allocation [2, layers, *shape]: one large block the
+        allocator maps and unmaps whole (60 pools of a few MB each stayed in the heap's free lists instead)."""
+        block = self.new_buffer((2, layers, *shape), dtype, device)
+        self.keys, self.values = list(block[0].unbind(0)), list(block[1].unbind(0))
+
     @torch.inference_mode()
+    def _repool(self, size: int, index: torch.Tensor | None = None) -> None:
+        """New pools of `size` pages holding the old pools' pages `index` (default: all) at their front."""
+        if not self.keys:
+            return
+        old_keys, old_values = self.keys, self.values
+        first = old_keys[0]
+        self.allocate(len(old_keys), (size, *first.shape[1:]), first.dtype, first.device)
+        for new_store, old_store in ((self.keys, old_keys), (self.values, old_values)):
+            for new, pool in zip(new_store, old_store):
+                if index is None:
+                    new[: pool.shape[0]] = pool
+                else:
+                    new[: index.shape[0]] = pool[index]
+
     def _grow_pool(self, size: int) -> None:
         old = len(self.refs)
         self.refs.extend([0] * (size - old))
         for page in range(old, size):
             heapq.heappush(self._free, page)
-        for store in (self.keys, self.values):
-            for i, pool in enumerate(store):
-                grown = self.new_buffer((size, *pool.shape[1:]), pool.dtype, pool.device)
-                grown[:old] = pool
-                store[i] = grown
+        self._repool(size)
 
     def _own(self, row: int, start: int, end: int, copies: list[tuple[int, int]]) -> None:
         """Row `row` holds pages of its own for positions start .. end - 1 (taken where it has none; a page another
@@ -698,10 +720,7 @@ class PagedCache(PositionCache):
         self._release(self.tables[row])
         self.tables[row] = self._take(self._pages(n))
         if not self.keys:
-            shape = self.buffer_shape(self.num_rows, kv.shape[2], kv.shape[4])
-            for _ in range(kv.shape[0]):
-                self.keys.append(self.new_buffer(shape, kv.dtype, kv.device))
-                self.values.append(self.new_buffer(shape, kv.dtype, kv.device))
+            self.allocate(kv.shape[0], self.buffer_shape(self.num_rows, kv.shape[2], kv.shape[4]), kv.dtype, kv.device)
         pages, at = self._positions(row, range(n))
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             k[pages, :, at] = kv[layer, 0].transpose(0, 1).to(k.dtype)
@@ -752,12 +771,7 @@ class PagedCache(PositionCache):
         self.refs = [self.refs[page] for page in used] + [0] * (size - len(used))
         self._free = list(range(len(used), size))  # ascending: already a heap
         if self.keys:
-            index = torch.tensor(used, dtype=torch.long, device=self.keys[0].device)
-            for store in (self.keys, self.values):
-                for i, pool in enumerate(store):
-                    new = self.new_buffer((size, *pool.shape[1:]), pool.dtype, pool.device)
-                    new[: len(used)] = pool[index]
-                    store[i] = new
+            self._repool(size, torch.tensor(used, dtype=torch.long, device=self.keys[0].device))
         self._table = None
 
     # ---- the transformers side ----------------------------------------------
