@@ -280,23 +280,28 @@ QB_TARGET inline void dot_q4k(const uint8_t* blk, const int8_t* const* x, const 
   }
 }
 
+// Half h of a Q6_K block's codes (0 .. 63, one byte a weight): q[j] holds weights 32 j .. 32 j + 31 of the half.
+QB_TARGET inline void q6k_codes(const uint8_t* blk, int h, __m256i* q) {
+  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+  const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
+  q[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi16(_mm256_and_si256(c, low2), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), low2), 4));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low2), 4));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), low2), 4));
+}
+
 template <int R>
 QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16, const float* dx,
                               __m256* acc) {
-  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
   const __m256i both = _mm256_broadcastsi128_si256(raw);
   __m256i sum[R], odd = _mm256_setzero_si256();
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
   for (int h = 0; h < 2; ++h) {
-    const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
-    const __m256i q[4] = {
-        _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi16(_mm256_and_si256(c, low2), 4)),
-        _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), low2), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low2), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), low2), 4))};
+    __m256i q[4];
+    q6k_codes(blk, h, q);
     for (int j = 0; j < 4; ++j) {
       const int i = 4 * h + j;
       const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(both, _mm256_setr_m128i(
@@ -319,21 +324,29 @@ QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* const* x, const 
   }
 }
 
-// R rows (from row r0 of the activations) against block b of one weight row.
+// Where R activation rows (from row r0) meet block b of a weight row: their codes, sums of 16 codes, and scales.
 template <int KIND, int R>
-QB_TARGET inline void kquant_rows(const uint8_t* blk, const Quantised& xq, int64_t r0, int64_t b, __m256* acc) {
-  constexpr int PER = KIND_WEIGHTS[KIND];
-  const int64_t K = xq.K;
+struct RowsAt {
   const int8_t* x[R];
   const int16_t* s16[R];
   float dx[R];
-  for (int r = 0; r < R; ++r) {
-    x[r] = xq.q.data() + (r0 + r) * K + b * PER;
-    s16[r] = xq.s16.data() + (r0 + r) * (K / 16) + b * (PER / 16);
-    dx[r] = xq.d[(r0 + r) * (K / PER) + b];
+  RowsAt(const Quantised& xq, int64_t r0, int64_t b) {
+    constexpr int PER = KIND_WEIGHTS[KIND];
+    const int64_t K = xq.K;
+    for (int r = 0; r < R; ++r) {
+      x[r] = xq.q.data() + (r0 + r) * K + b * PER;
+      s16[r] = xq.s16.data() + (r0 + r) * (K / 16) + b * (PER / 16);
+      dx[r] = xq.d[(r0 + r) * (K / PER) + b];
+    }
   }
-  if constexpr (KIND == Q4K) dot_q4k<R>(blk, x, s16, dx, acc);
-  else dot_q6k<R>(blk, x, s16, dx, acc);
+};
+
+// R rows (from row r0 of the activations) against block b of one weight row.
+template <int KIND, int R>
+QB_TARGET inline void kquant_rows(const uint8_t* blk, const Quantised& xq, int64_t r0, int64_t b, __m256* acc) {
+  const RowsAt<KIND, R> at(xq, r0, b);
+  if constexpr (KIND == Q4K) dot_q4k<R>(blk, at.x, at.s16, at.dx, acc);
+  else dot_q6k<R>(blk, at.x, at.s16, at.dx, acc);
 }
 
 template <int KIND>
@@ -423,20 +436,13 @@ QB_TARGET512 inline void dot_q4k_vnni(const uint8_t* blk, const int8_t* const* x
 template <int R>
 QB_TARGET512 inline void dot_q6k_vnni(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16,
                                       const float* dx, __m256* acc) {
-  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
   const __m512i sc32 = _mm512_cvtepi8_epi32(raw);  // the 16 groups' signed scales
   __m512i sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
   for (int h = 0; h < 2; ++h) {
-    const __m256i a = load(blk + 64 * h), b = load(blk + 64 * h + 32), c = load(blk + 128 + 32 * h);
-    const __m256i q[4] = {
-        _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi16(_mm256_and_si256(c, low2), 4)),
-        _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 2), low2), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low2), 4)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
-                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), low2), 4))};
+    __m256i q[4];
+    q6k_codes(blk, h, q);
     for (int j = 0; j < 4; j += 2) {  // codes i and i + 1 (32 bytes each: two groups of 16) against x's 64 bytes
       const int i = 4 * h + j, g = 2 * i;
       const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(q[j]), q[j + 1], 1);
@@ -461,18 +467,9 @@ QB_TARGET512 inline void dot_q6k_vnni(const uint8_t* blk, const int8_t* const* x
 template <int KIND, int R>
 QB_TARGET512 inline void kquant_rows_vnni(const uint8_t* blk, const Quantised& xq, int64_t r0, int64_t b,
                                           __m256* acc) {
-  constexpr int PER = KIND_WEIGHTS[KIND];
-  const int64_t K = xq.K;
-  const int8_t* x[R];
-  const int16_t* s16[R];
-  float dx[R];
-  for (int r = 0; r < R; ++r) {
-    x[r] = xq.q.data() + (r0 + r) * K + b * PER;
-    s16[r] = xq.s16.data() + (r0 + r) * (K / 16) + b * (PER / 16);
-    dx[r] = xq.d[(r0 + r) * (K / PER) + b];
-  }
-  if constexpr (KIND == Q4K) dot_q4k_vnni<R>(blk, x, s16, dx, acc);
-  else dot_q6k_vnni<R>(blk, x, s16, dx, acc);
+  const RowsAt<KIND, R> at(xq, r0, b);
+  if constexpr (KIND == Q4K) dot_q4k_vnni<R>(blk, at.x, at.s16, at.dx, acc);
+  else dot_q6k_vnni<R>(blk, at.x, at.s16, at.dx, acc);
 }
 
 template <int KIND>
