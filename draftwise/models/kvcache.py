@@ -17,7 +17,9 @@ The buffers grow when a row outgrows them: capacity doubles (rounded up to
 longest row touched by the forward (`kv_length`), not the whole buffer. They are
 cut when a request's row ends and those left use at most 1/SHRINK of them
 (`fit`): a long request's memory goes back when it ends, not when the cache next
-goes idle. Not paged: every row holds the longest row's capacity meanwhile.
+goes idle. Every row holds the longest row's capacity meanwhile; `PagedCache` (at
+the end of this module, taken where draftwise's attention kernel reads every
+forward) holds each row's positions in pages of its own instead.
 
 It plugs into transformers' causal LMs through the `Cache` interface: the model
 calls `update(keys, values, layer_idx)` once per layer; everything else (where
@@ -56,11 +58,16 @@ def _malloc_trim():
         return None
 
 
+def _doubling(size: int, need: int) -> int:
+    """`size` doubled until it is at least `need`."""
+    while size < need:
+        size *= 2
+    return size
+
+
 def _doubled(capacity: int, need: int) -> int:
     """`capacity` doubled until it holds `need` positions, rounded up to a multiple of BLOCK."""
-    while capacity < need:
-        capacity *= 2
-    return -(-capacity // BLOCK) * BLOCK
+    return -(-_doubling(capacity, need) // BLOCK) * BLOCK
 
 
 def release_heap() -> None:
@@ -109,6 +116,7 @@ class _Step:
     kv_length: int  # keys read: up to the longest row after the write
     _slots: tuple[torch.Tensor, torch.Tensor] | None = None  # `slots()`, once built
     counts: list[int] | None = None  # real tokens a row (a paged cache writes those only)
+    _real: tuple[torch.Tensor, torch.Tensor] | None = None  # `real_slots()`, once built
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row within the block, position) of every slot of the forward, row-major [rows * n] each: the index a
@@ -119,6 +127,15 @@ class _Step:
             rows = torch.arange(self.rows, device=self.write_index.device).repeat_interleave(width)
             self._slots = (rows, self.write_index.reshape(-1))
         return self._slots
+
+    def real_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row within the block, column) of the real tokens (`counts`), row-major; built once a forward."""
+        if self._real is None:
+            device = self.write_index.device
+            real = torch.arange(self.write_index.shape[1], device=device)[None] < torch.tensor(
+                self.counts, device=device)[:, None]
+            self._real = real.nonzero(as_tuple=True)
+        return self._real
 
 
 class PositionCache(Cache):
@@ -405,24 +422,29 @@ class PositionCache(Cache):
         """Write this layer's new keys/values by position; return the block's keys/values up to kv_length.
 
         key_states, value_states: [rows, kv_heads, width, head_dim]."""
-        step = self._step
-        if step is None:
-            raise RuntimeError("PositionCache.update outside begin_forward/commit (use ModelRunner)")
-        if not self.zero_fill:  # PyTorch's attention reads a cache the kernel alone read so far: no NaN in any slot
-            for buf in (*self.keys, *self.values):
-                buf.nan_to_num_(0.0, 0.0, 0.0)
-            self.zero_fill = True
-        if layer_idx == len(self.keys):  # lazy: shapes and dtype come from the first forward
-            rows = max(self.num_rows, 1)
-            shape = (rows, key_states.shape[1], self.capacity, key_states.shape[3])
-            self.keys.append(key_states.new_zeros(shape))
-            self.values.append(value_states.new_zeros((*shape[:3], value_states.shape[3])))
+        step = self._ready(key_states, value_states, layer_idx)
         keys = self.keys[layer_idx][step.begin : step.begin + step.rows]  # views: no gather
         values = self.values[layer_idx][step.begin : step.begin + step.rows]
         at_row, at_pos = step.slots()  # every slot, padding included (past its row's length: never read)
         keys[at_row, :, at_pos] = key_states.transpose(1, 2).flatten(0, 1)  # [rows * width, kv_heads, d]
         values[at_row, :, at_pos] = value_states.transpose(1, 2).flatten(0, 1)
         return keys[:, :, : step.kv_length], values[:, :, : step.kv_length]
+
+    def _ready(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> _Step:
+        """`update`'s first steps: the forward in flight; no NaN in any slot (PyTorch's attention reads a cache the
+        kernel alone read so far); the layer's buffers, allocated lazily (shapes and dtype from the first forward)."""
+        step = self._step
+        if step is None:
+            raise RuntimeError(f"{type(self).__name__}.update outside begin_forward/commit (use ModelRunner)")
+        if not self.zero_fill:
+            for buf in (*self.keys, *self.values):
+                buf.nan_to_num_(0.0, 0.0, 0.0)
+            self.zero_fill = True
+        if layer_idx == len(self.keys):
+            shape = self.buffer_shape(1, key_states.shape[1], key_states.shape[3])
+            self.keys.append(key_states.new_zeros(shape))
+            self.values.append(value_states.new_zeros((*shape[:-1], value_states.shape[3])))
+        return step
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths, default=0)
@@ -503,10 +525,7 @@ class PagedCache(PositionCache):
 
     def _pool_size(self, used: int) -> int:
         """Pages of a pool holding `used` pages: the allocated count (at least the initial one) doubled as needed."""
-        size = max(len(self.refs), self._initial_pages)
-        while size < used:
-            size *= 2
-        return size
+        return _doubling(max(len(self.refs), self._initial_pages), used)
 
     def _take(self, count: int) -> list[int]:
         if len(self._free) < count:
@@ -761,9 +780,7 @@ class PagedCache(PositionCache):
         if self._step is not None or not self.refs:
             return
         used = [page for page, n in enumerate(self.refs) if n]
-        size = self._initial_pages
-        while size < len(used):
-            size *= 2
+        size = _doubling(self._initial_pages, len(used))
         if size * SHRINK > len(self.refs):
             return
         renumber = {page: new for new, page in enumerate(used)}
@@ -778,22 +795,9 @@ class PagedCache(PositionCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this layer's new keys/values into their pages; return the block's rows gathered up to kv_length."""
-        step = self._step
-        if step is None:
-            raise RuntimeError("PagedCache.update outside begin_forward/commit (use ModelRunner)")
-        if not self.zero_fill:
-            for buf in (*self.keys, *self.values):
-                buf.nan_to_num_(0.0, 0.0, 0.0)
-            self.zero_fill = True
-        if layer_idx == len(self.keys):
-            shape = self.buffer_shape(self.num_rows, key_states.shape[1], key_states.shape[3])
-            self.keys.append(key_states.new_zeros(shape))
-            self.values.append(value_states.new_zeros(shape))
+        step = self._ready(key_states, value_states, layer_idx)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        width = step.write_index.shape[1]
-        real = torch.arange(width, device=step.write_index.device)[None] < torch.tensor(
-            step.counts, device=step.write_index.device)[:, None]
-        at_row, at_col = real.nonzero(as_tuple=True)  # the real tokens: padding has no pages to go to
+        at_row, at_col = step.real_slots()  # the real tokens: padding has no pages to go to
         page, at = self.slot_index(at_row, step.write_index[at_row, at_col])
         keys[page, :, at] = key_states.transpose(1, 2)[at_row, at_col]
         values[page, :, at] = value_states.transpose(1, 2)[at_row, at_col]

@@ -84,8 +84,7 @@ void visible_keys(const Task& t, std::vector<int32_t>& index) {
 void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores) {
   visible_keys(t, index);
   const int64_t L = int64_t(index.size()), D = t.D;
-  auto at = [&](const void* base, int64_t j, int64_t d) {
-    const char* row = t.row(base, j);
+  auto at = [&](const char* row, int64_t d) {  // element d of a row `Task::row` found
     return t.bf16 ? widen(reinterpret_cast<const uint16_t*>(row)[d]) : reinterpret_cast<const float*>(row)[d];
   };
   scores.resize(t.G * (L + 8));
@@ -95,7 +94,8 @@ void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>&
     float top = -INFINITY;
     for (int64_t l = 0; l < L; ++l) {
       float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += q[d] * at(t.keys, index[l], d);
+      const char* key = t.row(t.keys, index[l]);
+      for (int64_t d = 0; d < D; ++d) dot += q[d] * at(key, d);
       s[l] = dot * t.scale;
       top = std::max(top, s[l]);
     }
@@ -103,8 +103,10 @@ void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>&
     for (int64_t l = 0; l < L; ++l) { s[l] = std::exp(s[l] - top); total += s[l]; }
     float* o = t.out + g * D;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t d = 0; d < D; ++d) o[d] += s[l] * at(t.values, index[l], d);
+    for (int64_t l = 0; l < L; ++l) {
+      const char* value = t.row(t.values, index[l]);
+      for (int64_t d = 0; d < D; ++d) o[d] += s[l] * at(value, d);
+    }
     if (L > 0)
       for (int64_t d = 0; d < D; ++d) o[d] /= total;
   }
@@ -511,6 +513,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   const int64_t R = q.size(0), W = q.size(1), H = q.size(2), D = q.size(3), KVH = keys.size(1), C = keys.size(2);
   TORCH_CHECK(keys.size(3) == D && KVH > 0 && H % KVH == 0, "q and keys do not match");
   TORCH_CHECK(int64_t(counts.size()) == R, "one count a row");
+  TORCH_CHECK(kv >= 0, "kv past the cache");
   // a flat cache is a pool of R pages of C positions, row r's one page being page r
   std::vector<int32_t> own;
   const int32_t* table;
@@ -527,14 +530,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     for (int64_t i = 0; i < t.numel(); ++i) TORCH_CHECK(table[i] >= 0 && table[i] < N, "a page past the pool");
   } else {
     TORCH_CHECK(keys.size(0) == R, "q and keys do not match");
-    TORCH_CHECK(kv >= 0 && kv <= C, "kv past the cache");
+    TORCH_CHECK(kv <= C, "kv past the cache");
     P = std::max<int64_t>(C, 1);
     table_width = 1;
     own.resize(R);
     for (int64_t r = 0; r < R; ++r) own[r] = int32_t(r);
     table = own.data();
   }
-  TORCH_CHECK(kv >= 0, "kv past the cache");
   const bool* mask = nullptr;
   if (visible.has_value() && visible->defined()) {
     const auto& v = *visible;
