@@ -385,12 +385,14 @@ def test_the_float_product_is_the_product_and_rows_never_depend_on_their_batch(k
     assert _rows_keep_their_bits(lambda a, b: kernel.fmm(a, b, False), x, w)
 
 
-@pytest.mark.parametrize("k", [64, 1536])  # 1536: the kernel takes activation rows in blocks of 32
-def test_the_bf16_product_is_the_product_and_rows_never_depend_on_their_batch(kernel, k):
+# 1536: the kernel takes activation rows in blocks of 64 over panels of 128 weight rows; 3072 (150 weight rows):
+# blocks of 32 rows over several panels a thread
+@pytest.mark.parametrize("n, k", [(37, 64), (37, 1536), (150, 3072)])
+def test_the_bf16_product_is_the_product_and_rows_never_depend_on_their_batch(kernel, n, k):
     if not kernel.bf16_native():
         pytest.skip("bmm16 runs on CPUs with AVX512-BF16 only; this one has none")
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(37, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(75, k, generator=g).bfloat16()
     expected = x.double() @ w.double().T  # bf16 products are exact in float32: only the float32 sums round
     assert float((kernel.bmm16(x, w).double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
