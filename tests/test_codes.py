@@ -162,6 +162,43 @@ def test_block_shapes_that_do_not_match_are_refused():
         qkernel.BlockLinear("q4_1", linear.blocks, 512)
 
 
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_dequantised_blocks_are_the_reference_weights_rounded_to_bf16(kind):
+    linear, weights = _blocks(kind, 9, 512, seed=5)
+    got = qkernel.load().dequantised_blocks(linear.blocks, linear.kind_id, 512)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, weights.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_bf16_prompt_feeds_run_the_blocks_weights_in_bf16_and_every_other_feed_the_blocks(kind, monkeypatch):
+    """A prompt feed of bf16 activations (wide) runs bmm16 on the weights rounded to bf16; decoding and verification
+    feeds run the blocks; a mixed feed (wide = n) gives each part the bits it has alone; DRAFTWISE_PROMPT_BF16=0 and
+    float32 activations keep the blocks."""
+    kernel = qkernel.load()
+    if not kernel.bf16_native():
+        pytest.skip("bmm16 runs on CPUs with AVX512-BF16 only; this one has none")
+    monkeypatch.delenv("DRAFTWISE_PROMPT_BF16", raising=False)
+    linear, weights = _blocks(kind, 40, 512, seed=6)
+    linear.bias = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
+    blocks = (kernel.qmm_blocks(x.float(), linear.blocks, linear.kind_id, 512, False) + linear.bias).bfloat16()
+    prompt = (kernel.bmm16(x, weights.bfloat16()) + linear.bias).bfloat16()
+    assert not torch.equal(blocks, prompt)  # the two paths give different bits: the checks below see which ran
+    assert torch.equal(linear(x), blocks)
+    assert torch.equal(linear(x, True), prompt)
+    mixed = linear(x, 5)  # packed tokens 5 on are prompt tokens
+    assert torch.equal(mixed[:5], blocks[:5]) and torch.equal(mixed[5:], prompt[5:])
+    assert torch.equal(linear(x, 0), prompt) and torch.equal(linear(x, 12), blocks)
+    for i in (0, 6, 11):  # a prompt token's bits do not depend on its batch-mates
+        assert torch.equal(linear(x[i: i + 1], True), prompt[i: i + 1])
+    assert torch.equal(linear(x.float(), True),
+                       kernel.qmm_blocks(x.float(), linear.blocks, linear.kind_id, 512, False) + linear.bias)
+    fused = qkernel.joined([linear, _blocks("q6_k" if kind == "q4_k" else "q4_k", 8, 512, seed=7)[0]])
+    assert torch.equal(fused(x, True)[:, :40], prompt)  # a joined projection passes the feed's kind to its parts
+    monkeypatch.setenv("DRAFTWISE_PROMPT_BF16", "0")
+    assert torch.equal(linear(x, True), blocks)
+
+
 def test_joined_blocks_fuse_runs_of_one_kind():
     """A Q4_K_M layer's q and k (Q4_K) share one product, its v (Q6_K) has its own; the result is the parts'."""
     q, _ = _blocks("q4_k", 8, 256, seed=1)

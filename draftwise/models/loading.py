@@ -128,7 +128,13 @@ def weights_description(model) -> str:
     formats = getattr(model, "draftwise_formats", None)
     if formats is None:
         return dtype
-    return f"{formats.describe()} with {dtype} activations"
+    text = f"{formats.describe()} with {dtype} activations"
+    if getattr(formats, "blocks", False) and dtype == "bf16":
+        from draftwise.models import qkernel
+
+        if qkernel.prompt_bf16():
+            text += "; prompts run the weights rounded to bf16 (bmm16)"
+    return text
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

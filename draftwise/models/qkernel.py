@@ -161,6 +161,14 @@ class CodesLinear(_Product):
         return w + self.zeros[index].repeat_interleave(self.group, dim=1) if self.zeros is not None else w
 
 
+def prompt_bf16() -> bool:
+    """Whether prompt feeds of bf16 activations run a block projection's weights rounded to bf16 (`BlockLinear`):
+    where the CPU has AVX512-BF16 (bmm16) and DRAFTWISE_PROMPT_BF16 is not 0. It costs 2 bytes a weight more memory
+    (2.6 GB for Qwen2.5-Coder-1.5B), taken at the first prompt."""
+    module = load()
+    return module is not None and module.bf16_native() and os.environ.get("DRAFTWISE_PROMPT_BF16", "1") != "0"
+
+
 BLOCK_KINDS = {"q4_k": (0, 256, 144), "q6_k": (1, 256, 210), "q5_0": (2, 32, 22), "q8_0": (3, 32, 34)}
 """The kinds `BlockLinear` runs from the file's own blocks: (the kernel's id, weights a block, bytes a block)."""
 
@@ -183,6 +191,27 @@ class BlockLinear(_Product):
         self.kind, self.blocks, self.in_features = kind, blocks.contiguous(), int(in_features)
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else bias.float()
+        self._wide = None  # the weights in bf16 for prompt feeds (`prompt_bf16`), built at the first one
+
+    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+        """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
+        verification forward that also carries prompt chunks): each part runs as it would alone. With bf16
+        activations on a CPU with AVX512-BF16, a prompt runs the weights rounded to bf16 through `bmm16` (a prompt's
+        product is bound by arithmetic, which bf16 pairs do at about twice the int8 blocks' rate here); decoding and
+        verification read the blocks (bound by reading weights). Which path a token takes depends only on whether it
+        is a prompt token, never on its batch-mates."""
+        if not isinstance(wide, bool):
+            if 0 < wide < x.shape[0]:
+                return torch.cat([self(x[:wide]), self(x[wide:], True)])
+            wide = wide == 0
+        if wide and x.dtype == torch.bfloat16 and prompt_bf16():
+            if self._wide is None:
+                from draftwise.models.fast import FloatLinear
+
+                self._wide = FloatLinear(load().dequantised_blocks(self.blocks, self.kind_id, self.in_features),
+                                         self.bias)  # the bias stays float32, added before rounding as here
+            return self._wide(x, True)
+        return super().__call__(x)
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         return load().qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
@@ -208,7 +237,7 @@ class JoinedLinear:
         self.in_features = parts[0].in_features
 
     def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        return torch.cat([p(x, wide) for p in self.parts], dim=-1)
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([p.dequantized() for p in self.parts])

@@ -565,6 +565,49 @@ bool blocks_vnni() {
 #endif
 }
 
+// The weights the blocks hold, rounded to bfloat16 once (round to nearest even): [N, K]. A weight is computed in
+// float32 as gguf's reference dequantiser does (Q4_K: (d * sc) * q - dmin * m; Q6_K: (d * sc) * (q - 32); Q5_0 and
+// Q8_0: d * q), then rounded. For prompt feeds, whose products are bound by arithmetic, not by reading weights.
+torch::Tensor dequantised_blocks(torch::Tensor w, int64_t kind, int64_t K) {
+  TORCH_CHECK(kind >= 0 && kind < 4, "kind: 0 q4_k, 1 q6_k, 2 q5_0, 3 q8_0");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2, "blocks: [N, bytes] uint8");
+  const int per = KIND_WEIGHTS[kind];
+  TORCH_CHECK(K % per == 0 && w.size(1) == K / per * KIND_BYTES[kind], "blocks do not match K");
+  const int64_t N = w.size(0), row_bytes = w.size(1), blocks = K / per;
+  auto out = torch::empty({N, K}, w.options().dtype(torch::kBFloat16));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    uint8_t codes[256];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = wp + n * row_bytes + b * KIND_BYTES[kind];
+        at::BFloat16* o = op + n * K + b * per;
+        codes_of_block(int(kind), blk, codes);
+        if (kind == Q4K) {
+          uint8_t sc[8], mn[8];
+          q4k_scales(blk + 4, sc, mn);
+          const float d = half(blk), dmin = half(blk + 2);
+          for (int j = 0; j < 8; ++j) {
+            const float scale = d * float(sc[j]), low = dmin * float(mn[j]);
+            for (int i = 0; i < 32; ++i) o[32 * j + i] = at::BFloat16(scale * float(codes[32 * j + i]) - low);
+          }
+        } else if (kind == Q6K) {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+          const float d = half(blk + 208);
+          for (int g = 0; g < 16; ++g) {
+            const float scale = d * float(sc[g]);
+            for (int i = 0; i < 16; ++i) o[16 * g + i] = at::BFloat16(scale * float(int(codes[16 * g + i]) - 32));
+          }
+        } else {
+          const float d = half(blk);
+          for (int i = 0; i < 32; ++i) o[i] = at::BFloat16(d * float(int8_t(codes[i])));
+        }
+      }
+  });
+  return out;
+}
+
 // The activations as the block product quantises them (codes times scales), for checks: [M, K] float32.
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");

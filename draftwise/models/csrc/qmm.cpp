@@ -203,6 +203,7 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
                          bool vnni);  // qblocks.cpp
 bool blocks_vnni();  // qblocks.cpp
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
+torch::Tensor dequantised_blocks(torch::Tensor w, int64_t kind, int64_t K);  // qblocks.cpp
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
                      std::vector<int64_t> counts, int64_t kv, double scale, bool portable, bool avx512,
                      c10::optional<torch::Tensor> pages);  // attention.cpp
@@ -217,6 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm_blocks", &qmm_blocks, "activations (quantised to int8 per block) x weights in a GGUF file's own blocks",
         py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("K"), py::arg("portable"), py::arg("vnni") = true);
   m.def("blocks_vnni", &blocks_vnni, "whether qmm_blocks' AVX512-VNNI path runs here (off: DRAFTWISE_AVX512=0)");
+  m.def("dequantised_blocks", &dequantised_blocks, "the weights a GGUF file's blocks hold, rounded to bf16");
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("visible"), py::arg("counts"), py::arg("kv"),
