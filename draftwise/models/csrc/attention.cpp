@@ -391,8 +391,8 @@ struct Scratch {
 };
 
 // Cache rows are read from memory (a batch's cache is far larger than the caches): the keys a few groups ahead of
-// the scores, and the values the second pass will read, are asked for early. Past the end of a row's cache these
-// are hints for addresses inside the tensor or just beyond, which never fault.
+// the scores, and the values the second pass will read, are asked for early (hints, which never fault; the page
+// table is read only for positions up to the task's last visible key).
 constexpr int64_t PREFETCH_AHEAD = 32;
 
 inline void prefetch_rows(const char* at, int64_t bytes, int hint) {
@@ -429,7 +429,9 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
       const Task& t = tile.query[i];
       const int64_t from = (index[c0] - j0) / 8 * 8, to = index[c1 - 1] - j0 + 1;
       for (int64_t p = from; p < to; p += 8) {
-        prefetch_rows(k + (p + PREFETCH_AHEAD) * D * bytes, 8 * D * bytes, _MM_HINT_T0);
+        // the keys PREFETCH_AHEAD positions on, in whichever page holds them (a block never spans two pages, but
+        // the positions ahead may be in the next block's)
+        prefetch_rows(t0.row(t0.keys, std::min(j0 + p + PREFETCH_AHEAD, last)), 8 * D * bytes, _MM_HINT_T0);
         prefetch_rows(t0.row(t0.values, j0 + p), 8 * D * bytes, _MM_HINT_T1);
         const void* rows[8];
         for (int m = 0; m < 8; ++m) rows[m] = k + std::min<int64_t>(p + m, j1 - j0 - 1) * D * bytes;
