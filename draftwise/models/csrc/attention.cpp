@@ -74,11 +74,24 @@ inline float widen(uint16_t h) {
   return f;
 }
 
-// The visible keys' indices, in order.
-void visible_keys(const Task& t, std::vector<int32_t>& index) {
-  index.clear();
-  for (int64_t j = 0; j < t.kv; ++j)
-    if (t.visible == nullptr || t.visible[j]) index.push_back(int32_t(j));
+// The visible keys' indices, in order. Returns whether they are the positions 0 .. L - 1 (a causal prompt's or a
+// decoding row's keys, every query's but a token tree's): a key's rank is then its position, which the callers use
+// to skip searching and gathering by rank (the arithmetic is the same either way).
+bool visible_keys(const Task& t, std::vector<int32_t>& index) {
+  int64_t L = t.kv;
+  if (t.visible != nullptr) {  // the leading visible keys, then whether any other is visible (memchr: whole words)
+    const void* hole = std::memchr(t.visible, 0, size_t(t.kv));
+    L = hole ? static_cast<const bool*>(hole) - t.visible : t.kv;
+    if (L < t.kv && std::memchr(t.visible + L, 1, size_t(t.kv - L)) != nullptr) {
+      index.clear();
+      for (int64_t j = 0; j < t.kv; ++j)
+        if (t.visible[j]) index.push_back(int32_t(j));
+      return false;
+    }
+  }
+  index.resize(size_t(L));
+  for (int64_t j = 0; j < L; ++j) index[j] = int32_t(j);
+  return true;
 }
 
 void task_scalar(const Task& t, std::vector<int32_t>& index, std::vector<float>& scores) {
@@ -187,8 +200,10 @@ AT_TARGET inline void value_sums(const float* p, const int32_t* keys_of, int64_t
   for (int r = 0; r < LANES; ++r) _mm256_storeu_ps(o + 8 * r, acc[r]);
 }
 
-// The first rank from c on whose key is at position j1 or later (the query's visible keys before j1 end there).
-inline int64_t ranks_before(const int32_t* index, int64_t L, int64_t c, int64_t j1) {
+// The first rank from c on whose key is at position j1 or later (the query's visible keys before j1 end there);
+// with keys 0 .. L - 1 (`prefix`), min(L, j1).
+inline int64_t ranks_before(const int32_t* index, int64_t L, int64_t c, int64_t j1, bool prefix) {
+  if (prefix) return std::max(c, std::min(L, j1));
   while (c < L && index[c] < j1) ++c;
   return c;
 }
@@ -408,8 +423,9 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
   int64_t block = 8;
   while (block < 64 && 2 * block * D <= 4096) block *= 2;
   int64_t L[TILE], stride[TILE], cursor[TILE], last = -1;
+  bool prefix[TILE];
   for (int i = 0; i < tile.n; ++i) {
-    visible_keys(tile.query[i], w.index[i]);
+    prefix[i] = visible_keys(tile.query[i], w.index[i]);
     L[i] = int64_t(w.index[i].size());
     stride[i] = (L[i] + 7) / 8 * 8;
     w.scores[i].resize(G * stride[i] + 8);
@@ -424,7 +440,7 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
     const char* k = t0.row(t0.keys, j0);  // row j0, read in place; the block's rows follow it
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* index = w.index[i].data();
-      const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(index, L[i], c0, j1);
+      const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(index, L[i], c0, j1, prefix[i]);
       if (c1 == c0) continue;
       const Task& t = tile.query[i];
       const int64_t from = (index[c0] - j0) / 8 * 8, to = index[c1 - 1] - j0 + 1;
@@ -440,7 +456,8 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
       for (int64_t g = 0; g < G; ++g) {
         float* s = w.scores[i].data() + g * stride[i];
         const float* at = w.positions.data() + g * block - j0;
-        for (int64_t c = c0; c < c1; ++c) s[c] = at[index[c]];
+        if (prefix[i]) std::memcpy(s + c0, at + c0, sizeof(float) * size_t(c1 - c0));  // rank c is position c
+        else for (int64_t c = c0; c < c1; ++c) s[c] = at[index[c]];
       }
     }
   }
@@ -458,7 +475,7 @@ void run_tile(const Tile& tile, Scratch& w, const Kernels& kernels) {
     const int64_t j1 = std::min(j0 + block, last + 1);
     for (int i = 0; i < tile.n; ++i) {
       const int32_t* keys_of = w.index[i].data();
-      const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(keys_of, L[i], c0, j1);
+      const int64_t c0 = cursor[i], c1 = cursor[i] = ranks_before(keys_of, L[i], c0, j1, prefix[i]);
       if (c1 == c0) continue;
       Task t = tile.query[i];
       t.values = t.page_origin(t.values, j0);
