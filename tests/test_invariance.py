@@ -402,6 +402,30 @@ def test_the_bf16_product_is_the_product_and_rows_never_depend_on_their_batch(ke
         lambda a, b: kernel.bmm16(a, b) if a.shape[0] > 1 else (a.float() @ b.float().T), x, w)
 
 
+@pytest.mark.parametrize("n", [37, 40])
+def test_bmm16_rounds_to_bf16_in_the_kernel_as_pytorch_rounds_the_float32_product(kernel, n):
+    """bf16_out (with and without a bias): the bits of (y + bias).to(bf16), for ordinary outputs, outputs near
+    1e31, and NaN; any number of output rows (a tile's last rows masked)."""
+    if not kernel.bf16_native():
+        pytest.skip("bmm16 runs on CPUs with AVX512-BF16 only; this one has none")
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(n, 96, generator=g).bfloat16()
+    x = torch.randn(9, 96, generator=g).bfloat16()
+    x[3] = 1e30
+    x[5, 0] = float("nan")
+    bias = torch.randn(n, generator=g) * 1e-3
+    y = kernel.bmm16(x, w)
+    for b, expected in ((None, y.bfloat16()), (bias, (y + bias).bfloat16())):
+        fused = kernel.bmm16(x, w, b, True)
+        finite = ~expected.isnan()
+        assert fused.dtype == torch.bfloat16 and torch.equal(fused[finite], expected[finite])
+        assert torch.equal(fused.isnan(), expected.isnan()) and bool(expected.isnan().any())
+    # the control: rounding toward zero (truncation) differs from it on these outputs
+    assert not torch.equal((y + bias).view(torch.int32).bitwise_right_shift(16).to(torch.int16)[finite],
+                           fused.view(torch.int16)[finite])
+    torch.testing.assert_close(kernel.bmm16(x, w, bias, False), y + bias, rtol=0, atol=0, equal_nan=True)
+
+
 def test_bf16_products_run_bmm16_for_every_feed_where_the_cpu_has_avx512_bf16(kernel, monkeypatch):
     from draftwise.models import fast
 

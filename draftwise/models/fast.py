@@ -64,7 +64,7 @@ class FloatLinear:
         if self._invariant is not None and self.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0:
             self._bf16 = bf16_kernel()
         self._packed = None  # oneDNN's prepacked weight, built at the first product that needs it
-        self._bias32 = None if bias is None else bias.float()  # the invariant product's bias, converted once
+        self._bias32 = None if bias is None else bias.float().contiguous()  # the invariant product's bias, converted once
 
     @property
     def packed(self):
@@ -79,10 +79,10 @@ class FloatLinear:
         shape = x.shape
         if self._invariant is not None:
             flat = x.reshape(-1, shape[-1])
-            if self._bf16 is not None and x.dtype == torch.bfloat16:
-                y = self._bf16(flat.contiguous(), self.weight)
-            else:
-                y = self._invariant(flat.float().contiguous(), self.weight, False)
+            if self._bf16 is not None and x.dtype == torch.bfloat16:  # the bias added and rounded in the kernel
+                y = self._bf16(flat.contiguous(), self.weight, self._bias32, True)
+                return y.reshape(*shape[:-1], self.out_features)
+            y = self._invariant(flat.float().contiguous(), self.weight, False)
             if self._bias32 is not None:
                 y = y + self._bias32
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)

@@ -165,9 +165,26 @@ BF_TARGET inline __m128 sums4(const __m512* a) {
                                                                          0, 0), u));
 }
 
+// Where a product's outputs go: float32 rows y, or (y16 set) bfloat16 rows rounded to nearest even as PyTorch's
+// conversion rounds (NaN to 0x7FC0); bias (or null) added in float32 first, as `y + bias` would.
+struct Out {
+  float* y;
+  uint16_t* y16;
+  const float* bias;
+};
+
+// Four float32 values rounded to bfloat16 (c10::BFloat16's round to nearest even), in the low 64 bits.
+BF_TARGET inline __m128i bf16x4(__m128 v) {
+  const __m128i u = _mm_castps_si128(v);
+  const __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  __m128i r = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7FFF)), odd), 16);
+  r = _mm_blendv_epi8(r, _mm_set1_epi32(0x7FC0), _mm_castps_si128(_mm_cmpunord_ps(v, v)));
+  return _mm_packus_epi32(r, r);
+}
+
 template <int R, int J>
-BF_TARGET inline void tile16(const uint16_t* x, const uint16_t* const* w, float* y, int64_t K, int64_t N, int64_t n,
-                             int64_t m) {
+BF_TARGET inline void tile16(const uint16_t* x, const uint16_t* const* w, const Out& out, int64_t K, int64_t N,
+                             int64_t n, int64_t m) {
   __m512 acc[J][R];
   for (int j = 0; j < J; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
@@ -179,15 +196,19 @@ BF_TARGET inline void tile16(const uint16_t* x, const uint16_t* const* w, float*
       for (int j = 0; j < J; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], v, xs[j]);
     }
   }
+  const __mmask8 mask = __mmask8((1 << R) - 1);
   for (int j = 0; j < J; ++j) {
     __m512 a[4];
     for (int r = 0; r < 4; ++r) a[r] = r < R ? acc[j][r] : _mm512_setzero_ps();
-    _mm_mask_storeu_ps(y + (m + j) * N + n, __mmask8((1 << R) - 1), sums4(a));
+    __m128 sums = sums4(a);
+    if (out.bias) sums = _mm_add_ps(sums, _mm_maskz_loadu_ps(mask, out.bias + n));
+    if (out.y16) _mm_mask_storeu_epi16(out.y16 + (m + j) * N + n, mask, bf16x4(sums));
+    else _mm_mask_storeu_ps(out.y + (m + j) * N + n, mask, sums);
   }
 }
 
 template <int R>
-BF_TARGET void rows16_r(const uint16_t* x, const uint16_t* const* w, float* y, int64_t m0, int64_t m1, int64_t K,
+BF_TARGET void rows16_r(const uint16_t* x, const uint16_t* const* w, const Out& y, int64_t m0, int64_t m1, int64_t K,
                         int64_t N, int64_t n) {
   int64_t m = m0;
   for (; m + 4 <= m1; m += 4) tile16<R, 4>(x, w, y, K, N, n, m);
@@ -206,8 +227,8 @@ constexpr int64_t PREFETCH_GROUPS = 8;  // how many groups of 4 weight rows ahea
 // over panels of weight rows (~384 KB, L2 too), every block over one panel before the next panel: a large weight
 // (a 1.5B model's 55 MB gate and up) is read from memory once, not once per block. The order of the tiles changes
 // no output's arithmetic.
-BF_TARGET void rows16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
-                      int64_t n1) {
+BF_TARGET void rows16(const uint16_t* x, const uint16_t* w, const Out& y, int64_t M, int64_t K, int64_t N,
+                      int64_t n0, int64_t n1) {
   const int64_t block = std::max<int64_t>(4, (int64_t(192) * 1024 / (K * 2)) / 4 * 4);
   const bool one_pass = M <= block;
   const int64_t panel = one_pass ? n1 - n0 : std::max<int64_t>(4, (int64_t(384) * 1024 / (K * 2)) / 4 * 4);
@@ -254,22 +275,30 @@ bool bf16_native() {
 #endif
 }
 
-// x: [M, K] contiguous bfloat16; w: [N, K] contiguous bfloat16; K a multiple of 32. Returns [M, N] float32.
-torch::Tensor bmm16(torch::Tensor x, torch::Tensor w) {
+// x: [M, K] contiguous bfloat16; w: [N, K] contiguous bfloat16; K a multiple of 32; bias: [N] float32 or None.
+// Returns [M, N] float32, or bfloat16 with bf16_out (rounded once, after the bias: the bits of `(y + bias).to(bf16)`,
+// without writing and reading the float32 rows).
+torch::Tensor bmm16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool bf16_out) {
   TORCH_CHECK(bf16_native(), "bmm16 needs AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: [M, K] contiguous bf16");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.size(1) == x.size(1),
               "w: [N, K] contiguous bf16, K as x's");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 32 == 0, "bmm16: K must be a multiple of 32");
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  const bool biased = bias.has_value() && bias->defined();
+  if (biased)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat32 &&
+                bias->is_contiguous(), "bias: [N] contiguous float32");
+  auto y = torch::empty({M, N}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (M == 0 || N == 0) return y;
 #ifdef FL_X86
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  float* yp = y.data_ptr<float>();
+  const Out out{bf16_out ? nullptr : y.data_ptr<float>(),
+                bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr,
+                biased ? bias->data_ptr<float>() : nullptr};
   at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
-    rows16(xp, wp, yp, M, K, N, t0 * 4, std::min(N, t1 * 4));
+    rows16(xp, wp, out, M, K, N, t0 * 4, std::min(N, t1 * 4));
   });
 #endif
   return y;

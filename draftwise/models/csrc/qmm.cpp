@@ -209,7 +209,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
                      c10::optional<torch::Tensor> pages);  // attention.cpp
 bool attention_avx512();  // attention.cpp
 torch::Tensor fmm(torch::Tensor x, torch::Tensor w, bool portable);  // floats.cpp
-torch::Tensor bmm16(torch::Tensor x, torch::Tensor w);  // floats.cpp
+torch::Tensor bmm16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool bf16_out);  // floats.cpp
 bool bf16_native();  // floats.cpp
 torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps, bool portable);  // floats.cpp
 
@@ -225,7 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("portable"), py::arg("avx512") = true, py::arg("pages") = py::none());
   m.def("attention_avx512", &attention_avx512, "whether attend's AVX-512 path runs here (off: DRAFTWISE_AVX512=0)");
   m.def("fmm", &fmm, "float32 activations x float weights, each row's sums in one order whatever M (floats.cpp)");
-  m.def("bmm16", &bmm16, "bf16 activations x bf16 weights (AVX512-BF16), each row's sums in one order whatever M");
+  m.def("bmm16", &bmm16, "bf16 activations x bf16 weights (AVX512-BF16), each row's sums in one order whatever M",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("bf16_out") = false);
   m.def("rmsnorm", &rmsnorm, "RMS norm of each row, float32 inside, in one call (floats.cpp)");
   m.def("bf16_native", &bf16_native, "whether bmm16 runs here (AVX512-BF16)");
   m.def("accelerated", &accelerated, "whether the AVX2 path runs here");
