@@ -275,7 +275,7 @@ AT_TARGET void divide_avx2(float* o, int64_t D, float total) {
 // its even and its odd elements: 32 bfloat16 numbers are one 512-bit load whose 32-bit lanes hold an (even, odd)
 // pair, widened exactly by a shift and a mask (no shuffle). Queries come split the same way (`transpose_chunks`).
 // - A key's score is one 16-lane accumulator over the chunks in order, lane l taking elements 2l then 2l + 1 of each
-//   chunk, then its lanes summed by one fixed network (`sums8`); a float32 cache is split into the same lanes (two
+//   chunk, then its lanes summed by one fixed network (`sums4`); a float32 cache is split into the same lanes (two
 //   permutes a chunk), so both caches give the same bits.
 // - The value sums are the same chains of multiply-adds as the AVX2 path's, one output element each: a bfloat16
 //   cache's outputs come out split (evens, odds of each chunk) and are put back in order at the end.
@@ -296,39 +296,43 @@ AT_TARGET512 inline void load_pairs(const void* row, int64_t at, __m512& even, _
   }
 }
 
-using draftwise_simd::fold_halves;
-using draftwise_simd::fold_quarters;
 
-// The lane sums of 8 accumulators, in key order: for every key, quarters (0+2)+(1+3), then within the quarter lanes
-// (0+2)+(1+3). The same network for every key, whichever of the 8 it is.
-AT_TARGET512 inline __m256 sums8(const __m512* a) {
-  const __m512 lo = fold_quarters(fold_halves(a[0], a[1]), fold_halves(a[2], a[3]));  // keys 0-3
-  const __m512 hi = fold_quarters(fold_halves(a[4], a[5]), fold_halves(a[6], a[7]));  // keys 4-7
-  const __m512 t = _mm512_add_ps(_mm512_unpacklo_ps(lo, hi), _mm512_unpackhi_ps(lo, hi));
-  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(1, 0, 3, 2)));  // quarter i: keys i, i + 4
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, u));
-}
+using draftwise_simd::sums4;  // for every key: quarters (0+2)+(1+3), then within the quarter lanes (0+2)+(1+3)
 
-// GN query heads (split, D apart) against the 8 keys at k[0 .. 8): scores into s[g * stride + m].
+// GN query heads (split, D apart) against the 4 keys at k[0 .. 4): scores into s[g * stride + m]. Four keys a pass
+// keep every head's query chunk in registers with the 4 GN accumulators (8 keys would need all 32 registers for
+// those alone, and reload the queries for every key).
 template <int GN, bool BF16>
-AT_TARGET512 inline void score8x(const float* q, int64_t D, const void* const* k, float scale, float* s,
+AT_TARGET512 inline void score4x(const float* q, int64_t D, const void* const* k, float scale, float* s,
                                  int64_t stride) {
-  __m512 acc[GN][8];
+  __m512 acc[GN][4];
   for (int g = 0; g < GN; ++g)
-    for (int m = 0; m < 8; ++m) acc[g][m] = _mm512_setzero_ps();
+    for (int m = 0; m < 4; ++m) acc[g][m] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
-    for (int m = 0; m < 8; ++m) {
+    __m512 first[GN], second[GN];
+    for (int g = 0; g < GN; ++g) {
+      first[g] = _mm512_loadu_ps(q + g * D + d);
+      second[g] = _mm512_loadu_ps(q + g * D + d + 16);
+    }
+    for (int m = 0; m < 4; ++m) {
       __m512 even, odd;
       load_pairs<BF16>(k[m], d, even, odd);
       for (int g = 0; g < GN; ++g) {
-        acc[g][m] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), even, acc[g][m]);
-        acc[g][m] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d + 16), odd, acc[g][m]);
+        acc[g][m] = _mm512_fmadd_ps(first[g], even, acc[g][m]);
+        acc[g][m] = _mm512_fmadd_ps(second[g], odd, acc[g][m]);
       }
     }
   }
-  const __m256 by = _mm256_set1_ps(scale);
-  for (int g = 0; g < GN; ++g) _mm256_storeu_ps(s + g * stride, _mm256_mul_ps(sums8(acc[g]), by));
+  const __m128 by = _mm_set1_ps(scale);
+  for (int g = 0; g < GN; ++g) _mm_storeu_ps(s + g * stride, _mm_mul_ps(sums4(acc[g]), by));
+}
+
+// GN query heads against the 8 keys at k[0 .. 8), four at a time.
+template <int GN, bool BF16>
+AT_TARGET512 inline void score8x(const float* q, int64_t D, const void* const* k, float scale, float* s,
+                                 int64_t stride) {
+  score4x<GN, BF16>(q, D, k, scale, s, stride);
+  score4x<GN, BF16>(q, D, k + 4, scale, s + 4, stride);
 }
 
 template <bool BF16>

@@ -155,15 +155,7 @@ namespace {
 
 #define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
-// The lane sums of 4 accumulators at once, in simd.h's fixed order (one output's sum involves its own lanes only).
-BF_TARGET inline __m128 sums4(const __m512* a) {
-  using draftwise_simd::fold_halves, draftwise_simd::fold_quarters;
-  const __m512 q = fold_quarters(fold_halves(a[0], a[1]), fold_halves(a[2], a[3]));
-  const __m512 t = _mm512_add_ps(q, _mm512_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));  // lanes 0+2, 1+3
-  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));  // lane 0: (0+2)+(1+3)
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                         0, 0), u));
-}
+using draftwise_simd::sums4;
 
 // Where a product's outputs go: float32 rows y, or (y16 set) bfloat16 rows rounded to nearest even as PyTorch's
 // conversion rounds (NaN to 0x7FC0); bias (or null) added in float32 first, as `y + bias` would.

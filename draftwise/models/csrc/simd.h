@@ -38,5 +38,14 @@ __attribute__((target("avx512f"))) inline __m512 fold_quarters(__m512 x, __m512 
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
+// The lane sums of 4 accumulators, accumulator i's in lane i: the order above.
+__attribute__((target("avx512f"))) inline __m128 sums4(const __m512* a) {
+  const __m512 q = fold_quarters(fold_halves(a[0], a[1]), fold_halves(a[2], a[3]));
+  const __m512 t = _mm512_add_ps(q, _mm512_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));  // lanes 0+2, 1+3
+  const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));  // lane 0: (0+2)+(1+3)
+  return _mm512_castps512_ps128(
+      _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u));
+}
+
 }  // namespace draftwise_simd
 #endif
