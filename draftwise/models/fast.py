@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.qkernel import CodesLinear, CodesProjection, JoinedLinear, joined
+from draftwise.models.qkernel import CodesLinear, CodesProjection, JoinedLinear, joined, split_feed
 
 FAST_FAMILIES = {"llama", "mistral", "qwen2"}
 PER_ROW_MAX_FILL = 0.75  # attention runs row by row when live keys or real queries fill at most this share
@@ -154,10 +154,9 @@ class Int4Linear:
         """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
         verification forward that also carries prompt chunks): each part runs as it would alone."""
         shape = x.shape
-        if not isinstance(wide, bool):
-            if 0 < wide < shape[0]:
-                return torch.cat([self(x[:wide]), self(x[wide:], True)])
-            wide = wide == 0
+        mixed, wide = split_feed(self, x, wide)
+        if mixed is not None:
+            return mixed
         if wide:  # a prompt: the dequantised weights, prepacked once, run it faster
             if self._wide is None:
                 self._wide = FloatLinear(self.dequantized(), self.bias)

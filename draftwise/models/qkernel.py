@@ -161,6 +161,18 @@ class CodesLinear(_Product):
         return w + self.zeros[index].repeat_interleave(self.group, dim=1) if self.zeros is not None else w
 
 
+def split_feed(linear, x: torch.Tensor, wide: bool | int) -> tuple[torch.Tensor | None, bool]:
+    """For a projection whose prompt tokens take another product than the rest: `wide` is True for a prompt feed,
+    False for decoding or verification, or an int n for a feed whose packed tokens (x [tokens, in]) from n on are
+    prompt tokens. Returns (the mixed feed's result, each part run as it would be alone, or None; whether the feed,
+    being of one kind, is a prompt)."""
+    if isinstance(wide, bool):
+        return None, wide
+    if 0 < wide < x.shape[0]:
+        return torch.cat([linear(x[:wide]), linear(x[wide:], True)]), True
+    return None, wide == 0
+
+
 def prompt_bf16() -> bool:
     """Whether prompt feeds of bf16 activations run a block projection's weights rounded to bf16 (`BlockLinear`):
     where the CPU has AVX512-BF16 (bmm16) and DRAFTWISE_PROMPT_BF16 is not 0. It costs 2 bytes a weight more memory
@@ -200,10 +212,9 @@ class BlockLinear(_Product):
         product is bound by arithmetic, which bf16 pairs do at about twice the int8 blocks' rate here); decoding and
         verification read the blocks (bound by reading weights). Which path a token takes depends only on whether it
         is a prompt token, never on its batch-mates."""
-        if not isinstance(wide, bool):
-            if 0 < wide < x.shape[0]:
-                return torch.cat([self(x[:wide]), self(x[wide:], True)])
-            wide = wide == 0
+        mixed, wide = split_feed(self, x, wide)
+        if mixed is not None:
+            return mixed
         if wide and x.dtype == torch.bfloat16 and prompt_bf16():
             if self._wide is None:
                 from draftwise.models.fast import FloatLinear
