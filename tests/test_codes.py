@@ -109,9 +109,22 @@ def test_a_block_product_is_the_exact_product_with_int8_activations_and_rows_nev
     assert float((full.double() - reference).abs().max()) <= 1e-5 * scale
     # control: the float activations' product is farther from it than the tolerance (the check sees quantisation)
     assert float((x.double() @ weights.double().T - reference).abs().max()) > 1e-4 * scale
-    for width in (1, 2, 3, 4, 5, 8, 16, 17):
+    for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 25, 33):  # every tile split: 8, 4, 3, 2, 1 rows
         for start in (0, 33 - width):
             assert torch.equal(linear(x[start: start + width]), full[start: start + width]), (width, start)
+
+
+@pytest.mark.parametrize("kind", ("q4_k", "q6_k"))
+def test_wide_block_products_taken_in_row_groups_keep_each_rows_bits(kind):
+    """4096 inputs: the kernel takes the rows in groups of 64 (their activations stay in L2), so 150 rows make
+    three groups; every row keeps the bits it has alone or in a narrow product."""
+    linear, weights = _blocks(kind, 24, 4096, seed=5)
+    x = torch.randn(150, 4096, generator=torch.Generator().manual_seed(2))
+    full = linear(x)
+    for start, width in ((0, 1), (63, 2), (64, 8), (100, 50), (149, 1)):
+        assert torch.equal(linear(x[start: start + width]), full[start: start + width]), (start, width)
+    reference = _reference(kind, x, weights)
+    assert float((full.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)

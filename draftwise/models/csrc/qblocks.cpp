@@ -235,46 +235,88 @@ QB_TARGET inline __m256 block_dot(const Block& u, const int8_t* x, float dx, __m
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(u.d * dx), acc);
 }
 
-// R activation rows' products with one K-quant block: the block is decoded in registers once and multiplied into
-// all R rows (up to 4 at a time, which fits AVX2's 16 registers). Each row's arithmetic is the same whatever R: its
-// integer sums are exact (their order does not matter), and its float steps are the same two fused multiply-adds.
+// The activations laid out for the K-quant tiles: rows in tiles of up to TILE (8, then 4, 3, 2, 1 for the rest),
+// each tile block-interleaved, so that one pointer and constant offsets reach every row of a tile at block b: codes
+// at q + (b * R + r) * 256, sums of 16 at s16 + (b * R + r) * 16, scales at d[b * R + r]. Built once a product from
+// the quantised rows (a copy of M x K bytes).
+constexpr int TILE = 8;
+
+struct Tiles {
+  struct One { int64_t m0; int R; int64_t q, s16, d; };  // first row, rows, offsets into the buffers
+  std::vector<One> tiles;
+  std::vector<int8_t> q;
+  std::vector<int16_t> s16;
+  std::vector<float> d;
+};
+
+inline void make_tiles(const Quantised& xq, Tiles& t) {
+  const int64_t K = xq.K, blocks = K / 256, M = xq.M;
+  t.q.resize(M * K); t.s16.resize(M * (K / 16)); t.d.resize(M * blocks);
+  int64_t m0 = 0;
+  while (m0 < M) {
+    const int64_t left = M - m0;
+    const int R = int(left >= TILE ? TILE : left >= 4 ? 4 : left);
+    t.tiles.push_back({m0, R, m0 * K, m0 * (K / 16), m0 * blocks});
+    m0 += R;
+  }
+  at::parallel_for(0, int64_t(t.tiles.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Tiles::One& one = t.tiles[i];
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int r = 0; r < one.R; ++r) {
+          const int64_t m = one.m0 + r;
+          std::memcpy(&t.q[one.q + (b * one.R + r) * 256], &xq.q[m * K + b * 256], 256);
+          std::memcpy(&t.s16[one.s16 + (b * one.R + r) * 16], &xq.s16[m * (K / 16) + b * 16], 32);
+          t.d[one.d + b * one.R + r] = xq.d[m * blocks + b];
+        }
+    }
+  });
+}
+
+// Weights 64 p .. 64 p + 63 of a Q4_K block (groups 2p, low nibbles, and 2p + 1, high) into R rows' integer sums.
 template <int R>
-QB_TARGET inline void dot_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16, const float* dx,
-                              __m256* acc) {
-  const __m256i low4 = _mm256_set1_epi8(15);
+QB_TARGET __attribute__((always_inline)) inline void q4k_step(const uint8_t* blk, const int8_t* x, __m256i pair, int p,
+                                                              __m256i* sum) {
+  const __m256i low4 = _mm256_set1_epi8(15), pick = _mm256_set1_epi16(0x0100);
+  const __m256i v = load(blk + 16 + 32 * p);
+  const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  const __m256i s_lo = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p))));
+  const __m256i s_hi = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p + 2))));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x + 256 * r + 64 * p)), s_lo));
+    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x + 256 * r + 64 * p + 32)), s_hi));
+  }
+}
+
+// R activation rows of a tile (x, s16, dx at block b) against one Q4_K block: the block is decoded in registers once
+// for all R rows. Each row's arithmetic is the same whatever R: its integer sums are exact (their order does not
+// matter), and its float steps are the same two fused multiply-adds into its own 8-lane accumulator.
+template <int R>
+QB_TARGET inline void dot_q4k(const uint8_t* blk, const int8_t* x, const int16_t* s16, const float* dx, __m256* acc) {
   uint32_t s[3]; std::memcpy(s, blk + 4, 12);
   const uint32_t sc_lo = s[0] & 0x3F3F3F3F, mn_lo = s[1] & 0x3F3F3F3F;
   const uint32_t sc_hi = (s[2] & 0x0F0F0F0F) | (((s[0] >> 6) & 0x03030303) << 4);
   const uint32_t mn_hi = ((s[2] >> 4) & 0x0F0F0F0F) | (((s[1] >> 6) & 0x03030303) << 4);
   // int16 scales, one a lane pair: scale j in lanes 2j, 2j + 1 of a 16-lane vector, then broadcast per group
   const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0));
-  const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0));
-  const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1);
   const __m256i pair = _mm256_permute4x64_epi64(sc16, 0x44);  // each half holds scales 0-7
-  __m256i sum[R], odd = _mm256_setzero_si256();
+  __m256i sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-  for (int p = 0; p < 4; ++p) {
-    const __m256i v = load(blk + 16 + 32 * p);
-    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    const __m256i s_lo = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p))));
-    const __m256i s_hi = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p + 2))));
-    if constexpr (R == 1) {  // one row (decoding): two independent chains
-      sum[0] = _mm256_add_epi32(sum[0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x[0] + 64 * p)), s_lo));
-      odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x[0] + 64 * p + 32)), s_hi));
-    } else {
-      for (int r = 0; r < R; ++r)
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x[r] + 64 * p)), s_lo),
-            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x[r] + 64 * p + 32)), s_hi)));
-    }
+  if constexpr (R <= 2) {  // narrow tiles: the four steps unrolled, for the scheduler
+    q4k_step<R>(blk, x, pair, 0, sum); q4k_step<R>(blk, x, pair, 1, sum);
+    q4k_step<R>(blk, x, pair, 2, sum); q4k_step<R>(blk, x, pair, 3, sum);
+  } else {  // wide ones: one step at a time (unrolled, the compiler spills the sums)
+#pragma GCC unroll 1
+    for (int p = 0; p < 4; ++p) q4k_step<R>(blk, x, pair, p, sum);
   }
-  if constexpr (R == 1) sum[0] = _mm256_add_epi32(sum[0], odd);  // integers: the same sum in any order
+  const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0));
   const __m256i mins = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(mn16, 0x50), _mm256_setr_epi8(
       0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
   const float d = f16(blk), dmin = f16(blk + 2);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m256i side = _mm256_madd_epi16(mins, load(s16[r]));
+    const __m256i side = _mm256_madd_epi16(mins, load(s16 + 16 * r));
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * dx[r]), acc[r]);
     acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_set1_ps(dmin * dx[r]), acc[r]);
   }
@@ -293,32 +335,30 @@ QB_TARGET inline void q6k_codes(const uint8_t* blk, int h, __m256i* q) {
 }
 
 template <int R>
-QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* s16, const float* dx,
-                              __m256* acc) {
+QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* x, const int16_t* s16, const float* dx, __m256* acc) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
   const __m256i both = _mm256_broadcastsi128_si256(raw);
-  __m256i sum[R], odd = _mm256_setzero_si256();
+  __m256i sum[R];
   for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
   for (int h = 0; h < 2; ++h) {
     __m256i q[4];
     q6k_codes(blk, h, q);
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const int i = 4 * h + j;
       const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(both, _mm256_setr_m128i(
           _mm_set1_epi16(short(0x0101 * (2 * i))), _mm_set1_epi16(short(0x0101 * (2 * i + 1))))), 8);
-      if (R == 1 && (j & 1)) {  // one row (decoding): two independent chains
-        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x[0] + 32 * i)), sc));
-        continue;
-      }
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x[r] + 32 * i)), sc));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x + 256 * r + 32 * i)), sc));
     }
   }
-  if constexpr (R == 1) sum[0] = _mm256_add_epi32(sum[0], odd);
   const __m256i scales = _mm256_cvtepi8_epi16(raw);
   const float d = f16(blk + 208);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const __m256i side = _mm256_madd_epi16(scales, load(s16[r]));
+    const __m256i side = _mm256_madd_epi16(scales, load(s16 + 16 * r));
     const __m256i total = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(side, 5));
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx[r]), acc[r]);
   }
@@ -341,14 +381,54 @@ struct RowsAt {
   }
 };
 
-// R rows (from row r0 of the activations) against block b of one weight row.
+// One tile's R rows against weight row `row` (all its blocks), into y's column n.
 template <int KIND, int R>
-QB_TARGET inline void kquant_rows(const uint8_t* blk, const Quantised& xq, int64_t r0, int64_t b, __m256* acc) {
-  const RowsAt<KIND, R> at(xq, r0, b);
-  if constexpr (KIND == Q4K) dot_q4k<R>(blk, at.x, at.s16, at.dx, acc);
-  else dot_q6k<R>(blk, at.x, at.s16, at.dx, acc);
+QB_TARGET inline void tile_row(const uint8_t* row, int64_t blocks, const Tiles& t, const Tiles::One& one, float* y,
+                               int64_t N, int64_t n) {
+  constexpr int BYTES = KIND_BYTES[KIND];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* q = t.q.data() + one.q;
+  const int16_t* s16 = t.s16.data() + one.s16;
+  const float* d = t.d.data() + one.d;
+  for (int64_t b = 0; b < blocks; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + (b + 2) * BYTES), _MM_HINT_T0);
+    if constexpr (KIND == Q4K) dot_q4k<R>(row + b * BYTES, q + b * R * 256, s16 + b * R * 16, d + b * R, acc);
+    else dot_q6k<R>(row + b * BYTES, q + b * R * 256, s16 + b * R * 16, d + b * R, acc);
+  }
+  for (int r = 0; r < R; ++r) y[(one.m0 + r) * N + n] = hsum(acc[r]);
 }
 
+// Weight rows n0 .. n1 against every tile. Rows are taken in groups whose activations stay in L2 (about 256 KB), and
+// within a group each weight row meets every tile while it is in L1: the weights are read from memory once a group.
+template <int KIND>
+QB_TARGET void rows_tiled(const uint8_t* w, int64_t row_bytes, int64_t K, const Tiles& t, float* y, int64_t N,
+                          int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 256;
+  const int64_t group = std::max<int64_t>(TILE, (int64_t(256) * 1024 / K) / TILE * TILE);  // rows a group
+  size_t first = 0;
+  while (first < t.tiles.size()) {
+    size_t last = first;
+    while (last < t.tiles.size() && t.tiles[last].m0 + t.tiles[last].R - t.tiles[first].m0 <= group) ++last;
+    if (last == first) last = first + 1;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (size_t i = first; i < last; ++i) {
+        const Tiles::One& one = t.tiles[i];
+        switch (one.R) {
+          case 8: tile_row<KIND, 8>(row, blocks, t, one, y, N, n); break;
+          case 4: tile_row<KIND, 4>(row, blocks, t, one, y, N, n); break;
+          case 3: tile_row<KIND, 3>(row, blocks, t, one, y, N, n); break;
+          case 2: tile_row<KIND, 2>(row, blocks, t, one, y, N, n); break;
+          default: tile_row<KIND, 1>(row, blocks, t, one, y, N, n);
+        }
+      }
+    }
+    first = last;
+  }
+}
+
+// Q5_0 and Q8_0 (32 weights a block): each block unpacked once for a pass of up to MCHUNK rows.
 template <int KIND>
 QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
                          int64_t n0, int64_t n1) {
@@ -362,22 +442,10 @@ QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& x
       const uint8_t* row = w + n * row_bytes;
       for (int64_t m = 0; m < mc; ++m) acc[m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = row + b * BYTES;
-        if constexpr (KIND == Q4K || KIND == Q6K) {
-          int64_t m = 0;
-          for (; m + 4 <= mc; m += 4) kquant_rows<KIND, 4>(blk, xq, m0 + m, b, acc + m);
-          switch (mc - m) {
-            case 3: kquant_rows<KIND, 3>(blk, xq, m0 + m, b, acc + m); break;
-            case 2: kquant_rows<KIND, 2>(blk, xq, m0 + m, b, acc + m); break;
-            case 1: kquant_rows<KIND, 1>(blk, xq, m0 + m, b, acc + m); break;
-            default: break;
-          }
-        } else {
-          unpack<KIND>(blk, u);  // once for the pass's rows
-          for (int64_t m = 0; m < mc; ++m) {
-            const int64_t r = m0 + m;
-            acc[m] = block_dot(u, xq.q.data() + r * K + b * PER, xq.d[r * scales + b], acc[m]);
-          }
+        unpack<KIND>(row + b * BYTES, u);  // once for the pass's rows
+        for (int64_t m = 0; m < mc; ++m) {
+          const int64_t r = m0 + m;
+          acc[m] = block_dot(u, xq.q.data() + r * K + b * PER, xq.d[r * scales + b], acc[m]);
         }
       }
       for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]);
@@ -540,14 +608,19 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
     });
     return y;
   }
+  if (!portable && has_avx2() && (kind == Q4K || kind == Q6K)) {
+    Tiles tiles;
+    make_tiles(xq, tiles);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (kind == Q4K) rows_tiled<Q4K>(wp, row_bytes, K, tiles, yp, N, n0, n1);
+      else rows_tiled<Q6K>(wp, row_bytes, K, tiles, yp, N, n0, n1);
+    });
+    return y;
+  }
   if (!portable && has_avx2()) {
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      switch (kind) {
-        case Q4K: rows_avx2<Q4K>(wp, row_bytes, xq, yp, N, n0, n1); break;
-        case Q6K: rows_avx2<Q6K>(wp, row_bytes, xq, yp, N, n0, n1); break;
-        case Q50: rows_avx2<Q50>(wp, row_bytes, xq, yp, N, n0, n1); break;
-        default: rows_avx2<Q80>(wp, row_bytes, xq, yp, N, n0, n1);
-      }
+      if (kind == Q50) rows_avx2<Q50>(wp, row_bytes, xq, yp, N, n0, n1);
+      else rows_avx2<Q80>(wp, row_bytes, xq, yp, N, n0, n1);
     });
     return y;
   }
