@@ -185,12 +185,12 @@ def test_dequantised_blocks_are_the_reference_weights_rounded_to_bf16(kind):
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
 def test_bf16_prompt_feeds_run_the_blocks_weights_in_bf16_and_every_other_feed_the_blocks(kind, monkeypatch):
     """A prompt feed of bf16 activations (wide) runs bmm16 on the weights rounded to bf16; decoding and verification
-    feeds run the blocks; a mixed feed (wide = n) gives each part the bits it has alone; DRAFTWISE_PROMPT_BF16=0 and
-    float32 activations keep the blocks."""
+    feeds run the blocks; a mixed feed (wide = n) gives each part the bits it has alone, where DRAFTWISE_PROMPT_BF16=1
+    asks for it; by default (and with float32 activations) prompts keep the blocks."""
     kernel = qkernel.load()
     if not kernel.bf16_native():
         pytest.skip("bmm16 runs on CPUs with AVX512-BF16 only; this one has none")
-    monkeypatch.delenv("DRAFTWISE_PROMPT_BF16", raising=False)
+    monkeypatch.setenv("DRAFTWISE_PROMPT_BF16", "1")
     linear, weights = _blocks(kind, 40, 512, seed=6)
     linear.bias = torch.randn(40, generator=torch.Generator().manual_seed(2))
     x = torch.randn(12, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -208,7 +208,7 @@ def test_bf16_prompt_feeds_run_the_blocks_weights_in_bf16_and_every_other_feed_t
                        kernel.qmm_blocks(x.float(), linear.blocks, linear.kind_id, 512, False) + linear.bias)
     fused = qkernel.joined([linear, _blocks("q6_k" if kind == "q4_k" else "q4_k", 8, 512, seed=7)[0]])
     assert torch.equal(fused(x, True)[:, :40], prompt)  # a joined projection passes the feed's kind to its parts
-    monkeypatch.setenv("DRAFTWISE_PROMPT_BF16", "0")
+    monkeypatch.delenv("DRAFTWISE_PROMPT_BF16")  # the default: no bf16 copy, prompts run the blocks
     assert torch.equal(linear(x, True), blocks)
 
 

@@ -175,10 +175,11 @@ def split_feed(linear, x: torch.Tensor, wide: bool | int) -> tuple[torch.Tensor 
 
 def prompt_bf16() -> bool:
     """Whether prompt feeds of bf16 activations run a block projection's weights rounded to bf16 (`BlockLinear`):
-    where the CPU has AVX512-BF16 (bmm16) and DRAFTWISE_PROMPT_BF16 is not 0. It costs 2 bytes a weight more memory
-    (2.6 GB for Qwen2.5-Coder-1.5B), taken at the first prompt."""
+    only where asked (DRAFTWISE_PROMPT_BF16=1) and the CPU has AVX512-BF16 (bmm16). Off by default: it costs 2 bytes
+    a weight more memory (2.6 GB for Qwen2.5-Coder-1.5B, taken at the first prompt), and prompts run the blocks'
+    integer kernel like every other feed."""
     module = load()
-    return module is not None and module.bf16_native() and os.environ.get("DRAFTWISE_PROMPT_BF16", "1") != "0"
+    return module is not None and module.bf16_native() and os.environ.get("DRAFTWISE_PROMPT_BF16", "0") == "1"
 
 
 BLOCK_KINDS = {"q4_k": (0, 256, 144), "q6_k": (1, 256, 210), "q5_0": (2, 32, 22), "q8_0": (3, 32, 34)}
