@@ -212,6 +212,28 @@ def test_bf16_prompt_feeds_run_the_blocks_weights_in_bf16_and_every_other_feed_t
     assert torch.equal(linear(x, True), blocks)
 
 
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q8_0", "q4_1"])
+def test_a_heads_output_rows_cut_to_a_draft_vocabulary_keep_their_bits(kind):
+    """`subset(ids)` (a draft's restricted output vocabulary on a head in its codes or blocks) keeps those rows' codes
+    byte for byte: its product is the full product's columns ids (bit for bit on the blocks), with the bias; a
+    control with the ids shifted is caught."""
+    if kind in BLOCK_KINDS:
+        linear, _ = _blocks(kind, 40, 512, seed=8)
+    else:
+        linear, _ = _linear(kind, 40, 512, seed=8)
+    linear.bias = torch.randn(40, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([0, 3, 4, 17, 21, 38])
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(5))
+    cut = linear.subset(ids)
+    assert cut.out_features == len(ids) and cut.in_features == 512
+    if kind in BLOCK_KINDS:  # every output row of the block kernel is its own sum: the same bits
+        assert torch.equal(cut(x), linear(x)[:, ids])
+    else:  # the codes kernel takes output rows in tiles: the same product up to float32 rounding
+        torch.testing.assert_close(cut(x), linear(x)[:, ids], rtol=1e-6, atol=1e-5)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(linear.subset(ids + 1)(x), linear(x)[:, ids], rtol=1e-6, atol=1e-5)
+
+
 def test_joined_blocks_fuse_runs_of_one_kind():
     """A Q4_K_M layer's q and k (Q4_K) share one product, its v (Q6_K) has its own; the result is the parts'."""
     q, _ = _blocks("q4_k", 8, 256, seed=1)

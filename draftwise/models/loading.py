@@ -302,9 +302,12 @@ def load_draft(
             if isinstance(spec, (str, os.PathLike)):
                 loaded = load_model(spec, device=device or target.device, dtype=dtype or target.dtype,
                                     progress=progress)
-                if path is not None and (Path(path) / OUTPUT_VOCAB_FILE).is_file():
-                    loaded = dataclasses.replace(
-                        loaded, output_ids=read_output_vocabulary(Path(path) / OUTPUT_VOCAB_FILE, loaded.vocab_size))
+                vocabulary = registry.draft_vocabulary(str(spec))  # a registry draft's shipped cut, if any
+                if vocabulary is None and path is not None and (Path(path) / OUTPUT_VOCAB_FILE).is_file():
+                    vocabulary = Path(path) / OUTPUT_VOCAB_FILE
+                if vocabulary is not None:
+                    loaded = dataclasses.replace(loaded, output_ids=read_output_vocabulary(vocabulary,
+                                                                                           loaded.vocab_size))
                 return loaded
             return load_model(spec, device=device, dtype=dtype)
         try:

@@ -81,7 +81,8 @@ def problem() -> str | None:
 
 class _Product:
     """What a projection on draftwise's kernels shares: float activations of any shape in, `_product` (the kernel)
-    on them flattened to float32 rows, the bias added, the activations' type and shape back."""
+    on them flattened to float32 rows, the bias added, the activations' type and shape back (float32 for the LM
+    head's `logits`: the kernel's float32 sums as they are, never rounded to bf16 activations' type)."""
 
     format = "codes"
     out_features: int
@@ -93,12 +94,12 @@ class _Product:
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
         shape = x.shape
         y = self._product(x.reshape(-1, shape[-1]).float().contiguous())
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return (y if logits else y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights (every row), for checks and round trips."""
@@ -145,6 +146,14 @@ class CodesLinear(_Product):
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         return load().qmm(flat, self.codes, self.bits, self.scales, self.zeros, self.group, False)
+
+    def subset(self, index: torch.Tensor) -> "CodesLinear":
+        """Output rows `index` only, their codes as they are (a draft's restricted output vocabulary)."""
+        index = index.reshape(-1).to(torch.long)
+        return CodesLinear.packed(self.kind, self.bits, self.group, self.codes[index].contiguous(),
+                                  self.scales[index].contiguous(),
+                                  None if self.zeros is None else self.zeros[index].contiguous(),
+                                  None if self.bias is None else self.bias[index], self.in_features)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros) if t is not None)
@@ -206,13 +215,16 @@ class BlockLinear(_Product):
         self.bias = None if bias is None else bias.float()
         self._wide = None  # the weights in bf16 for prompt feeds (`prompt_bf16`), built at the first one
 
-    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
         """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
-        verification forward that also carries prompt chunks): each part runs as it would alone. With bf16
+        verification forward that also carries prompt chunks): each part runs as it would alone. logits: the LM
+        head's product, float32 out whatever the activations (an LM head runs no prompt feed). With bf16
         activations on a CPU with AVX512-BF16, a prompt runs the weights rounded to bf16 through `bmm16` (a prompt's
         product is bound by arithmetic, which bf16 pairs do at about twice the int8 blocks' rate here); decoding and
         verification read the blocks (bound by reading weights). Which path a token takes depends only on whether it
         is a prompt token, never on its batch-mates."""
+        if logits:
+            return super().__call__(x, logits=True)
         mixed, wide = split_feed(self, x, wide)
         if mixed is not None:
             return mixed
@@ -227,6 +239,12 @@ class BlockLinear(_Product):
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         return load().qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
+
+    def subset(self, index: torch.Tensor) -> "BlockLinear":
+        """Output rows `index` only, their blocks byte for byte (a draft's restricted output vocabulary)."""
+        index = index.reshape(-1).to(torch.long)
+        return BlockLinear(self.kind, self.blocks[index], self.in_features,
+                           None if self.bias is None else self.bias[index])
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -248,8 +266,8 @@ class JoinedLinear:
         self.out_features = sum(p.out_features for p in parts)
         self.in_features = parts[0].in_features
 
-    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
-        return torch.cat([p(x, wide) for p in self.parts], dim=-1)
+    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
+        return torch.cat([p(x, wide, logits=logits) for p in self.parts], dim=-1)
 
     def dequantized(self) -> torch.Tensor:
         return torch.cat([p.dequantized() for p in self.parts])

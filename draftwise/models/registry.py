@@ -212,6 +212,22 @@ register(_chunked_entry(
 _DEFAULT_DRAFTS[QWEN_TARGET] = (QWEN_DRAFT,)
 
 
+# A draft's output vocabulary shipped for a registry draft (FR-Spec): its LM head runs over these rows only, every
+# other token gets probability zero (speculative sampling stays exact). The 0.5B's head is 30% of its file; the 32k
+# tokens most frequent in what the 1.5B writes (benchmarks/draft_vocab.py) cut it to a fifth.
+_DRAFT_VOCABS = {QWEN_DRAFT: "qwen2.5-coder-1.5b.json"}
+
+
+def draft_vocabulary(name: str) -> Path | None:
+    """The shipped output vocabulary of registry draft `name` (None if it has none, or DRAFTWISE_DRAFT_VOCAB=0)."""
+    import os
+
+    if name not in _DRAFT_VOCABS or os.environ.get("DRAFTWISE_DRAFT_VOCAB", "1") == "0":
+        return None
+    path = Path(__file__).resolve().parent.parent / "weights" / "vocab" / _DRAFT_VOCABS[name]
+    return path if path.is_file() else None
+
+
 # --- Drafts trained by draftwise, shipped in the package (draftwise/weights/<name>/) -------
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.fast import FastModel, fast_disabled, paged_enabled, supports
+from draftwise.models.fast import FastModel, fast_disabled, float32_product, head_logits, paged_enabled, supports
 from draftwise.models.kvcache import PagedCache, PositionCache, check_supported, sliding_window
 
 # Families whose decoder layer is exactly pre-norm attention + MLP with rotary q/k (Llama's): the runner can
@@ -110,23 +110,33 @@ class ModelRunner:
         self.feature_layers: tuple[int, ...] = ()
         # A restricted output vocabulary (a draft's, `output-vocab.json`): the LM head runs over those rows only,
         # every other token gets logit -inf (probability zero, which keeps speculative sampling exact).
-        self._out_ids = self._out_weight = self._out_bias = None
+        # A head kept in its GGUF codes or blocks (CodesProjection) keeps those rows' codes, byte for byte.
+        self._out_ids = self._out_weight = self._out_bias = self._out_linear = None
         if output_ids is not None:
+            from draftwise.models.qkernel import CodesProjection
+
             head = model.get_output_embeddings()
-            if not self._split or not isinstance(head, torch.nn.Linear):
+            coded = isinstance(head, CodesProjection) and hasattr(head.linear, "subset")
+            if not self._split or not (isinstance(head, torch.nn.Linear) or coded):
                 raise DraftwiseError(f"a restricted output vocabulary needs a plain LM head; "
                                      f"{getattr(config, 'model_type', '?')} models are not supported")
             self._out_ids = output_ids.to(device=self.device, dtype=torch.long)
-            self._out_weight = head.weight.detach()[self._out_ids].contiguous()
-            self._out_bias = None if head.bias is None else head.bias.detach()[self._out_ids]
+            if coded:
+                self._out_linear = head.linear.subset(self._out_ids)
+            else:
+                self._out_weight = head.weight.detach()[self._out_ids].contiguous()
+                self._out_bias = None if head.bias is None else head.bias.detach()[self._out_ids]
             self._out_width = head.out_features
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         if self._out_ids is None:
             if self.fast is not None:
                 return self.fast.logits(states)
-            return self.model.get_output_embeddings()(states)
-        small = torch.nn.functional.linear(states, self._out_weight, self._out_bias)
+            return head_logits(self.model.get_output_embeddings(), states)
+        if self._out_linear is not None:
+            small = self._out_linear(states)
+        else:
+            small = float32_product(states, self._out_weight, self._out_bias)
         return full_vocabulary_logits(small, self._out_ids, self._out_width)
 
     def _new_cache(self) -> PositionCache:
