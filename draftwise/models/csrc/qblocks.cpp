@@ -428,29 +428,47 @@ QB_TARGET void rows_tiled(const uint8_t* w, int64_t row_bytes, int64_t K, const 
   }
 }
 
-// Q5_0 and Q8_0 (32 weights a block): each block unpacked once for a pass of up to MCHUNK rows.
-template <int KIND>
-QB_TARGET void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
-                         int64_t n0, int64_t n1) {
+// Q5_0 and Q8_0 (32 weights a block): NW weight rows at a time, each block unpacked once for a pass of up to
+// MCHUNK activation rows. A row's float sum over the blocks is one chain of fused multiply-adds, so several weight
+// rows side by side keep the multipliers busy while each chain waits (one activation row: decoding). A product's
+// arithmetic is the same whatever NW and the number of activation rows: the same bits.
+template <int KIND, int NW>
+QB_TARGET void rows_small(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
+                          int64_t n0, int64_t n1) {
   constexpr int PER = KIND_WEIGHTS[KIND], BYTES = KIND_BYTES[KIND];
   const int64_t K = xq.K, blocks = K / PER, scales = K / xq.qblock;
-  __m256 acc[MCHUNK];
-  Block u;
+  __m256 acc[NW][MCHUNK];
+  Block u[NW];
   for (int64_t m0 = 0; m0 < xq.M; m0 += MCHUNK) {
     const int64_t mc = std::min<int64_t>(MCHUNK, xq.M - m0);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      for (int64_t m = 0; m < mc; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t n = n0; n < n1; n += NW) {
+      const int nw = int(std::min<int64_t>(NW, n1 - n));
+      for (int i = 0; i < NW; ++i)
+        for (int64_t m = 0; m < mc; ++m) acc[i][m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
-        unpack<KIND>(row + b * BYTES, u);  // once for the pass's rows
+        for (int i = 0; i < NW; ++i) {
+          const uint8_t* blk = w + (n + std::min(i, nw - 1)) * row_bytes + b * BYTES;  // past n1: a copy, unused
+          _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BYTES), _MM_HINT_T0);
+          unpack<KIND>(blk, u[i]);  // once for the pass's rows
+        }
         for (int64_t m = 0; m < mc; ++m) {
           const int64_t r = m0 + m;
-          acc[m] = block_dot(u, xq.q.data() + r * K + b * PER, xq.d[r * scales + b], acc[m]);
+          const int8_t* x = xq.q.data() + r * K + b * PER;
+          const float dx = xq.d[r * scales + b];
+          for (int i = 0; i < NW; ++i) acc[i][m] = block_dot(u[i], x, dx, acc[i][m]);
         }
       }
-      for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]);
+      for (int i = 0; i < nw; ++i)
+        for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n + i] = hsum(acc[i][m]);
     }
   }
+}
+
+template <int KIND>
+void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N, int64_t n0,
+               int64_t n1) {
+  if (xq.M <= 2) rows_small<KIND, 4>(w, row_bytes, xq, y, N, n0, n1);
+  else rows_small<KIND, 1>(w, row_bytes, xq, y, N, n0, n1);
 }
 
 // ---- AVX512-VNNI: the same integer lanes, summed four products an instruction -----------------------------------
