@@ -46,7 +46,7 @@ def main() -> None:
         for ids in tokenizer(texts[i: i + 512], add_special_tokens=False)["input_ids"]:
             counts.update(ids)
     sharegpt_tokens = sum(counts.values())
-    answers = read_answers(args.answers)
+    answers = list(read_answers(args.answers))
     held_out = answers[3::4]
     for a in answers:
         if a not in held_out:
