@@ -24,6 +24,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from draftwise.errors import DraftwiseError
+from draftwise.models.fast import FloatLinear, float32_product
 from draftwise.models.qkernel import out_rows, weight_rows
 
 CONFIG_FILE = "eagle.json"
@@ -103,6 +104,7 @@ class EagleHead(DraftHead):
         self._shared["embed"] = target_model.get_input_embeddings()
         head = target_model.get_output_embeddings()
         self._shared["head_weight"] = weight_rows(head, self.vocab_ids.to(self.fc.weight.device)).to(self.fc.weight.dtype)
+        self._shared["head_product"] = FloatLinear(self._shared["head_weight"])
         return self
 
     @property
@@ -115,6 +117,7 @@ class EagleHead(DraftHead):
         moved = super().to(*args, **kwargs)
         if "head_weight" in self._shared:
             self._shared["head_weight"] = self._shared["head_weight"].to(self.fc.weight.device, self.fc.weight.dtype)
+            self._shared["head_product"] = FloatLinear(self._shared["head_weight"])
         return moved
 
     def forward(
@@ -129,8 +132,15 @@ class EagleHead(DraftHead):
         return out.last_hidden_state
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., draft_vocab]."""
-        return predicted @ self.head_weight.T
+        """[..., H] -> [..., draft_vocab] float32, whatever the head's type (never rounded to bf16): drafting runs the
+        shared rows through `FloatLinear` (draftwise's kernel, its float32 sums as they are), training (autograd on)
+        through `float32_product`."""
+        if torch.is_grad_enabled():
+            return float32_product(predicted, self.head_weight)
+        product = self._shared.get("head_product")
+        if product is None:
+            raise DraftwiseError("EAGLE head used before attach(target_model)")
+        return product(predicted, logits=True)
 
     def save(self, directory: str | Path, *, dtype: torch.dtype = torch.float16) -> None:
         directory = Path(directory)

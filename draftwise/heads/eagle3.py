@@ -35,6 +35,7 @@ from torch import nn
 
 from draftwise.heads.eagle import DraftHead
 from draftwise.errors import DraftwiseError
+from draftwise.models.fast import float32_product
 from draftwise.models.qkernel import out_rows, weight_rows
 
 CONFIG_FILE = "eagle3.json"
@@ -327,9 +328,12 @@ class Eagle3Head(DraftHead):
                          attention_mask=attention_mask).last_hidden_state
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """[..., H] pre-norm outputs -> [..., draft_vocab]."""
+        """[..., H] pre-norm outputs -> [..., draft_vocab] float32, whatever the head's type (never rounded to bf16):
+        the packed head's kernel sums as they are, or `float32_product` (autograd flows through it)."""
         packed = self.body.packed()
-        return (packed["lm_head"] if packed is not None else self.lm_head)(self.norm(predicted))
+        if packed is not None:
+            return packed["lm_head"](self.norm(predicted), logits=True)
+        return float32_product(self.norm(predicted), self.lm_head.weight, self.lm_head.bias)
 
     # ---- files ----
 

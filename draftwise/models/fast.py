@@ -48,7 +48,8 @@ class FloatLinear:
     (`qkernel`'s fmm: a row's sums in one order whatever the number of rows, float32 inside, rounded to the
     activations' type) for every feed; bf16 weights and activations on a CPU with AVX512-BF16 through its `bmm16`
     (bf16 products summed in float32, about 3x fmm's speed there; the same for every feed too). Where the kernel is not
-    built (or DRAFTWISE_INVARIANT=0), through oneDNN with a prepacked weight."""
+    built (or DRAFTWISE_INVARIANT=0), through oneDNN with a prepacked weight. `logits=True` (the LM head): float32
+    out, the kernel's float32 sums as they are (`float32_product` where no kernel runs)."""
 
     format = "float"
 
@@ -73,19 +74,21 @@ class FloatLinear:
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
             except RuntimeError:  # bf16 on a CPU without AVX512-BF16/AVX-NE-CONVERT (e.g. AMD Zen 3): plain F.linear
                 self._packed = False
-        return self._packed or None
+        return None if self._packed is None or self._packed is False else self._packed  # (a tensor has no bool)
 
-    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
         shape = x.shape
         if self._invariant is not None:
             flat = x.reshape(-1, shape[-1])
-            if self._bf16 is not None and x.dtype == torch.bfloat16:  # the bias added and rounded in the kernel
-                y = self._bf16(flat.contiguous(), self.weight, self._bias32, True)
+            if self._bf16 is not None and x.dtype == torch.bfloat16:  # the bias added (and rounded) in the kernel
+                y = self._bf16(flat.contiguous(), self.weight, self._bias32, not logits)
                 return y.reshape(*shape[:-1], self.out_features)
             y = self._invariant(flat.float().contiguous(), self.weight, False)
             if self._bias32 is not None:
                 y = y + self._bias32
-            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+            return (y if logits else y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
+        if logits and not (x.dtype == self.weight.dtype == torch.float32):
+            return float32_product(x, self.weight, self.bias)
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, self.bias)
@@ -115,11 +118,17 @@ class Int8Linear:
         q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
         return cls(q, scales, bias, weight.dtype)
 
-    def __call__(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool = False, *, logits: bool = False) -> torch.Tensor:
+        """logits: the LM head's product, float32 activations and scales whatever the activations' type (the
+        kernel's output type is theirs): float32 logits, not rounded to bf16."""
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
+        flat, scales, bias = x.reshape(-1, shape[-1]), self.scales, self.bias
+        if logits:
+            flat, scales = flat.float(), scales.float()
+            bias = None if bias is None else bias.float()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales)
+        if bias is not None:
+            y = y + bias
         return y.reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
@@ -149,11 +158,23 @@ class Int4Linear:
         self.scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         self.bias = None if bias is None else bias.to(dtype)
         self._wide: FloatLinear | None = None  # built at the first prompt feed
+        self._scales_zeros32: torch.Tensor | None = None  # the LM head's (`logits`), widened at its first product
 
-    def __call__(self, x: torch.Tensor, wide: bool | int = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
         """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
-        verification forward that also carries prompt chunks): each part runs as it would alone."""
+        verification forward that also carries prompt chunks): each part runs as it would alone. logits: the LM
+        head's product, run in float32 (the same weights: scales and zeros as held, widened) so that the logits
+        are float32 and not rounded to the activations' type; PyTorch's float32 int4 path is several times slower
+        than its bf16 one, a cost paid only where draftwise's codes kernel is not built."""
         shape = x.shape
+        if logits:
+            if self._scales_zeros32 is None:
+                self._scales_zeros32 = self.scales_zeros.float()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).float(), self.packed,
+                                                            self.group, self._scales_zeros32)
+            if self.bias is not None:
+                y = y + self.bias.float()
+            return y.reshape(*shape[:-1], self.out_features)
         mixed, wide = split_feed(self, x, wide)
         if mixed is not None:
             return mixed
@@ -403,7 +424,8 @@ class FastModel:
         return self._rms(h, self.norm), [captured[i] for i in features], pack
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
-        return self.head(states)
+        """The LM head's logits, float32 whatever the activations (never rounded to bf16)."""
+        return self.head(states, logits=True)
 
     @property
     def reads_pages(self) -> bool:
@@ -417,6 +439,34 @@ class FastModel:
             return
         cache.allocate(len(self.layers), cache.buffer_shape(rows, self.num_kv_heads, self.head_dim), self.cache_dtype,
                        self.device)
+
+
+WIDEN_ELEMENTS = 1 << 22  # `float32_product` widens this many weights at a time (16 MB of float32)
+
+
+def float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) summed in float32 with a float32 result, whatever the float types of x and W: an LM head's logits
+    where no kernel of draftwise's runs (the generic path, a draft's restricted vocabulary, EAGLE heads in training,
+    GPUs). Float32 x and W: F.linear as it is; otherwise x and the weights widened to float32, the weights a slice
+    of rows at a time (no full float32 copy of a large head), and the slices' results side by side. Autograd flows
+    through it (to x and W)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    x = x.float()
+    bias = None if bias is None else bias.float()
+    step = max(1, WIDEN_ELEMENTS // max(1, weight.shape[1]))
+    if weight.shape[0] <= step:
+        return F.linear(x, weight.float(), bias)
+    return torch.cat([F.linear(x, weight[i: i + step].float(), None if bias is None else bias[i: i + step])
+                      for i in range(0, weight.shape[0], step)], dim=-1)
+
+
+def head_logits(head, states: torch.Tensor) -> torch.Tensor:
+    """A transformers model's LM head module (`get_output_embeddings()`) applied to `states`, float32 out: a head
+    kept in its GGUF codes runs its kernel's float32 sums as they are, a float head `float32_product`."""
+    if isinstance(head, CodesProjection):
+        return head.linear(states, logits=True)
+    return float32_product(states, head.weight, head.bias)
 
 
 def invariant_kernel(name: str):
