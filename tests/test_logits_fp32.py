@@ -9,7 +9,8 @@ answer token and answered "L'Étoile"). What is proven here:
   activations, returns float32 equal to the float64 product of the weights it holds, within float32 rounding; as a
   decoder projection it still returns the activations' type;
 - a runner's logits are float32 for every format and activation type the fast forward takes, on the generic path
-  (Llama with the fast path off; GPT-2) and through a draft's restricted output vocabulary;
+  (Llama with the fast path off; GPT-2) and through a draft's restricted output vocabulary (float rows, or rows of a
+  head in its codes: the full head's columns);
 - on SmolLM2 loaded as a CPU with native bf16 loads it by default (its GGUF codes, bf16 activations), fast path and
   generic path, the logits show no exact tie among any position's top 8 that a float64 reference from the same
   final states and the head's own weights lacks; the same logits rounded to bf16 (the negative control) are caught
@@ -270,6 +271,19 @@ def test_smollm2_default_logits_show_no_tie_the_reference_lacks(smollm2_default_
     """The issue's prompt: its first answer token's "L" and "The" tied at -1.884 in bf16 logits."""
     check_against_reference(smollm2_default_bf16, "What is the capital of France?", fast=fast,
                             monkeypatch=monkeypatch, min_control=5)
+
+
+def test_a_restricted_vocabulary_on_a_head_in_codes_writes_its_rows_float32_logits(smollm2_default_bf16,
+                                                                                     monkeypatch):
+    """A draft's output vocabulary cut from a head in its codes: float32, the full head's columns (within float32
+    rounding: the kernel may group output rows differently)."""
+    monkeypatch.setenv("DRAFTWISE_FAST", "1")
+    ids = torch.arange(0, smollm2_default_bf16.vocab_size, 7)
+    tokens = torch.tensor([[1, 504, 3458, 314, 260]])
+    full = ModelRunner(smollm2_default_bf16.model).forward_rows(tokens, [5]).logits
+    cut = ModelRunner(smollm2_default_bf16.model, output_ids=ids).forward_rows(tokens, [5]).logits
+    assert full.dtype == cut.dtype == torch.float32
+    assert _error(cut[..., ids], full[..., ids]) < FP32
 
 
 @pytest.mark.slow

@@ -134,7 +134,7 @@ class ModelRunner:
                 return self.fast.logits(states)
             return head_logits(self.model.get_output_embeddings(), states)
         if self._out_linear is not None:
-            small = self._out_linear(states)
+            small = self._out_linear(states, logits=True)
         else:
             small = float32_product(states, self._out_weight, self._out_bias)
         return full_vocabulary_logits(small, self._out_ids, self._out_width)
