@@ -95,10 +95,13 @@ class _Product:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():  # the fast forward's packed rows
+            y = self._product(x)
+            return y if self.bias is None else y.add_(self.bias)  # in place: y + bias's bits, no new tensor
         shape = x.shape
         y = self._product(x.reshape(-1, shape[-1]).float().contiguous())
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return (y if logits else y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
