@@ -80,7 +80,8 @@ const auto quantise_fast = draftwise_simd::avx2_fma;
 void quantise(const float* x, int64_t M, int64_t K, int64_t qblock, Quantised& out) {
   out.M = M; out.K = K; out.qblock = qblock;
   out.q.resize(M * K); out.d.resize(M * (K / qblock)); out.s16.resize(M * (K / 16));
-  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+  // on the calling thread unless there are over a million activations
+  at::parallel_for(0, M, std::max<int64_t>(4, (int64_t(1) << 20) / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* xr = x + m * K;
       int8_t* qr = out.q.data() + m * K;
@@ -259,7 +260,9 @@ inline void make_tiles(const Quantised& xq, Tiles& t) {
     t.tiles.push_back({m0, R, m0 * K, m0 * (K / 16), m0 * blocks});
     m0 += R;
   }
-  at::parallel_for(0, int64_t(t.tiles.size()), 1, [&](int64_t i0, int64_t i1) {
+  // a copy of M x K bytes: on the calling thread unless there are several MB of it
+  at::parallel_for(0, int64_t(t.tiles.size()), std::max<int64_t>(1, (int64_t(4) << 20) / (TILE * K)),
+                   [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Tiles::One& one = t.tiles[i];
       for (int64_t b = 0; b < blocks; ++b)
@@ -618,9 +621,13 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
+  // Weight rows a thread takes at least: about 4M multiply-adds (~0.1 ms), so a small product runs on the calling
+  // thread alone. Waking a second thread costs tens of microseconds on a quiet machine and a scheduler tick (ms) on
+  // a busy one. Which thread computes a row never changes its bits.
+  const int64_t grain = std::max<int64_t>(16, (int64_t(4) << 20) / std::max<int64_t>(1, K * M));
 #ifdef QB_X86
   if (!portable && vnni && (kind == Q4K || kind == Q6K) && has_vnni()) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       if (kind == Q4K) rows_vnni<Q4K>(wp, row_bytes, xq, yp, N, n0, n1);
       else rows_vnni<Q6K>(wp, row_bytes, xq, yp, N, n0, n1);
     });
@@ -629,21 +636,21 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
   if (!portable && has_avx2() && (kind == Q4K || kind == Q6K)) {
     Tiles tiles;
     make_tiles(xq, tiles);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       if (kind == Q4K) rows_tiled<Q4K>(wp, row_bytes, K, tiles, yp, N, n0, n1);
       else rows_tiled<Q6K>(wp, row_bytes, K, tiles, yp, N, n0, n1);
     });
     return y;
   }
   if (!portable && has_avx2()) {
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       if (kind == Q50) rows_avx2<Q50>(wp, row_bytes, xq, yp, N, n0, n1);
       else rows_avx2<Q80>(wp, row_bytes, xq, yp, N, n0, n1);
     });
     return y;
   }
 #endif
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_scalar(int(kind), wp, row_bytes, xq, yp, N, n0, n1); });
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { rows_scalar(int(kind), wp, row_bytes, xq, yp, N, n0, n1); });
   return y;
 }
 
