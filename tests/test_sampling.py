@@ -18,7 +18,8 @@ from transformers.generation.logits_process import (
 )
 
 from draftwise.errors import DraftwiseError
-from draftwise.engine.sampling import SamplingConfig, make_generator, one_hot_argmax, sample, unwarped, warp
+from draftwise.engine.sampling import (GREEDY_BELOW, SamplingConfig, is_greedy, make_generator, one_hot_argmax, sample,
+                                      unwarped, warp)
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -54,6 +55,43 @@ def test_greedy_flag():
     assert SamplingConfig(temperature=0).greedy
     assert SamplingConfig(temperature=0.0).greedy
     assert not SamplingConfig(temperature=1e-3).greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-39, 1e-38, 1e-20, 1e-6, 9.99e-6])
+def test_temperatures_below_1e_5_are_greedy(temperature):
+    """As vLLM: below 1e-5 is greedy, decided in one place (`is_greedy`) and stored as 0, so the warp is the argmax's
+    one-hot (dividing by 1e-300 made every logit +-inf: NaN probabilities, a garbage token) and every reader of
+    the config (plans, profiles, the registry's trained files and heads) sees temperature 0."""
+    config = SamplingConfig(temperature=temperature, top_k=3, top_p=0.5)
+    assert config.greedy and is_greedy(temperature)
+    assert config.temperature == 0.0 and config == SamplingConfig(0.0, top_k=3, top_p=0.5)
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 30
+    assert torch.equal(warp(logits, config), warp(logits, SamplingConfig(0.0)))
+    assert torch.equal(warp(logits.half(), config).argmax(-1), logits.half().float().argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [GREEDY_BELOW, 1e-5, 1.0000001e-5, 1e-3])
+def test_temperatures_from_1e_5_sample(temperature):
+    config = SamplingConfig(temperature=temperature)
+    assert not config.greedy and not is_greedy(temperature) and config.temperature == temperature
+
+
+def test_the_registry_picks_the_greedy_head_below_1e_5(monkeypatch):
+    """The registry's choice of draft (the sampled-answer head at T > 0) follows the same threshold."""
+    from draftwise.models import registry
+
+    class Ready:
+        role = "eagle"
+
+        def cached(self):
+            return "ready"
+
+    monkeypatch.setitem(registry._ENTRIES, "greedy-head", Ready())
+    monkeypatch.setitem(registry._ENTRIES, "sampled-head", Ready())
+    monkeypatch.setitem(registry._DEFAULT_DRAFTS, "some-target", ("greedy-head",))
+    monkeypatch.setitem(registry._SAMPLED_HEADS, "some-target", "sampled-head")
+    pick = lambda t: registry.default_draft_for("some-target", eagle_ok=True, temperature=t)  # noqa: E731
+    assert [pick(t) for t in (0.0, 1e-300, 9e-6, 1e-5, 1.0)] == ["greedy-head"] * 3 + ["sampled-head"] * 2
 
 
 # ----------------------------------------------------------------------------- temperature, top-k, top-p

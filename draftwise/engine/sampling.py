@@ -4,6 +4,8 @@ Every distribution a method compares (target, draft, companion) goes through
 `warp` with the same `SamplingConfig`, so ratios are taken between like and like.
 Temperature 0 means greedy: the warped distribution is one-hot at the argmax
 (the first index on ties, as `torch.argmax` and transformers' greedy search do).
+So does any temperature below `GREEDY_BELOW` (1e-5, as vLLM): `is_greedy` is the one
+place that decides it, and `SamplingConfig` stores such a temperature as 0.
 """
 
 from __future__ import annotations
@@ -16,6 +18,18 @@ import torch
 from draftwise.errors import DraftwiseError
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy, as in vLLM: dividing logits by a tiny temperature overflows to inf (any
+T below about 1.2e-38 made every logit inf or -inf, and softmax NaN or a wrong token), and long before that the
+distribution is one-hot at the argmax in all but ties."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether `temperature` means greedy decoding: the one place this is decided (`SamplingConfig.greedy`, the
+    registry's choice of draft head)."""
+    return temperature < GREEDY_BELOW
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 1.0
@@ -24,15 +38,18 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise DraftwiseError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+            raise DraftwiseError(f"temperature must be >= 0 (0, or below {GREEDY_BELOW:g}, means greedy), "
+                                 f"got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise DraftwiseError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:  # also False for NaN
             raise DraftwiseError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
+        if is_greedy(self.temperature):  # stored as 0: every reader (plans, profiles, trained files) sees greedy
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return is_greedy(self.temperature)
 
 
 def argmax_last(x: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,12 @@ def default_independent_draft(target: str) -> str | None:
 def default_draft_for(target: str, *, eagle_ok: bool, temperature: float = 0.0) -> str | None:
     """The registry's best ready draft for a registry target and a method: the EAGLE head where the
     method can draft with one (`eagle_ok`), else the independent draft model. None if there is none.
-    At a temperature > 0, the head trained on sampled answers comes first where the registry has one ready."""
+    At a temperature that is not greedy (`is_greedy`: 1e-5 and above), the head trained on sampled answers comes
+    first where the registry has one ready."""
+    from draftwise.engine.sampling import is_greedy
+
     sampled = _SAMPLED_HEADS.get(target)
-    if eagle_ok and temperature > 0 and sampled and _ENTRIES[sampled].cached() == "ready":
+    if eagle_ok and not is_greedy(temperature) and sampled and _ENTRIES[sampled].cached() == "ready":
         return sampled
     for name in _DEFAULT_DRAFTS.get(target, ()):
         if (eagle_ok or _ENTRIES[name].role != "eagle") and _ENTRIES[name].cached() == "ready":

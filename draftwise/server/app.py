@@ -1,10 +1,12 @@
 """The OpenAI-compatible ASGI app (Starlette): completions, chat, models, health and metrics.
 
-A request goes: API key -> body size -> JSON -> OpenAI parameters (`protocol.parse`) -> model name
--> method and options (`Service.prepare`, with the API's own checks) -> queue room -> the engine
-thread. Every refusal is OpenAI's error JSON. A generation is answered by `_Generation`, an ASGI
-response that also listens for the client going away: then (or on a server shutdown that runs out
-of time) the engine request is cancelled and its row freed.
+A request goes: API key -> JSON content type -> body size -> JSON -> OpenAI parameters (`protocol.parse`) -> model
+name -> method and options (`Service.prepare`, with the API's own checks) -> queue room -> the engine thread. Every
+refusal is OpenAI's error JSON. A POST's body must be declared `application/json` (else 415), so a web page cannot
+send one as a "simple" cross-site request (text/plain, a form) that no CORS preflight guards; CORS itself is off
+unless `ServerConfig.cors_origins` (`serve --cors-origin`) names the origins it allows. A generation is answered by
+`_Generation`, an ASGI response that also listens for the client going away: then (or on a server shutdown that
+runs out of time) the engine request is cancelled and its row freed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -52,7 +56,11 @@ def create_app(service: Service) -> Starlette:
         Route("/health", functools.partial(_health, service), methods=["GET"]),
         Route("/metrics", functools.partial(_metrics, service), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = []
+    if service.config.cors_origins:  # asked for: only then may another origin's page read the answers
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(service.config.cors_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.service = service
     return app
@@ -91,6 +99,20 @@ def _authorize(service: Service, request: HttpRequest) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
         raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+JSON_TYPE = "application/json"
+
+
+def _require_json(request: HttpRequest) -> None:
+    """415 unless the request declares a JSON body (`application/json`, parameters such as charset allowed), as
+    vLLM's server: text/plain, form and multipart bodies, or none declared, are what a browser sends cross-site
+    without a CORS preflight, so serving them would let any web page spend this machine's compute."""
+    declared = request.headers.get("content-type")
+    if declared is None or declared.split(";", 1)[0].strip().lower() != JSON_TYPE:
+        got = f"got {protocol.short(declared, 80)}" if declared is not None else "none was given"
+        raise ApiError(415, f"the request body must be JSON with the header 'Content-Type: {JSON_TYPE}'; {got}",
+                       param="Content-Type", code="unsupported_media_type")
 
 
 class _ClientGone(Exception):
@@ -141,6 +163,7 @@ async def _generate(service: Service, request: HttpRequest, *, chat: bool) -> Re
     arrived = time.perf_counter()  # latencies count from here: parsing and tokenizing included
     try:
         _authorize(service, request)
+        _require_json(request)  # every /v1 POST: both generation paths come here
         if service.stopping or not service.worker.alive:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
         parsed = protocol.parse(await _read_json(request, service.config.max_body_bytes,

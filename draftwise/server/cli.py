@@ -33,6 +33,10 @@ def add_parsers(sub: argparse._SubParsersAction, *, default_target: str, method_
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
                    f"${API_KEY_ENV} when set, else no key)")
+    p.add_argument("--cors-origin", dest="cors_origins", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. http://localhost:3000; repeatable; '*' for any) call /v1 "
+                   "cross-site (CORS). Off by default: no CORS headers, preflights refused. POST bodies must be "
+                   "'Content-Type: application/json' either way (else 415)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests decoding together (engine rows)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; more get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -132,7 +136,8 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
         config = ServerConfig(model_name=args.served_model_name or args.target, method=args.method, options=options,
                               gamma=args.gamma, api_key=api_key, max_batch_size=args.max_batch_size,
                               max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_engines=args.max_engines,
-                              prefix_cache_mb=args.prefix_cache_mb, body_timeout_s=args.body_timeout)
+                              prefix_cache_mb=args.prefix_cache_mb, body_timeout_s=args.body_timeout,
+                              cors_origins=tuple(args.cors_origins or ()))
         service = Service(config, target, draft, companion, sampled_draft=sampled)
         warmed = service.warm_up() if args.warm_up else None
         warm = f"; warmed up in {warmed:.1f} s" if warmed is not None else ""

@@ -50,7 +50,8 @@ class ApiError(Exception):
     """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+             429: "rate_limit_error",
              500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -142,7 +143,8 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     temperature = body.get("temperature")
     if temperature is not None:
         if not _is_number(temperature) or not 0 <= temperature <= 2:
-            raise ApiError(400, f"temperature must be a number in [0, 2] (0 means greedy), got {short(temperature)}",
+            raise ApiError(400, f"temperature must be a number in [0, 2] (below 1e-5 means greedy), got "
+                           f"{short(temperature)}",
                            param="temperature")
         parsed.temperature = float(temperature)
     top_p = body.get("top_p")

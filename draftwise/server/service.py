@@ -37,6 +37,7 @@ class ServerConfig:
     max_engines: int = 8  # (method, options) engines kept; idle ones beyond it are dropped
     retry_after_s: int = 1
     prefix_cache_mb: float = 256.0  # prompt prefixes' keys and values kept for reuse, per engine; 0: off
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed cross-site (CORS); none: CORS off
 
 
 # Options that name a file or a model: only the server's command line sets them, never a request.
