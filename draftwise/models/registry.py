@@ -13,6 +13,7 @@ draftwise cache; later loads read that directory directly.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -223,11 +224,9 @@ _DRAFT_VOCABS = {QWEN_DRAFT: "qwen2.5-coder-1.5b.json"}
 
 def draft_vocabulary(name: str) -> Path | None:
     """The shipped output vocabulary of registry draft `name` (None if it has none, or DRAFTWISE_DRAFT_VOCAB=0)."""
-    import os
-
     if name not in _DRAFT_VOCABS or os.environ.get("DRAFTWISE_DRAFT_VOCAB", "1") == "0":
         return None
-    path = Path(__file__).resolve().parent.parent / "weights" / "vocab" / _DRAFT_VOCABS[name]
+    path = WEIGHTS_DIR / "vocab" / _DRAFT_VOCABS[name]
     return path if path.is_file() else None
 
 

@@ -113,10 +113,10 @@ class ModelRunner:
         # A head kept in its GGUF codes or blocks (CodesProjection) keeps those rows' codes, byte for byte.
         self._out_ids = self._out_weight = self._out_bias = self._out_linear = None
         if output_ids is not None:
-            from draftwise.models.qkernel import CodesProjection
+            from draftwise.models.qkernel import BlockLinear, CodesLinear, CodesProjection
 
             head = model.get_output_embeddings()
-            coded = isinstance(head, CodesProjection) and hasattr(head.linear, "subset")
+            coded = isinstance(head, CodesProjection) and isinstance(head.linear, (BlockLinear, CodesLinear))
             if not self._split or not (isinstance(head, torch.nn.Linear) or coded):
                 raise DraftwiseError(f"a restricted output vocabulary needs a plain LM head; "
                                      f"{getattr(config, 'model_type', '?')} models are not supported")

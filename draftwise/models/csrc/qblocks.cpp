@@ -243,7 +243,8 @@ QB_TARGET inline __m256 block_dot(const Block& u, const int8_t* x, float dx, __m
 constexpr int TILE = 8;
 
 struct Tiles {
-  struct One { int64_t m0; int R; int64_t q, s16, d; };  // first row, rows, offsets into the buffers
+  // a tile's first row and rows; its codes start at m0 * K in q, its sums at m0 * K / 16, its scales at m0 * K / 256
+  struct One { int64_t m0; int R; };
   std::vector<One> tiles;
   std::vector<int8_t> q;
   std::vector<int16_t> s16;
@@ -257,7 +258,7 @@ inline void make_tiles(const Quantised& xq, Tiles& t) {
   while (m0 < M) {
     const int64_t left = M - m0;
     const int R = int(left >= TILE ? TILE : left >= 4 ? 4 : left);
-    t.tiles.push_back({m0, R, m0 * K, m0 * (K / 16), m0 * blocks});
+    t.tiles.push_back({m0, R});
     m0 += R;
   }
   // a copy of M x K bytes: on the calling thread unless there are several MB of it
@@ -268,9 +269,9 @@ inline void make_tiles(const Quantised& xq, Tiles& t) {
       for (int64_t b = 0; b < blocks; ++b)
         for (int r = 0; r < one.R; ++r) {
           const int64_t m = one.m0 + r;
-          std::memcpy(&t.q[one.q + (b * one.R + r) * 256], &xq.q[m * K + b * 256], 256);
-          std::memcpy(&t.s16[one.s16 + (b * one.R + r) * 16], &xq.s16[m * (K / 16) + b * 16], 32);
-          t.d[one.d + b * one.R + r] = xq.d[m * blocks + b];
+          std::memcpy(&t.q[one.m0 * K + (b * one.R + r) * 256], &xq.q[m * K + b * 256], 256);
+          std::memcpy(&t.s16[one.m0 * (K / 16) + (b * one.R + r) * 16], &xq.s16[m * (K / 16) + b * 16], 32);
+          t.d[one.m0 * blocks + b * one.R + r] = xq.d[m * blocks + b];
         }
     }
   });
@@ -391,9 +392,9 @@ QB_TARGET inline void tile_row(const uint8_t* row, int64_t blocks, const Tiles& 
   constexpr int BYTES = KIND_BYTES[KIND];
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* q = t.q.data() + one.q;
-  const int16_t* s16 = t.s16.data() + one.s16;
-  const float* d = t.d.data() + one.d;
+  const int8_t* q = t.q.data() + one.m0 * blocks * 256;
+  const int16_t* s16 = t.s16.data() + one.m0 * blocks * 16;
+  const float* d = t.d.data() + one.m0 * blocks;
   for (int64_t b = 0; b < blocks; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(row + (b + 2) * BYTES), _MM_HINT_T0);
     if constexpr (KIND == Q4K) dot_q4k<R>(row + b * BYTES, q + b * R * 256, s16 + b * R * 16, d + b * R, acc);
