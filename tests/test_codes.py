@@ -114,6 +114,20 @@ def test_a_block_product_is_the_exact_product_with_int8_activations_and_rows_nev
             assert torch.equal(linear(x[start: start + width]), full[start: start + width]), (width, start)
 
 
+@pytest.mark.parametrize("kind", ("q5_0", "q8_0"))
+def test_an_odd_number_of_32_weight_blocks_keeps_each_rows_bits(kind):
+    """A Q5_0 / Q8_0 row's sum runs as two chains (even and odd blocks); 15 blocks leave the even chain one longer.
+    Narrow passes (up to 4 rows) take the chains side by side, wider ones one after the other: the same bits."""
+    linear, weights = _blocks(kind, 21, 480, seed=3)
+    x = torch.randn(19, 480, generator=torch.Generator().manual_seed(4))
+    full = linear(x)
+    reference = _reference(kind, x, weights)
+    assert float((full.double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+    for width in (1, 2, 3, 4, 5, 8, 9, 19):
+        for start in (0, 19 - width):
+            assert torch.equal(linear(x[start: start + width]), full[start: start + width]), (width, start)
+
+
 @pytest.mark.parametrize("kind", ("q4_k", "q6_k"))
 def test_wide_block_products_taken_in_row_groups_keep_each_rows_bits(kind):
     """4096 inputs: the kernel takes the rows in groups of 64 (their activations stay in L2), so 150 rows make

@@ -8,10 +8,11 @@
 //   Q4_K  d * xd * sum_j sc_j * (q . x)_j  -  dmin * xd * sum_j m_j * sum_j(x)          (8 groups of 32)
 //   Q6_K  d * xd * sum_g sc_g * ((q . x)_g - 32 * sum_g(x))                              (16 groups of 16)
 //   Q5_0, Q8_0  d * xd * (q . x)                                                         (q signed)
-// Everything about a row (its quantisation, its integer sums, its float accumulation over the blocks in order, the
-// final 8-lane sum) is computed the same way whatever the number of rows M: a row's result never depends on its
-// batch-mates. A K-quant block is decoded in registers once for every 4 activation rows it meets (cheaper here than
-// decoding it once into memory for all of them); a Q5_0 or Q8_0 block once per pass of up to 16 rows.
+// Everything about a row (its quantisation, its integer sums, its float accumulation over the blocks in a fixed
+// order, the final 8-lane sum) is computed the same way whatever the number of rows M: a row's result never depends
+// on its batch-mates. A K-quant block is decoded in registers once for every tile of up to 8 activation rows it
+// meets (cheaper here than decoding it once into memory for all of them); a Q5_0 or Q8_0 block once per pass of up
+// to 8 rows.
 #include <torch/extension.h>
 #include "simd.h"
 #include <ATen/Parallel.h>
@@ -432,38 +433,55 @@ QB_TARGET void rows_tiled(const uint8_t* w, int64_t row_bytes, int64_t K, const 
   }
 }
 
-// Q5_0 and Q8_0 (32 weights a block): NW weight rows at a time, each block unpacked once for a pass of up to
-// MCHUNK activation rows. A row's float sum over the blocks is one chain of fused multiply-adds, so several weight
-// rows side by side keep the multipliers busy while each chain waits (one activation row: decoding). A product's
-// arithmetic is the same whatever NW and the number of activation rows: the same bits.
-template <int KIND, int NW>
-QB_TARGET void rows_small(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
+// Q5_0 and Q8_0 (32 weights a block): one weight row at a time, so the row streams from memory in order, and a pass
+// of up to MC activation rows for each block unpacked. A row's float sum runs as two chains of fused multiply-adds,
+// over its even blocks and over its odd ones, added at the end: two chains keep the multipliers busy while each waits
+// (1.5-1.9x one chain for one activation row). Every width computes those same two chains in the same order, so a
+// row's bits never depend on its batch-mates: up to 4 rows take both chains side by side, wider passes of 8 take the
+// even chain and then the odd one (their sums would not fit in the registers together).
+template <int KIND, int MC, bool SPLIT>
+QB_TARGET void rows_pairs(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
                           int64_t n0, int64_t n1) {
   constexpr int PER = KIND_WEIGHTS[KIND], BYTES = KIND_BYTES[KIND];
   const int64_t K = xq.K, blocks = K / PER, scales = K / xq.qblock;
-  __m256 acc[NW][MCHUNK];
-  Block u[NW];
-  for (int64_t m0 = 0; m0 < xq.M; m0 += MCHUNK) {
-    const int64_t mc = std::min<int64_t>(MCHUNK, xq.M - m0);
-    for (int64_t n = n0; n < n1; n += NW) {
-      const int nw = int(std::min<int64_t>(NW, n1 - n));
-      for (int i = 0; i < NW; ++i)
-        for (int64_t m = 0; m < mc; ++m) acc[i][m] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        for (int i = 0; i < NW; ++i) {
-          const uint8_t* blk = w + (n + std::min(i, nw - 1)) * row_bytes + b * BYTES;  // past n1: a copy, unused
-          _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BYTES), _MM_HINT_T0);
-          unpack<KIND>(blk, u[i]);  // once for the pass's rows
+  for (int64_t m0 = 0; m0 < xq.M; m0 += MC) {
+    const int mc = int(std::min<int64_t>(MC, xq.M - m0));
+    const int8_t* x = xq.q.data() + m0 * K;
+    const float* dx = xq.d.data() + m0 * scales;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      __m256 a0[MC], a1[MC];
+      for (int m = 0; m < MC; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
+      if constexpr (!SPLIT) {
+        int64_t b = 0;
+        for (; b + 1 < blocks; b += 2) {
+          _mm_prefetch(reinterpret_cast<const char*>(row + b * BYTES + 384), _MM_HINT_T0);
+          Block u0, u1;
+          unpack<KIND>(row + b * BYTES, u0);
+          unpack<KIND>(row + (b + 1) * BYTES, u1);
+          for (int m = 0; m < mc; ++m) {
+            a0[m] = block_dot(u0, x + m * K + b * PER, dx[m * scales + b], a0[m]);
+            a1[m] = block_dot(u1, x + m * K + (b + 1) * PER, dx[m * scales + b + 1], a1[m]);
+          }
         }
-        for (int64_t m = 0; m < mc; ++m) {
-          const int64_t r = m0 + m;
-          const int8_t* x = xq.q.data() + r * K + b * PER;
-          const float dx = xq.d[r * scales + b];
-          for (int i = 0; i < NW; ++i) acc[i][m] = block_dot(u[i], x, dx, acc[i][m]);
+        if (b < blocks) {
+          Block u0;
+          unpack<KIND>(row + b * BYTES, u0);
+          for (int m = 0; m < mc; ++m) a0[m] = block_dot(u0, x + m * K + b * PER, dx[m * scales + b], a0[m]);
+        }
+      } else {
+        for (int64_t b = 0; b < blocks; b += 2) {
+          Block u;
+          unpack<KIND>(row + b * BYTES, u);
+          for (int m = 0; m < mc; ++m) a0[m] = block_dot(u, x + m * K + b * PER, dx[m * scales + b], a0[m]);
+        }
+        for (int64_t b = 1; b < blocks; b += 2) {
+          Block u;
+          unpack<KIND>(row + b * BYTES, u);
+          for (int m = 0; m < mc; ++m) a1[m] = block_dot(u, x + m * K + b * PER, dx[m * scales + b], a1[m]);
         }
       }
-      for (int i = 0; i < nw; ++i)
-        for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n + i] = hsum(acc[i][m]);
+      for (int m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(_mm256_add_ps(a0[m], a1[m]));
     }
   }
 }
@@ -471,8 +489,8 @@ QB_TARGET void rows_small(const uint8_t* w, int64_t row_bytes, const Quantised& 
 template <int KIND>
 void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N, int64_t n0,
                int64_t n1) {
-  if (xq.M <= 2) rows_small<KIND, 4>(w, row_bytes, xq, y, N, n0, n1);
-  else rows_small<KIND, 1>(w, row_bytes, xq, y, N, n0, n1);
+  if (xq.M <= 4) rows_pairs<KIND, 4, false>(w, row_bytes, xq, y, N, n0, n1);
+  else rows_pairs<KIND, 8, true>(w, row_bytes, xq, y, N, n0, n1);
 }
 
 // ---- AVX512-VNNI: the same integer lanes, summed four products an instruction -----------------------------------
@@ -622,10 +640,12 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = w.size(1);
-  // Weight rows a thread takes at least: about 4M multiply-adds (~0.1 ms), so a small product runs on the calling
-  // thread alone. Waking a second thread costs tens of microseconds on a quiet machine and a scheduler tick (ms) on
-  // a busy one. Which thread computes a row never changes its bits.
-  const int64_t grain = std::max<int64_t>(16, (int64_t(4) << 20) / std::max<int64_t>(1, K * M));
+  // Weight rows a thread takes at least: about 0.5M multiply-adds (~25 us), so only a tiny product runs on the
+  // calling thread alone. On a quiet machine the pool's threads are still spinning from the last product and start
+  // within microseconds; the 1.5B's 2.4M-multiply-add projections split in two. (On a machine whose other core is
+  // busy, every parallel region waits a scheduler tick: pause background work while timing.) Which thread computes
+  // a row never changes its bits.
+  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 19) / std::max<int64_t>(1, K * M));
 #ifdef QB_X86
   if (!portable && vnni && (kind == Q4K || kind == Q6K) && has_vnni()) {
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {

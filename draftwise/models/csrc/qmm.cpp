@@ -183,8 +183,8 @@ torch::Tensor qmm(torch::Tensor x, torch::Tensor codes, int64_t bits, torch::Ten
   if (M == 0) return y;
 #ifdef QMM_X86
   if (!portable && has_avx2() && N % ROWS == 0) {
-    // tiles a thread takes at least: about 4M multiply-adds, so a small product stays on the calling thread
-    const int64_t grain = std::max<int64_t>(8, (int64_t(4) << 20) / std::max<int64_t>(1, K * M * ROWS));
+    // tiles a thread takes at least: about 0.5M multiply-adds, so only a tiny product stays on the calling thread
+    const int64_t grain = std::max<int64_t>(8, (int64_t(1) << 19) / std::max<int64_t>(1, K * M * ROWS));
     at::parallel_for(0, N / ROWS, grain, [&](int64_t t0, int64_t t1) { run_avx2(a, t0, t1); });
     return y;
   }
