@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.errors import DraftwiseError, DraftwiseWarning, did_you_mean
 from draftwise.engine.rows import MAX_LOGPROBS, Request
 from draftwise.methods import MAX_GAMMA, METHODS, Method, get_method
 from draftwise.heads.eagle import DraftHead
@@ -231,8 +231,8 @@ def _missing_path(target: Any) -> str | None:
         text.count("/") != 1  # a hub id is "owner/name"
     if looks_like_path and not path.exists():
         return f"target {text!r} not found: give a registry name ({', '.join(registry.names())}), a model directory, " \
-               "a .gguf file or a hub id"
-    if path.exists():
+               f"a .gguf file or a hub id{did_you_mean(text, registry.names())}"
+    if path.exists() or not looks_like_path:  # a bare name that is no registry name: what loading would say
         from draftwise.models.loading import check_model_spec
 
         try:

@@ -158,8 +158,8 @@ def test_generate_stop_flag(capsys, model_dirs):
 # ---------------------------------------------------------------- bad flags
 
 @pytest.mark.parametrize("flags, message", [
-    (["--method", "ar", "--top-p", "1.5"], "top_p"),
-    (["--method", "ar", "--top-p", "0"], "top_p"),
+    (["--method", "ar", "--top-p", "1.5"], "--top-p"),
+    (["--method", "ar", "--top-p", "0"], "--top-p"),
     (["--method", "ar", "--temperature", "-1"], "temperature"),
     (["--method", "ar", "--temperature", "nan"], "temperature"),
     (["--method", "sd", "--draft", "DRAFT", "--alpha", "0.2"], "no option 'alpha'"),
@@ -167,7 +167,7 @@ def test_generate_stop_flag(capsys, model_dirs):
     (["--method", "sd", "--draft", "DRAFT", "--gamma", "0"], "gamma"),
     (["--method", "lossy-greedy", "--draft", "DRAFT"], "greedy decoding only"),
     (["--method", "lossy", "--draft", "DRAFT", "--alpha", "1.0"], "alpha"),
-    (["--method", "ar", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens"),
 ], ids=[
     "top-p=1.5", "top-p=0", "temperature=-1", "temperature=nan", "alpha-on-sd", "max-ngram-on-ar", "gamma=0",
     "lossy-greedy-at-t1", "lossy-alpha=1", "max-new-tokens=0",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import warnings
-from typing import Sequence
+from typing import Any, NoReturn, Sequence
 
-from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.errors import DraftwiseError, DraftwiseWarning, did_you_mean
 from draftwise.cli.bench import add_bench, add_profile_sv, add_sweep, add_theory, run_bench, run_profile_sv, run_sweep, run_theory
 from draftwise.cli.common import DEFAULT_TARGET, HelpFormatter, check_outputs, method_options, option_help
 from draftwise.cli.generate import add_generate, read_prompts_file, run_generate, run_methods, run_models
@@ -15,10 +17,40 @@ from draftwise.cli.train import add_distill, add_export_eagle, add_train_data, a
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (the usage is one `--help` away, not 28 lines of it)."""
+    """argparse with one-line errors (the usage is one `--help` away, not 28 lines of it) that suggest the closest
+    flag, subcommand or choice to a typo."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:  # reported by the subcommand's parser, which knows the flags the user meant
+            command = getattr(namespace, "command", None)
+            parser = next((a.choices[command] for a in self._actions
+                           if isinstance(a, argparse._SubParsersAction) and command in a.choices), self)
+            parser.error(unrecognized(parser, extras))
+        return namespace
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {with_suggestion(message)} (see: {self.prog} --help)\n")
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """'unrecognized arguments: --max-tokns 8 (did you mean '--max-tokens'?)'."""
+    flags = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+    words = [word + (did_you_mean(word.partition("=")[0], flags) if word.startswith("--") else "") for word in extras]
+    return f"unrecognized arguments: {' '.join(words)}"
+
+
+_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+
+
+def with_suggestion(message: str) -> str:
+    """argparse's 'invalid choice' message with the closest choice named first."""
+    match = _CHOICE.search(message)
+    if not match:
+        return message
+    word, listed = match.groups()
+    hint = did_you_mean(word, re.findall(r"'([^']*)'", listed))
+    return message[: match.start()] + f"invalid choice: {word!r}{hint} (choose from {listed})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serving(sub)
     for subparser in sub.choices.values():
         subparser.formatter_class = HelpFormatter  # defaults in every --help
+        for action in subparser._actions:  # argparse prints nothing, not even the default, for a flag with no help
+            if not action.help and action.option_strings and not any(
+                    action.default is none for none in (None, False, argparse.SUPPRESS)):  # 0 and 0.0 are shown
+                action.help = "default: %(default)s"
     return parser
 
 
@@ -93,11 +129,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_outputs(args)
             return _COMMANDS[args.command](args)
         except DraftwiseError as error:
-            print(f"draftwise: error: {error}", file=sys.stderr)
+            print(f"draftwise: error: {as_flags(str(error), args)}", file=sys.stderr)
             return 2
+        except BrokenPipeError:  # `draftwise methods | head`: the reader left; nothing more to say
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
+            return 141  # a shell's status for a command ended by SIGPIPE
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM where a command turns it into one (train-data)
             print("draftwise: interrupted", file=sys.stderr)
             return 130
+
+
+_ASSIGNMENT = re.compile(r"\b([a-z][a-z0-9_]*)=('?)([^\s,;')]*)\2")
+_NAME = re.compile(r"(?<![-\w.'])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\b(?!\()")
+
+
+def as_flags(message: str, args: argparse.Namespace) -> str:
+    """An API error in the command line's words: `draft=...` becomes `--draft DRAFT`, `method='ar'` becomes
+    `--method ar` and `max_new_tokens` becomes `--max-new-tokens`, where the command has that flag."""
+    parser = build_parser()
+    command = getattr(args, "command", None)
+    sub = next((a.choices[command] for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction) and command in a.choices), None)
+    if sub is None:
+        return message
+    flags = {flag[2:].replace("-", "_"): flag for flag in sub._option_string_actions if flag.startswith("--")}
+
+    def assignment(match: re.Match[str]) -> str:
+        name, _, value = match.groups()
+        flag = flags.get(name)
+        if flag is None:
+            return match.group(0)
+        return f"{flag} {name.upper() if value in ('', '...') else value}"
+
+    def bare(match: re.Match[str]) -> str:
+        return flags.get(match.group(1), match.group(1))
+
+    text = _NAME.sub(bare, _ASSIGNMENT.sub(assignment, message))
+    return re.sub(r"(--[a-z0-9-]+)( [A-Z_]+)? \(\1\)", r"\1\2", text)  # "--draft DRAFT (--draft)": once
 
 
 _showwarning = warnings.showwarning

@@ -30,7 +30,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--categories", default="", help=f"comma-separated, default all: {', '.join(CATEGORIES)}, "
                    f"or group {', '.join(GROUPS)}")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--top-p", type=float, default=d.top_p)
@@ -265,7 +265,7 @@ def add_profile_sv(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--gamma", type=int, default=5, help="draft tokens per step while profiling (and the most sv verifies)")
     p.add_argument("--num-prompts", type=int, default=64, help="Spec-Bench training-split prompts (never evaluation ones)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--latency-rows", default="1,2,4,8,16,32", help="batch sizes whose latency is profiled")
     p.add_argument("--context", type=int, default=256, help="tokens already in each row while latency is timed")

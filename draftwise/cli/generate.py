@@ -34,7 +34,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                    "a user message, formatted by that template")
     p.add_argument("--system", default=None, help="system prompt (chat only)")
     p.add_argument("--method", default=API_DEFAULTS["method"], choices=list(METHODS), help="decoding method")
-    p.add_argument("--max-new-tokens", type=int, default=API_DEFAULTS["max_new_tokens"], help="new-token budget")
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=API_DEFAULTS["max_new_tokens"], help="new-token budget")
     p.add_argument("--temperature", type=float, default=API_DEFAULTS["temperature"], help="0 means greedy")
     p.add_argument("--top-k", type=int, default=API_DEFAULTS["top_k"], help="0 turns it off")
     p.add_argument("--top-p", type=float, default=API_DEFAULTS["top_p"], help="1 turns it off")

@@ -152,7 +152,7 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-size", type=int, default=64, help="sequences per shard (--features)")
     p.add_argument("--minutes", type=float, default=None,
                    help="--features: stop after this many minutes, keeping every finished answer (re-run to go on)")
-    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=192)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--tag", default=None, help="record tag (default: greedy or t<temperature>)")

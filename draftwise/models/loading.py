@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from draftwise.errors import DraftwiseError, ModelNotAvailableError
+from draftwise.errors import DraftwiseError, ModelNotAvailableError, did_you_mean
 from draftwise.models import qkernel, registry
 
 _DTYPES = {
@@ -449,7 +449,7 @@ def check_model_spec(spec: object) -> None:
         return
     if not _looks_like_hub_id(spec):
         raise DraftwiseError(f"{spec!r} is not a local directory, a .gguf file, a registry name ({_registry_list()}) "
-                             "or a hub id (org/name)")
+                             f"or a hub id (org/name){did_you_mean(spec, registry.names())}")
 
 
 def _load_from_string(spec: str, dtype: torch.dtype) -> LoadedModel:

@@ -14,12 +14,18 @@ from draftwise.methods import METHODS
 from draftwise.models.loading import DTYPE_HELP
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
+_DEFAULT_TARGET = "smollm2-135m"  # draftwise.cli's, set when it registers `serve`
 
 
 def add_parsers(sub: argparse._SubParsersAction, *, default_target: str, method_options: dict[str, Any],
                 option_help: Callable[[str], str]) -> None:
+    global _DEFAULT_TARGET
+    _DEFAULT_TARGET = default_target
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the batched engine")
-    p.add_argument("--target", default=default_target, help="registry name, local directory, .gguf file or hub id")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help=f"the target, as `vllm serve MODEL` takes it (the same as --target; default: {default_target})")
+    p.add_argument("--target", default=None, help=f"registry name, local directory, .gguf file or hub id (default: "
+                   f"{default_target})")
     p.add_argument("--draft", default=None, help="draft model or EAGLE head (default: the registry's best draft for "
                    "--method when it needs one); methods that need a draft run only when one is loaded")
     p.add_argument("--method", default="sd", choices=list(METHODS),
@@ -94,6 +100,10 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
     from draftwise.models.loading import load_draft, load_model
     from draftwise.server import ServerConfig, Service, bind, create_app, serve
 
+    model = getattr(args, "model", None)
+    if model is not None and args.target is not None and model != args.target:
+        raise DraftwiseError(f"MODEL {model!r} and --target {args.target!r} name two targets: give one")
+    args.target = model or args.target or _DEFAULT_TARGET
     for name in ("--max-batch-size", "--max-engines", "--gamma"):
         _positive(name, getattr(args, name[2:].replace("-", "_")))
     if args.max_queue < 0 or args.max_body_bytes < 1 or not 0 <= args.port < 65536 or args.threads < 0 \
