@@ -70,6 +70,9 @@ def generate(
     prompt_logprobs: int | None = None,
     grammar: Any = None,
     response_format: Any = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
     max_batch_size: int = 16,
     kv_budget_mb: float | None = None,
     prefix_cache_mb: float = 0.0,
@@ -91,6 +94,10 @@ def generate(
     `logprobs=k` gives each new token's log-probability under the target and its k most likely tokens
     (`Generation.logprobs`), read from the verification forward; `prompt_logprobs=k` the same for the prompt.
     Both are the target's raw log-softmax (before temperature, top-k / top-p and penalties).
+    `frequency_penalty` and `presence_penalty` are OpenAI's: the target's logit of a token already generated in this
+    request drops by frequency_penalty per time it was generated, plus presence_penalty once; `logit_bias`
+    ({token id: bias}) adds to the target's logits. Like `repetition_penalty` they shape the target's distribution,
+    which lossless methods then reproduce exactly; a row's penalties read its own tokens only, never a batch-mate's.
     `prefix_cache_mb` (a list of prompts) keeps that many megabytes of prompt prefixes' keys and values: a
     request admitted after another with the same prefix (64-token blocks) copies it instead of prefilling
     (`stats["cached_tokens"]`).
@@ -110,12 +117,14 @@ def generate(
         raise DraftwiseError(f"prefix_cache_mb must be a number >= 0 (megabytes; 0: off), got {prefix_cache_mb!r}")
     for other in prompts[1:]:
         check_prompt(other)
-    check_processors(repetition_penalty, min_new_tokens, logprobs, prompt_logprobs)
+    penalties = dict(frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logit_bias=logit_bias)
+    check_processors(repetition_penalty, min_new_tokens, logprobs, prompt_logprobs, **penalties)
     constraint = grammar_from(grammar, response_format=response_format)
     plan = make_plan(target=target, prompt=prompts[0], draft=draft, method=method, max_new_tokens=max_new_tokens,
                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, gamma=gamma, stop=stop,
                  ignore_eos=ignore_eos, method_options=method_options)
-    plan = with_processors(plan, repetition_penalty, min_new_tokens, logprobs, prompt_logprobs, constraint)
+    plan = with_processors(plan, repetition_penalty, min_new_tokens, logprobs, prompt_logprobs, constraint,
+                           **penalties)
     if not batch:
         run = _Run(plan, streaming=False)
         for _ in run.pieces():
@@ -162,6 +171,9 @@ def stream(
     logprobs: int | None = None,
     grammar: Any = None,
     response_format: Any = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
     events: bool = False,
     **method_options: Any,
 ) -> Iterator[str] | Iterator[StreamEvent]:
@@ -174,12 +186,13 @@ def stream(
     """
     if prompt is not None and messages is not None:
         raise DraftwiseError("give a prompt or messages=..., not both")
-    check_processors(repetition_penalty, min_new_tokens, logprobs)
+    penalties = dict(frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logit_bias=logit_bias)
+    check_processors(repetition_penalty, min_new_tokens, logprobs, **penalties)
     constraint = grammar_from(grammar, response_format=response_format)
     plan = make_plan(target=target, prompt=prompt if messages is None else None, messages=messages, draft=draft,
                  method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, gamma=gamma, stop=stop, ignore_eos=ignore_eos, method_options=method_options)
-    run = _Run(with_processors(plan, repetition_penalty, min_new_tokens, logprobs, grammar=constraint),
+    run = _Run(with_processors(plan, repetition_penalty, min_new_tokens, logprobs, grammar=constraint, **penalties),
                streaming=True)
     return _stream_events(run) if events else run.pieces()
 

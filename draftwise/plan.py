@@ -50,6 +50,9 @@ class Plan:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, token ids ascending
     companion: LoadedModel | None = None  # SV's companion / staged SD's intermediate model
     sv_profile: Any = None  # sv.SVProfile: P(accept | S, A) and the latency model of the select phase
 
@@ -61,9 +64,19 @@ def check_logprobs(value: Any, name: str) -> None:
                              f"to return beside each token's own), got {value!r}")
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
+
+
 def check_processors(repetition_penalty: Any, min_new_tokens: Any, logprobs: Any = None,
-                      prompt_logprobs: Any = None) -> None:
+                      prompt_logprobs: Any = None, *, frequency_penalty: Any = 0.0, presence_penalty: Any = 0.0,
+                      logit_bias: Any = None) -> None:
     check_logprobs(logprobs, "logprobs")
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not _finite(value):
+            raise DraftwiseError(f"{name} must be a finite number (0 turns it off; OpenAI's range is [-2, 2]), got "
+                                 f"{value!r}")
+    bias_pairs(logit_bias)
     check_logprobs(prompt_logprobs, "prompt_logprobs")
     if (not isinstance(repetition_penalty, (int, float)) or isinstance(repetition_penalty, bool)
             or not repetition_penalty > 0 or repetition_penalty == float("inf")):
@@ -72,11 +85,36 @@ def check_processors(repetition_penalty: Any, min_new_tokens: Any, logprobs: Any
         raise DraftwiseError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
 
 
+def bias_pairs(logit_bias: Any, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """logit_bias ({token id: bias}; ids as integers or as OpenAI's strings) as sorted (id, bias) pairs, checked
+    (against the vocabulary when its size is given)."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise DraftwiseError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
+    pairs = {}
+    for key, bias in logit_bias.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else \
+            int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if token is None or token < 0 or (vocab_size is not None and token >= vocab_size):
+            where = f" in [0, {vocab_size})" if vocab_size is not None else " >= 0"
+            raise DraftwiseError(f"logit_bias: key {key!r} is not a token id{where}")
+        if not _finite(bias):
+            raise DraftwiseError(f"logit_bias[{key!r}] must be a finite number (OpenAI's range is [-100, 100]), got "
+                                 f"{bias!r}")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
 def with_processors(plan: Plan, repetition_penalty: float, min_new_tokens: int, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None, grammar: Grammar | None = None) -> Plan:
+                     prompt_logprobs: int | None = None, grammar: Grammar | None = None, *,
+                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: Any = None) -> Plan:
     """The plan with its logits processors, log-probability requests and grammar, refused (with the reason)
     where the method cannot apply them."""
+    bias = bias_pairs(logit_bias, plan.vocab_size)
     asked = [name for name, on in (("repetition_penalty", repetition_penalty != 1.0),
+                                   ("frequency_penalty", frequency_penalty != 0), ("presence_penalty",
+                                   presence_penalty != 0), ("logit_bias", bool(bias)),
                                    ("min_new_tokens", min_new_tokens != 0), ("logprobs", logprobs is not None),
                                    ("prompt_logprobs", prompt_logprobs is not None),
                                    ("a grammar", grammar is not None)) if on]
@@ -97,7 +135,9 @@ def with_processors(plan: Plan, repetition_penalty: float, min_new_tokens: int, 
         if refused:
             raise DraftwiseError(f"{plan.method.name} cannot apply {feature}: {refused}")
     return dataclasses.replace(plan, repetition_penalty=float(repetition_penalty), min_new_tokens=min_new_tokens,
-                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar)
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar,
+                               frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
+                               logit_bias=bias)
 
 
 def check_batch_size(value: Any) -> None:
@@ -112,6 +152,8 @@ def request_for(plan: Plan, prompt_ids: list[int]) -> Request:
                    max_new_tokens=min(plan.requested_new_tokens, plan.window - len(prompt_ids)),
                    eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed,
                    repetition_penalty=plan.repetition_penalty, min_new_tokens=plan.min_new_tokens,
+                   frequency_penalty=plan.frequency_penalty, presence_penalty=plan.presence_penalty,
+                   logit_bias=plan.logit_bias,
                    logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs, grammar=plan.grammar)
 
 

@@ -445,16 +445,19 @@ class Engine:
         return logits
 
     def _processed(self, rows: Sequence[Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
-        """The target's logits after each request's repetition penalty and min_new_tokens: [rows, k + 1, vocab].
+        """The target's logits after each request's repetition, frequency and presence penalties, logit_bias and
+        min_new_tokens: [rows, k + 1, vocab].
 
         Position j of row b follows the row's sequence plus the drafted tokens before it (a chain's first j; a
         tree node's ancestors and itself), so the penalty there counts those drafts as already generated, exactly
         as one-token-at-a-time decoding would. The speculative sampler then targets the processed distribution,
         so lossless methods stay exact."""
         penalised = [b for b, row in enumerate(rows) if row.request.repetition_penalty != 1.0]
+        counted = [b for b, row in enumerate(rows) if row.request.frequency_penalty or row.request.presence_penalty]
+        biased = [b for b, row in enumerate(rows) if row.request.logit_bias]
         short = [b for b, row in enumerate(rows)
                  if len(row.token_ids) < row.request.min_new_tokens and row.request.eos_token_ids]
-        if not penalised and not short:
+        if not penalised and not short and not counted and not biased:
             return logits
         logits = logits.clone()
         width = logits.shape[1]
@@ -469,6 +472,19 @@ class Engine:
             penalty = rows[b].request.repetition_penalty
             row = logits[b]
             logits[b] = torch.where(present, torch.where(row < 0, row * penalty, row / penalty), row)
+        vocab = logits.shape[-1]
+        for b in counted:  # OpenAI's: the tokens this request generated (not its prompt), and the drafts before j
+            request = rows[b].request
+            made = torch.tensor(rows[b].token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(made[made < vocab], minlength=vocab).to(logits.dtype).expand(width, -1).clone()
+            for j, history in enumerate(_slot_histories(draft, b, drafted[b])):
+                if history:
+                    counts[j] += torch.bincount(torch.tensor(history, device=logits.device), minlength=vocab)[:vocab]
+            logits[b] -= request.frequency_penalty * counts + request.presence_penalty * (counts > 0).to(logits.dtype)
+        for b in biased:
+            ids, bias = zip(*rows[b].request.logit_bias)
+            logits[b, :, torch.tensor(ids, device=logits.device)] += torch.tensor(bias, dtype=logits.dtype,
+                                                                                  device=logits.device)
         for b in short:
             request = rows[b].request
             eos = torch.tensor(sorted(request.eos_token_ids), device=logits.device)

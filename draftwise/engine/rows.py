@@ -24,6 +24,11 @@ class Request:
     seed: int | None = None
     repetition_penalty: float = 1.0  # transformers' rule on the target's logits: / penalty if > 0, * if < 0
     min_new_tokens: int = 0  # end-of-sequence tokens get probability 0 before this many new tokens
+    # OpenAI's penalties on the target's logits: minus frequency_penalty x (times the token was generated in this
+    # request) minus presence_penalty where it was generated at all; logit_bias adds (token id, bias) pairs
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # each new token's target log-probability and this many top alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (prefilled alone)
     grammar: Grammar | None = None  # every new token obeys it (structured output; see grammar.py)

@@ -2,7 +2,7 @@
 
 Pure functions over JSON-like values; nothing here touches a model. A parameter OpenAI defines but
 draftwise does not implement is refused unless it holds its neutral value (`logprobs: null`,
-`presence_penalty: 0`, ...), so a client never gets an answer that silently ignored what it asked.
+`best_of: 1`, ...), so a client never gets an answer that silently ignored what it asked.
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
            "draftwise",
            # vLLM's extensions that benchmark and evaluation clients send (guidellm, lm-eval)
-           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "response_format", "prompt_logprobs")
+           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "response_format", "prompt_logprobs",
+           "frequency_penalty", "presence_penalty", "logit_bias")
 COMPLETION_PARAMS = frozenset(_COMMON + ("prompt", "logprobs", "echo"))
-CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
+# tools are accepted and answered in text; only a request that requires a tool call is refused (see _tools)
+CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                   "tool_choice", "parallel_tool_calls", "functions", "function_call"))
 
 # OpenAI parameters draftwise does not implement: accepted only at these neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
     "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
     "functions": (None, []), "function_call": (None, "none"),
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
@@ -41,6 +43,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 OVERRIDE_KEYS = ("method", "gamma", "top_k", "ignore_eos", "grammar")
 MAX_GAMMA = 32  # draft tokens per step a request may ask for (the per-position counters have this many slots)
 MAX_PENALTY = 100.0  # repetition_penalty's bound (1 = off): past it every seen token is as good as banned
+MAX_OPENAI_PENALTY = 2.0  # frequency_penalty and presence_penalty lie in [-2, 2] (OpenAI's range)
+MAX_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+MAX_BIASED_TOKENS = 300  # OpenAI's limit on logit_bias entries
 MAX_NESTING = 32  # JSON nesting a request body may have
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs; OpenAI's limit is 20 in chat, 5 in
 # completions)
@@ -87,6 +92,9 @@ class Parsed:
     top_k: int = 0  # 0: off
     min_tokens: int = 0
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     echo: bool = False  # completions: the prompt is part of the answer (with logprobs, its tokens' too)
@@ -181,6 +189,9 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"user must be a string, got {short(user)}", param="user")
     _extensions(body, parsed)
+    _penalties(body, parsed)
+    if chat:
+        _tools(body)
     _logprobs(body, parsed)
     if parsed.max_tokens is not None and parsed.min_tokens > parsed.max_tokens:
         raise ApiError(400, f"min_tokens ({parsed.min_tokens}) must be at most max_tokens ({parsed.max_tokens})",
@@ -218,6 +229,62 @@ def _extensions(body: dict[str, Any], parsed: Parsed) -> None:
         if not isinstance(ignore_eos, bool):
             raise ApiError(400, f"ignore_eos must be true or false, got {short(ignore_eos)}", param="ignore_eos")
         parsed.ignore_eos = ignore_eos
+
+
+def _penalties(body: dict[str, Any], parsed: Parsed) -> None:
+    """OpenAI's frequency_penalty and presence_penalty ([-2, 2]) and logit_bias ({"token id": bias in [-100, 100]});
+    token ids are checked against the vocabulary when the request is planned."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = body.get(name)
+        if value is not None:
+            if not _is_number(value) or not -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY:
+                raise ApiError(400, f"{name} must be a number in [-{MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}] "
+                               f"(0: off), got {short(value)}", param=name)
+            setattr(parsed, name, float(value))
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict) or len(bias) > MAX_BIASED_TOKENS:
+        raise ApiError(400, f"logit_bias must be an object of at most {MAX_BIASED_TOKENS} entries mapping token ids "
+                       f"(as strings) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {short(bias)}",
+                       param="logit_bias")
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()) or len(key) > 12:
+            raise ApiError(400, f"logit_bias: key {short(key)} is not a token id (a string of digits)",
+                           param="logit_bias")
+        if not _is_number(value) or not -MAX_BIAS <= value <= MAX_BIAS:
+            raise ApiError(400, f"logit_bias[{short(key)}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got "
+                           f"{short(value)}", param="logit_bias")
+        parsed.logit_bias[int(key)] = float(value)
+
+
+def _tools(body: dict[str, Any]) -> None:
+    """Tool definitions are accepted and the model answers in text (tool_choice "auto" or "none": a text answer is
+    one of the answers they allow). A request that requires a tool call ("required", or a named function) is
+    refused: draftwise does not produce tool calls."""
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
+        raise ApiError(400, "tools must be a list of {'type': 'function', 'function': {...}} objects",
+                       param="tools")
+    functions = body.get("functions")
+    if functions is not None and not (isinstance(functions, list) and all(isinstance(f, dict) for f in functions)):
+        raise ApiError(400, "functions must be a list of function objects", param="functions")
+    for name, free in (("tool_choice", ("none", "auto")), ("function_call", ("none", "auto"))):
+        choice = body.get(name)
+        if choice is None or choice in free:
+            continue
+        if choice == "required" or isinstance(choice, dict):
+            which = "a call of a named function" if isinstance(choice, dict) else "a tool call"
+            raise ApiError(400, f"{name} {short(choice)} requires {which}, and draftwise answers in text only (it "
+                           f"does not produce tool calls): send {name} 'auto' or 'none', or leave it out",
+                           param=name, code="unsupported_parameter")
+        raise ApiError(400, f"{name} must be 'none', 'auto', 'required' or a named function, got {short(choice)}",
+                       param=name)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, f"parallel_tool_calls must be true or false, got {short(parallel)}",
+                       param="parallel_tool_calls")
 
 
 def _logprobs(body: dict[str, Any], parsed: Parsed) -> None:

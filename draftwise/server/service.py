@@ -300,10 +300,12 @@ class Service:
             requested_new_tokens=budget, max_new_tokens=budget)
         try:
             plan = plan_module.with_processors(plan, parsed.repetition_penalty, parsed.min_tokens, parsed.logprobs,
-                                        _prompt_scores(parsed), grammar)
+                                        _prompt_scores(parsed), grammar, frequency_penalty=parsed.frequency_penalty,
+                                        presence_penalty=parsed.presence_penalty, logit_bias=parsed.logit_bias)
         except DraftwiseError as error:
-            param = "response_format" if grammar is not None else "logprobs" if parsed.logprobs is not None else \
-                "repetition_penalty"
+            named = [name for name in ("logit_bias", "frequency_penalty", "presence_penalty") if name in str(error)]
+            param = named[0] if named else "response_format" if grammar is not None else "logprobs" \
+                if parsed.logprobs is not None else "repetition_penalty"
             raise ApiError(400, str(error), param=param) from None
         try:
             request = plan_module.request_for(plan, prompt_ids)
