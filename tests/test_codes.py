@@ -151,6 +151,27 @@ def test_the_block_kernels_portable_loop_agrees_with_the_avx2_path(kind):
     assert float((portable.double() - _reference(kind, x, weights)).abs().max()) <= 1e-5 * float(portable.abs().max())
 
 
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_the_avx_vnni_path_gives_the_avx2_paths_bits(kind):
+    """Where the CPU has AVX-VNNI (256-bit vpdpbusd / vpdpwssd), the AVX2 kernels run with those instructions: the
+    same int32 lanes, so the same bits for every width and tile split, extreme codes included. Q4_K and Q6_K take
+    it only without AVX512-VNNI (or with DRAFTWISE_AVX512=0); Q5_0 and Q8_0 wherever AVX-VNNI is."""
+    module = qkernel.load()
+    if not module.blocks_avxvnni():
+        pytest.skip("no AVX-VNNI here (or DRAFTWISE_AVXVNNI=0)")
+    if kind in ("q4_k", "q6_k") and module.blocks_vnni():
+        pytest.skip("AVX512-VNNI takes the K-quants here (run with DRAFTWISE_AVX512=0 to test this path)")
+    linear, _ = _blocks(kind, 40, 1024, seed=7)
+    x = torch.randn(29, 1024, generator=torch.Generator().manual_seed(2))
+    x[3] = torch.where(torch.arange(1024) % 3 == 0, -5.0, 5.0)  # every code +-127
+    x[4] = 1e-30  # a tiny row
+    for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 29):
+        rows = x[:width].contiguous()
+        vex = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, True)
+        avx2 = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, False)
+        assert torch.equal(vex, avx2), width
+
+
 @pytest.mark.parametrize("kind", ("q4_k", "q6_k"))
 def test_the_vnni_path_gives_the_avx2_paths_bits(kind):
     """Where the CPU has AVX512-VNNI, Q4_K and Q6_K blocks are summed four products an instruction: the integer

@@ -37,7 +37,8 @@ _module = None
 _problem: str | None = None
 
 
-HEADERS = [Path(__file__).resolve().parent / "csrc" / "simd.h"]  # included by the sources: part of the build's key
+# included by the sources: part of the build's key
+HEADERS = [Path(__file__).resolve().parent / "csrc" / name for name in ("simd.h", "qblocks_avx2.inc")]
 
 
 def _build_dir() -> Path:

@@ -209,34 +209,6 @@ struct Block {
   float d;
 };
 
-template <int KIND>
-QB_TARGET inline void unpack(const uint8_t* blk, Block& u) {
-  u.d = f16(blk);
-  if (KIND == Q50) {
-    uint32_t high; std::memcpy(&high, blk + 2, 4);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
-    const __m256i nib = _mm256_and_si256(_mm256_setr_m128i(qs, _mm_srli_epi16(qs, 4)), _mm256_set1_epi8(15));
-    // byte j gets bit j of `high`: spread the 4 bytes over 8 lanes each, test one bit a lane
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(high)),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    const __m256i code = _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-    u.q = _mm256_sub_epi8(code, _mm256_set1_epi8(16));
-  } else {
-    u.q = load(blk + 2);
-  }
-  u.abs = _mm256_abs_epi8(u.q);
-}
-
-// One activation row's block into `acc`: |q| x (x with q's sign), u8 x s8 pairs, then int32 lanes.
-QB_TARGET inline __m256 block_dot(const Block& u, const int8_t* x, float dx, __m256 acc) {
-  const __m256i prod = _mm256_maddubs_epi16(u.abs, _mm256_sign_epi8(load(x), u.q));
-  const __m256i sum = _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(u.d * dx), acc);
-}
-
 // The activations laid out for the K-quant tiles: rows in tiles of up to TILE (8, then 4, 3, 2, 1 for the rest),
 // each tile block-interleaved, so that one pointer and constant offsets reach every row of a tile at block b: codes
 // at q + (b * R + r) * 256, sums of 16 at s16 + (b * R + r) * 16, scales at d[b * R + r]. Built once a product from
@@ -278,55 +250,6 @@ inline void make_tiles(const Quantised& xq, Tiles& t) {
   });
 }
 
-// Weights 64 p .. 64 p + 63 of a Q4_K block (groups 2p, low nibbles, and 2p + 1, high) into R rows' integer sums.
-template <int R>
-QB_TARGET __attribute__((always_inline)) inline void q4k_step(const uint8_t* blk, const int8_t* x, __m256i pair, int p,
-                                                              __m256i* sum) {
-  const __m256i low4 = _mm256_set1_epi8(15), pick = _mm256_set1_epi16(0x0100);
-  const __m256i v = load(blk + 16 + 32 * p);
-  const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-  const __m256i s_lo = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p))));
-  const __m256i s_hi = _mm256_shuffle_epi8(pair, _mm256_add_epi8(pick, _mm256_set1_epi8(char(4 * p + 2))));
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x + 256 * r + 64 * p)), s_lo));
-    sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x + 256 * r + 64 * p + 32)), s_hi));
-  }
-}
-
-// R activation rows of a tile (x, s16, dx at block b) against one Q4_K block: the block is decoded in registers once
-// for all R rows. Each row's arithmetic is the same whatever R: its integer sums are exact (their order does not
-// matter), and its float steps are the same two fused multiply-adds into its own 8-lane accumulator.
-template <int R>
-QB_TARGET inline void dot_q4k(const uint8_t* blk, const int8_t* x, const int16_t* s16, const float* dx, __m256* acc) {
-  uint32_t s[3]; std::memcpy(s, blk + 4, 12);
-  const uint32_t sc_lo = s[0] & 0x3F3F3F3F, mn_lo = s[1] & 0x3F3F3F3F;
-  const uint32_t sc_hi = (s[2] & 0x0F0F0F0F) | (((s[0] >> 6) & 0x03030303) << 4);
-  const uint32_t mn_hi = ((s[2] >> 4) & 0x0F0F0F0F) | (((s[1] >> 6) & 0x03030303) << 4);
-  // int16 scales, one a lane pair: scale j in lanes 2j, 2j + 1 of a 16-lane vector, then broadcast per group
-  const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(sc_lo), int(sc_hi), 0, 0));
-  const __m256i pair = _mm256_permute4x64_epi64(sc16, 0x44);  // each half holds scales 0-7
-  __m256i sum[R];
-  for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-  if constexpr (R <= 2) {  // narrow tiles: the four steps unrolled, for the scheduler
-    q4k_step<R>(blk, x, pair, 0, sum); q4k_step<R>(blk, x, pair, 1, sum);
-    q4k_step<R>(blk, x, pair, 2, sum); q4k_step<R>(blk, x, pair, 3, sum);
-  } else {  // wide ones: one step at a time (unrolled, the compiler spills the sums)
-#pragma GCC unroll 1
-    for (int p = 0; p < 4; ++p) q4k_step<R>(blk, x, pair, p, sum);
-  }
-  const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(int(mn_lo), int(mn_hi), 0, 0));
-  const __m256i mins = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(mn16, 0x50), _mm256_setr_epi8(
-      0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15));
-  const float d = f16(blk), dmin = f16(blk + 2);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m256i side = _mm256_madd_epi16(mins, load(s16 + 16 * r));
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d * dx[r]), acc[r]);
-    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_set1_ps(dmin * dx[r]), acc[r]);
-  }
-}
-
 // Half h of a Q6_K block's codes (0 .. 63, one byte a weight): q[j] holds weights 32 j .. 32 j + 31 of the half.
 QB_TARGET inline void q6k_codes(const uint8_t* blk, int h, __m256i* q) {
   const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
@@ -337,36 +260,6 @@ QB_TARGET inline void q6k_codes(const uint8_t* blk, int h, __m256i* q) {
                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low2), 4));
   q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 6), low2), 4));
-}
-
-template <int R>
-QB_TARGET inline void dot_q6k(const uint8_t* blk, const int8_t* x, const int16_t* s16, const float* dx, __m256* acc) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-  const __m256i both = _mm256_broadcastsi128_si256(raw);
-  __m256i sum[R];
-  for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-  for (int h = 0; h < 2; ++h) {
-    __m256i q[4];
-    q6k_codes(blk, h, q);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const int i = 4 * h + j;
-      const __m256i sc = _mm256_srai_epi16(_mm256_shuffle_epi8(both, _mm256_setr_m128i(
-          _mm_set1_epi16(short(0x0101 * (2 * i))), _mm_set1_epi16(short(0x0101 * (2 * i + 1))))), 8);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load(x + 256 * r + 32 * i)), sc));
-    }
-  }
-  const __m256i scales = _mm256_cvtepi8_epi16(raw);
-  const float d = f16(blk + 208);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m256i side = _mm256_madd_epi16(scales, load(s16 + 16 * r));
-    const __m256i total = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(side, 5));
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx[r]), acc[r]);
-  }
 }
 
 // Where R activation rows (from row r0) meet block b of a weight row: their codes, sums of 16 codes, and scales.
@@ -386,112 +279,22 @@ struct RowsAt {
   }
 };
 
-// One tile's R rows against weight row `row` (all its blocks), into y's column n.
-template <int KIND, int R>
-QB_TARGET inline void tile_row(const uint8_t* row, int64_t blocks, const Tiles& t, const Tiles::One& one, float* y,
-                               int64_t N, int64_t n) {
-  constexpr int BYTES = KIND_BYTES[KIND];
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* q = t.q.data() + one.m0 * blocks * 256;
-  const int16_t* s16 = t.s16.data() + one.m0 * blocks * 16;
-  const float* d = t.d.data() + one.m0 * blocks;
-  for (int64_t b = 0; b < blocks; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + (b + 2) * BYTES), _MM_HINT_T0);
-    if constexpr (KIND == Q4K) dot_q4k<R>(row + b * BYTES, q + b * R * 256, s16 + b * R * 16, d + b * R, acc);
-    else dot_q6k<R>(row + b * BYTES, q + b * R * 256, s16 + b * R * 16, d + b * R, acc);
-  }
-  for (int r = 0; r < R; ++r) y[(one.m0 + r) * N + n] = hsum(acc[r]);
-}
+// The AVX2 kernels, and the same compiled for AVX-VNNI (qblocks_avx2.inc): same lanes, same bits.
+namespace isa_avx2 {
+#define QB_ISA __attribute__((target("avx2,fma,f16c")))
+#define QB_AVXVNNI 0
+#include "qblocks_avx2.inc"
+#undef QB_ISA
+#undef QB_AVXVNNI
+}  // namespace isa_avx2
 
-// Weight rows n0 .. n1 against every tile. Rows are taken in groups whose activations stay in L2 (about 256 KB), and
-// within a group each weight row meets every tile while it is in L1: the weights are read from memory once a group.
-template <int KIND>
-QB_TARGET void rows_tiled(const uint8_t* w, int64_t row_bytes, int64_t K, const Tiles& t, float* y, int64_t N,
-                          int64_t n0, int64_t n1) {
-  const int64_t blocks = K / 256;
-  const int64_t group = std::max<int64_t>(TILE, (int64_t(256) * 1024 / K) / TILE * TILE);  // rows a group
-  size_t first = 0;
-  while (first < t.tiles.size()) {
-    size_t last = first;
-    while (last < t.tiles.size() && t.tiles[last].m0 + t.tiles[last].R - t.tiles[first].m0 <= group) ++last;
-    if (last == first) last = first + 1;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      for (size_t i = first; i < last; ++i) {
-        const Tiles::One& one = t.tiles[i];
-        switch (one.R) {
-          case 8: tile_row<KIND, 8>(row, blocks, t, one, y, N, n); break;
-          case 4: tile_row<KIND, 4>(row, blocks, t, one, y, N, n); break;
-          case 3: tile_row<KIND, 3>(row, blocks, t, one, y, N, n); break;
-          case 2: tile_row<KIND, 2>(row, blocks, t, one, y, N, n); break;
-          default: tile_row<KIND, 1>(row, blocks, t, one, y, N, n);
-        }
-      }
-    }
-    first = last;
-  }
-}
-
-// Q5_0 and Q8_0 (32 weights a block): one weight row at a time, so the row streams from memory in order, and a pass
-// of up to MC activation rows for each block unpacked. A row's float sum runs as two chains of fused multiply-adds,
-// over its even blocks and over its odd ones, added at the end: two chains keep the multipliers busy while each waits
-// (1.5-1.9x one chain for one activation row). Every width computes those same two chains in the same order, so a
-// row's bits never depend on its batch-mates: up to 4 rows take both chains side by side, wider passes of 8 take the
-// even chain and then the odd one (their sums would not fit in the registers together).
-template <int KIND, int MC, bool SPLIT>
-QB_TARGET void rows_pairs(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N,
-                          int64_t n0, int64_t n1) {
-  constexpr int PER = KIND_WEIGHTS[KIND], BYTES = KIND_BYTES[KIND];
-  const int64_t K = xq.K, blocks = K / PER, scales = K / xq.qblock;
-  for (int64_t m0 = 0; m0 < xq.M; m0 += MC) {
-    const int mc = int(std::min<int64_t>(MC, xq.M - m0));
-    const int8_t* x = xq.q.data() + m0 * K;
-    const float* dx = xq.d.data() + m0 * scales;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      __m256 a0[MC], a1[MC];
-      for (int m = 0; m < MC; ++m) { a0[m] = _mm256_setzero_ps(); a1[m] = _mm256_setzero_ps(); }
-      if constexpr (!SPLIT) {
-        int64_t b = 0;
-        for (; b + 1 < blocks; b += 2) {
-          _mm_prefetch(reinterpret_cast<const char*>(row + b * BYTES + 384), _MM_HINT_T0);
-          Block u0, u1;
-          unpack<KIND>(row + b * BYTES, u0);
-          unpack<KIND>(row + (b + 1) * BYTES, u1);
-          for (int m = 0; m < mc; ++m) {
-            a0[m] = block_dot(u0, x + m * K + b * PER, dx[m * scales + b], a0[m]);
-            a1[m] = block_dot(u1, x + m * K + (b + 1) * PER, dx[m * scales + b + 1], a1[m]);
-          }
-        }
-        if (b < blocks) {
-          Block u0;
-          unpack<KIND>(row + b * BYTES, u0);
-          for (int m = 0; m < mc; ++m) a0[m] = block_dot(u0, x + m * K + b * PER, dx[m * scales + b], a0[m]);
-        }
-      } else {
-        for (int64_t b = 0; b < blocks; b += 2) {
-          Block u;
-          unpack<KIND>(row + b * BYTES, u);
-          for (int m = 0; m < mc; ++m) a0[m] = block_dot(u, x + m * K + b * PER, dx[m * scales + b], a0[m]);
-        }
-        for (int64_t b = 1; b < blocks; b += 2) {
-          Block u;
-          unpack<KIND>(row + b * BYTES, u);
-          for (int m = 0; m < mc; ++m) a1[m] = block_dot(u, x + m * K + b * PER, dx[m * scales + b], a1[m]);
-        }
-      }
-      for (int m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(_mm256_add_ps(a0[m], a1[m]));
-    }
-  }
-}
-
-template <int KIND>
-void rows_avx2(const uint8_t* w, int64_t row_bytes, const Quantised& xq, float* y, int64_t N, int64_t n0,
-               int64_t n1) {
-  if (xq.M <= 4) rows_pairs<KIND, 4, false>(w, row_bytes, xq, y, N, n0, n1);
-  else rows_pairs<KIND, 8, true>(w, row_bytes, xq, y, N, n0, n1);
-}
+namespace isa_avxvnni {
+#define QB_ISA __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define QB_AVXVNNI 1
+#include "qblocks_avx2.inc"
+#undef QB_ISA
+#undef QB_AVXVNNI
+}  // namespace isa_avxvnni
 
 // ---- AVX512-VNNI: the same integer lanes, summed four products an instruction -----------------------------------
 // A K-quant block's products with a row are exact integers, so computing them with vpdpbusd (u8 x s8, four products
@@ -620,6 +423,15 @@ bool has_vnni() {
   }();
   return yes;
 }
+
+// AVX-VNNI (256-bit VEX vpdpbusd / vpdpwssd) beside AVX2, unless DRAFTWISE_AVXVNNI=0 (read once).
+bool has_avxvnni() {
+  static const bool yes = [] {
+    const char* off = std::getenv("DRAFTWISE_AVXVNNI");
+    return !(off && std::string(off) == "0") && has_avx2() && __builtin_cpu_supports("avxvnni");
+  }();
+  return yes;
+}
 #endif
 
 }  // namespace
@@ -654,20 +466,21 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
     });
     return y;
   }
-  if (!portable && has_avx2() && (kind == Q4K || kind == Q6K)) {
-    Tiles tiles;
-    make_tiles(xq, tiles);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      if (kind == Q4K) rows_tiled<Q4K>(wp, row_bytes, K, tiles, yp, N, n0, n1);
-      else rows_tiled<Q6K>(wp, row_bytes, K, tiles, yp, N, n0, n1);
-    });
-    return y;
-  }
   if (!portable && has_avx2()) {
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      if (kind == Q50) rows_avx2<Q50>(wp, row_bytes, xq, yp, N, n0, n1);
-      else rows_avx2<Q80>(wp, row_bytes, xq, yp, N, n0, n1);
-    });
+    const bool vex = vnni && has_avxvnni();  // the same lanes, fewer instructions
+    if (kind == Q4K || kind == Q6K) {
+      Tiles tiles;
+      make_tiles(xq, tiles);
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        if (kind == Q4K) (vex ? isa_avxvnni::rows_tiled<Q4K> : isa_avx2::rows_tiled<Q4K>)(wp, row_bytes, K, tiles, yp, N, n0, n1);
+        else (vex ? isa_avxvnni::rows_tiled<Q6K> : isa_avx2::rows_tiled<Q6K>)(wp, row_bytes, K, tiles, yp, N, n0, n1);
+      });
+    } else {
+      at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        if (kind == Q50) (vex ? isa_avxvnni::rows_avx2<Q50> : isa_avx2::rows_avx2<Q50>)(wp, row_bytes, xq, yp, N, n0, n1);
+        else (vex ? isa_avxvnni::rows_avx2<Q80> : isa_avx2::rows_avx2<Q80>)(wp, row_bytes, xq, yp, N, n0, n1);
+      });
+    }
     return y;
   }
 #endif
@@ -679,6 +492,15 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
 bool blocks_vnni() {
 #ifdef QB_X86
   return has_vnni();
+#else
+  return false;
+#endif
+}
+
+// Whether qmm_blocks' AVX-VNNI (256-bit) path runs here: every block format where AVX512-VNNI does not take it.
+bool blocks_avxvnni() {
+#ifdef QB_X86
+  return has_avxvnni();
 #else
   return false;
 #endif

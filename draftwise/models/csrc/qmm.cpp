@@ -204,6 +204,7 @@ bool accelerated() {
 torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t K, bool portable,
                          bool vnni);  // qblocks.cpp
 bool blocks_vnni();  // qblocks.cpp
+bool blocks_avxvnni();  // qblocks.cpp
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
 torch::Tensor dequantised_blocks(torch::Tensor w, int64_t kind, int64_t K);  // qblocks.cpp
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
@@ -220,6 +221,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmm_blocks", &qmm_blocks, "activations (quantised to int8 per block) x weights in a GGUF file's own blocks",
         py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("K"), py::arg("portable"), py::arg("vnni") = true);
   m.def("blocks_vnni", &blocks_vnni, "whether qmm_blocks' AVX512-VNNI path runs here (off: DRAFTWISE_AVX512=0)");
+  m.def("blocks_avxvnni", &blocks_avxvnni, "whether qmm_blocks' AVX-VNNI path runs here (off: DRAFTWISE_AVXVNNI=0)");
   m.def("dequantised_blocks", &dequantised_blocks, "the weights a GGUF file's blocks hold, rounded to bf16");
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)",
