@@ -8,6 +8,13 @@ step that commits m tokens per row pays cost(k) / cost(1) of a plain decoding st
 
     python benchmarks/verify_cost.py --formats gguf,bf16,fp32,int8 --batch-sizes 1,16,32 \
         --json benchmarks/results/verify-cost.json
+
+With `--draft-of TARGET`, `--target` is loaded as TARGET's draft, as `sd` runs it (load_draft: its format follows
+the target's, and a registry draft gets its restricted output vocabulary), and TARGET's own one-token forward is
+timed in the same rounds: `draft_vs_target` is what one drafted token costs in target tokens.
+
+    python benchmarks/verify_cost.py --target qwen2.5-coder-0.5b --draft-of qwen2.5-coder-1.5b --formats gguf \
+        --batch-sizes 1 --json benchmarks/results/verify-cost-draft.json
 """
 
 from __future__ import annotations
@@ -20,23 +27,39 @@ import draftwise
 from draftwise.bench.harness import machine_description
 from draftwise.bench.timing import interleaved, medians
 from draftwise.atomic import write_json
+from draftwise.models.loading import load_draft
 from draftwise.models.runner import ModelRunner
 
 
-def curve(target, batch: int, context: int, max_k: int, repeats: int) -> dict[str, float]:
-    runner = ModelRunner(target.model, vocab_size=target.vocab_size, rows=batch)
-    generator = torch.Generator().manual_seed(0)
+def _filled(model, batch: int, context: int, generator: torch.Generator) -> ModelRunner:
+    runner = ModelRunner(model.model, vocab_size=model.vocab_size, rows=batch)
     prompt = torch.randint(100, 40000, (batch, context), generator=generator)
     runner.forward_rows(prompt, [context] * batch, logits_at=torch.zeros(batch, 1, dtype=torch.long), prompt=True)
+    return runner
+
+
+def curve(target, batch: int, context: int, max_k: int, repeats: int, of=None) -> dict[str, float]:
+    """cost(k) for k = 1..max_k (and `of`'s one-token forward, key "target k=1", in the same rounds)."""
+    generator = torch.Generator().manual_seed(0)
+    runners = {"": _filled(target, batch, context, generator)}
+    if of is not None:
+        runners["target "] = _filled(of, batch, context, generator)
     feeds = {str(k): torch.randint(100, 40000, (batch, k), generator=generator) for k in range(1, max_k + 1)}
+    runs = {k: (lambda f=feed, r=runners[""]: r.forward_rows(f, [f.shape[1]] * batch)) for k, feed in feeds.items()}
+    if of is not None:
+        runs["target k=1"] = lambda f=feeds["1"], r=runners["target "]: r.forward_rows(f, [1] * batch)
 
     def rollback(name: str) -> None:
+        runner = runners["target " if name == "target k=1" else ""]
         for row in range(batch):
             runner.trim_row(row, context)
 
-    times = medians(interleaved({k: (lambda f=feed: runner.forward_rows(f, [f.shape[1]] * batch))
-                                 for k, feed in feeds.items()}, rounds=repeats, warmup=2, after=rollback))
-    return {k: {"ms": 1000 * t, "vs_k1": t / times["1"]} for k, t in times.items()}
+    times = medians(interleaved(runs, rounds=repeats, warmup=2, after=rollback))
+    row = {k: {"ms": 1000 * t, "vs_k1": t / times["1"]} for k, t in times.items() if k != "target k=1"}
+    if of is not None:
+        row["target_k1_ms"] = 1000 * times["target k=1"]
+        row["draft_vs_target"] = times["1"] / times["target k=1"]
+    return row
 
 
 def main() -> None:
@@ -48,21 +71,26 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-of", default=None, help="load --target as this target's draft, and time the "
+                        "target's one-token forward beside it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = {"config": vars(args), "formats": {}}
     for fmt in args.formats.split(","):
-        target = draftwise.load_model(args.target, dtype=fmt)
+        of = draftwise.load_model(args.draft_of, dtype=fmt) if args.draft_of else None
+        target = load_draft(args.target, of) if of is not None else draftwise.load_model(args.target, dtype=fmt)
         out["machine"] = machine_description(target.device)
         by_batch = {}
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            by_batch[str(batch)] = curve(target, batch, args.context, args.max_k, args.repeats)
+            by_batch[str(batch)] = curve(target, batch, args.context, args.max_k, args.repeats, of=of)
             row = by_batch[str(batch)]
             print(f"{fmt:6s} batch {batch:3d}: " + "  ".join(
-                f"k={k} {v['ms']:.1f} ms ({v['vs_k1']:.2f}x)" for k, v in row.items()), flush=True)
+                f"k={k} {v['ms']:.1f} ms ({v['vs_k1']:.2f}x)" for k, v in row.items() if isinstance(v, dict)) + (
+                f"  | {args.draft_of} k=1 {row['target_k1_ms']:.1f} ms: a drafted token costs "
+                f"{row['draft_vs_target']:.2f} of a target token" if of is not None else ""), flush=True)
         out["formats"][fmt] = {"weights": target.weights, "batches": by_batch}
-        del target
+        del target, of
     if args.json:
         write_json(out, args.json)
 
