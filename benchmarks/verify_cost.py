@@ -32,7 +32,8 @@ from draftwise.models.runner import ModelRunner
 
 
 def _filled(model, batch: int, context: int, generator: torch.Generator) -> ModelRunner:
-    runner = ModelRunner(model.model, vocab_size=model.vocab_size, rows=batch)
+    runner = ModelRunner(model.model, vocab_size=model.vocab_size, rows=batch,
+                         output_ids=getattr(model, "output_ids", None))  # a draft's restricted vocabulary, as sd runs it
     prompt = torch.randint(100, 40000, (batch, context), generator=generator)
     runner.forward_rows(prompt, [context] * batch, logits_at=torch.zeros(batch, 1, dtype=torch.long), prompt=True)
     return runner
