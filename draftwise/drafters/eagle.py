@@ -57,10 +57,12 @@ class EagleRowsDrafter:
         self.last_state: list[torch.Tensor | None] = []  # per row: the head's output at position cached - 1
         self.tree_nodes = 0  # > 0: propose token trees of at most this many nodes per row (the engine sets it)
         self.tree_min_prob = 0.0  # grow no tree node whose path probability is below this (the engine sets it)
+        self.prefill_calls = 0  # catch-up reads while every row was behind (see `catch_up`)
 
     @property
     def calls(self) -> int:
-        return self.runner.calls
+        """Drafting forwards (the catch-up reads of rows that were all behind are counted apart, in `prefill_calls`)."""
+        return self.runner.calls - self.prefill_calls
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -96,12 +98,26 @@ class EagleRowsDrafter:
         # a row without any target feature yet (a one-token prompt) drafts nothing this step; it feeds
         # one dummy position that is rolled back below
         bare = [b for b in range(n) if self.num_features[b] == 0]
-        dtype = self.head.fc.weight.dtype
+        # every row behind: no batch-mate's step is held up, so they read all but their last CATCH_UP features
+        # now, CATCH_UP a forward, and draft in this very step
+        while n and all(self.num_features[b] - self.cached[b] > CATCH_UP for b in range(n)):
+            self._read(rows, [CATCH_UP] * n, [])
+            self.prefill_calls += 1
         # catch up: head positions cached .. num_features - 1 read (feature_i, token_{i+1}), at most CATCH_UP
         counts = [max(self.num_features[b] - self.cached[b], 1) for b in range(n)]
         behind = [b for b in range(n) if counts[b] > CATCH_UP]
         counts = [min(c, CATCH_UP) for c in counts]
         limits = [0 if b in bare or b in behind else limit for b, limit in enumerate(limits)]
+        predicted = self._read(rows, counts, bare)
+        for b in bare:
+            self.runner.trim_row(b, 0)
+        return predicted, limits
+
+    def _read(self, rows, counts: list[int], bare: list[int]) -> torch.Tensor:
+        """The head reads counts[b] of row b's unread true features (a bare row: one dummy position); returns its
+        predicted state after the last one read [rows, H]."""
+        n = len(rows)
+        dtype = self.head.fc.weight.dtype
         span = max(counts)
         feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
         nexts = torch.zeros(n, span, dtype=torch.long)
@@ -119,9 +135,7 @@ class EagleRowsDrafter:
                 self.cached[b] += counts[b]
                 self.features[b] = self.features[b][counts[b]:]
             self.last_state[b] = None if b in bare else predicted[b]
-        for b in bare:
-            self.runner.trim_row(b, 0)
-        return predicted, limits
+        return predicted
 
     def begin(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Beam search's first step (mtad.BeamRowsDrafter): catch up, then the head's state scores the first token.
