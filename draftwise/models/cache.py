@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -82,9 +83,15 @@ def _lock(name: str) -> Iterator[None]:
 
 
 def ensure_entry(
-    name: str, build: Callable[[Path], None], *, source_sha256: str | None = None, log: Callable[[str], None] | None = None
+    name: str, build: Callable[[Path], None], *, source_sha256: str | None = None, log: Callable[[str], None] | None = None,
+    supersedes: str | None = None, source: str | None = None,
 ) -> Path:
-    """Return the complete cache entry `name`, building it with `build(tmp_dir)` when missing or broken."""
+    """Return the complete cache entry `name`, building it with `build(tmp_dir)` when missing or broken.
+
+    `supersedes`, `source`: an entry keyed by its source file's state (`<prefix><12 hex digits>`, the prefix being
+    `supersedes`) replaces the entries of that prefix built from an earlier state of the same `source` file (or
+    from a file not recorded, by an earlier draftwise): once the new entry is in place they are removed, so a
+    changed file does not leave another copy behind each time."""
     log = log or (lambda message: print(message, file=sys.stderr))
     final = entry_dir(name)
     if entry_problem(final, source_sha256) is None:
@@ -107,6 +114,8 @@ def ensure_entry(
                 if p.is_file()
             }
             manifest = {"name": name, "source_sha256": source_sha256, "files": files}
+            if source is not None:
+                manifest["source"] = source
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
             _fsync_tree(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
@@ -117,7 +126,41 @@ def ensure_entry(
             os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    if supersedes is not None:
+        _remove_superseded(name, supersedes, source, log)
     return final
+
+
+def _remove_superseded(name: str, prefix: str, source: str | None, log: Callable[[str], None]) -> None:
+    """Remove the entries `<prefix><12 hex digits>` other than `name` built from `source` (or from a source not
+    recorded), each under its own lock; one line says what was freed."""
+    models = entry_dir(name).parent
+    removed, freed = [], 0
+    for path in sorted(models.glob(f"{glob.escape(prefix)}*")):
+        rest = path.name[len(prefix):]
+        if path.name == name or not path.is_dir() or len(rest) != 12 \
+                or any(c not in "0123456789abcdef" for c in rest):
+            continue
+        try:
+            recorded = json.loads((path / MANIFEST).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            recorded = None  # no manifest: an entry left incomplete, superseded too
+        if recorded not in (None, source):
+            continue  # another file of the same name: its own entry
+        with _lock(path.name):
+            size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+            stale = path.with_name(f".{path.name}.stale-{os.getpid()}")
+            try:
+                os.replace(path, stale)  # out of sight at once, then deleted
+            except OSError:
+                continue
+            shutil.rmtree(stale, ignore_errors=True)
+        removed.append(path.name)
+        freed += size
+    if removed:
+        log(f"draftwise: removed {len(removed)} superseded cache "
+            f"entr{'y' if len(removed) == 1 else 'ies'} of {prefix.rstrip('-')} ({freed / 2**20:.1f} MB): "
+            f"{', '.join(removed)}")
 
 
 def _fsync_tree(path: Path) -> None:

