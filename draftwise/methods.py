@@ -12,7 +12,7 @@ from typing import Any, Callable
 from draftwise.rules.acceptance import ExactRule, LossyGreedyRule, LossyRule, TargetRule
 from draftwise.rules.cascades import (CASCADE_RULES, AcceptDraftRule, BildRollbackRule, CascadeRule, FLyRule, chow_stop,
                        sequence_confidence)
-from draftwise.errors import DraftwiseError, short
+from draftwise.errors import DraftwiseError, did_you_mean, short
 
 
 @dataclass(frozen=True)
@@ -515,4 +515,5 @@ def get_method(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise DraftwiseError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
+        raise DraftwiseError(f"unknown method {name!r}{did_you_mean(str(name), METHODS)}; choose one of: "
+                             f"{', '.join(METHODS)}") from None

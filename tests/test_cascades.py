@@ -306,5 +306,5 @@ def test_never_deferring_is_draft_decoding(models):
             assert run(models, "cascade", prompt, rule="chow", alpha=1.0, temperature=0, gamma=gamma) == draft_alone
     # and at temperature 1 it never rejects
     out = draftwise.generate(target=models[0], draft=draft, prompt=PROMPTS[0], method="cascade", rule="chow", alpha=1.0,
-                             max_new_tokens=30, seed=0, ignore_eos=True)
+                             max_new_tokens=30, seed=0, ignore_eos=True, temperature=1.0)
     assert out.stats["accepted"] == out.stats["drafted"] > 0

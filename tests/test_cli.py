@@ -33,7 +33,7 @@ def _run(capsys, argv):
 # ---------------------------------------------------------------- methods
 
 def test_methods_lists_every_method_and_option(capsys):
-    code, out, err = _run(capsys, ["methods"])
+    code, out, err = _run(capsys, ["methods", "--options"])
     assert code == 0 and err == ""
     for method in draftwise.METHODS.values():
         assert method.name in out
@@ -41,7 +41,7 @@ def test_methods_lists_every_method_and_option(capsys):
         for option in method.options:
             assert f"--{option.name.replace('_', '-')} (default {option.default})" in out
     # the common options with their defaults (from the API signature)
-    assert "gamma=4" in out and "temperature=1.0" in out and "max_new_tokens=128" in out
+    assert "gamma=4" in out and "temperature=0.0" in out and "max_new_tokens=128" in out
 
 
 def test_methods_json(capsys):
@@ -165,7 +165,7 @@ def test_generate_stop_flag(capsys, model_dirs):
     (["--method", "sd", "--draft", "DRAFT", "--alpha", "0.2"], "no option 'alpha'"),
     (["--method", "ar", "--max-ngram", "2"], "no option 'max_ngram'"),
     (["--method", "sd", "--draft", "DRAFT", "--gamma", "0"], "gamma"),
-    (["--method", "lossy-greedy", "--draft", "DRAFT"], "greedy decoding only"),
+    (["--method", "lossy-greedy", "--draft", "DRAFT", "--temperature", "1"], "greedy decoding only"),
     (["--method", "lossy", "--draft", "DRAFT", "--alpha", "1.0"], "alpha"),
     (["--method", "ar", "--max-new-tokens", "0"], "--max-new-tokens"),
 ], ids=[

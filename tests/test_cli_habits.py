@@ -116,3 +116,36 @@ def test_api_words_become_flags_on_the_command_line():
 def test_the_command_line_reports_an_api_error_in_flags(capsys):
     assert main(["generate", "--max-tokens", "0", "hi"]) == 2
     assert capsys.readouterr().err.strip() == "draftwise: error: --max-new-tokens must be an integer >= 1, got 0"
+
+
+def test_methods_are_grouped_by_need_one_line_each(capsys):
+    import draftwise
+    from draftwise.cli.generate import method_groups
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    groups = method_groups()
+    assert sorted(sum(groups.values(), [])) == sorted(draftwise.METHODS)  # every method, once
+    first = {name: need for need, names in groups.items() for name in names}
+    needs = list(groups)
+    assert first["ar"] == first["suffix"] == first["prompt-lookup"] == needs[0]
+    assert first["sd"] == first["mtad"] == needs[1]
+    assert first["seq-cascade"] == needs[2]
+    assert first["sprinter"] == first["sv"] == first["specdec++"] == needs[3]
+    for need, names in groups.items():
+        block = out.split(need, 1)[1].split("\n\n", 1)[0].strip().splitlines()
+        assert [line.split()[0] for line in block] == names
+        for line, name in zip(block, names):
+            assert draftwise.METHODS[name].summary in line
+    assert "--alpha" not in out  # the options are one flag away
+    assert main(["methods", "--options"]) == 0 and "--alpha (default" in capsys.readouterr().out
+
+
+def test_a_mistyped_method_gets_the_closest_in_the_api_and_the_bench(capsys):
+    import draftwise
+    from draftwise.errors import DraftwiseError
+
+    with pytest.raises(DraftwiseError, match=r"unknown method 'prompt-lokup' \(did you mean 'prompt-lookup'\?\)"):
+        draftwise.generate("smollm2-135m", "hi", method="prompt-lokup")
+    assert main(["bench", "--methods", "ar,sufix"]) == 2
+    assert "unknown method(s) sufix (did you mean 'suffix'?)" in capsys.readouterr().err

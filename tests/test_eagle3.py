@@ -673,17 +673,18 @@ def head_verifiers(tmp_path_factory):
 def test_sprinter_and_specdecpp_run_on_a_head(head_verifiers):
     target, head, paths = head_verifiers
     g = draftwise.generate(target, [1, 2, 3], draft=head, method="sprinter", verifier=str(paths["sprinter"]),
-                           max_run=6, max_new_tokens=30, seed=1, ignore_eos=True)
+                           max_run=6, max_new_tokens=30, seed=1, ignore_eos=True, temperature=1.0)
     s = g.stats
     assert s["verifier_calls"] == s["drafted"] > 0 and s["target_calls"] == s["steps"]
     assert len(g.token_ids) == 30
     g = draftwise.generate(target, [1, 2, 3], draft=head, method="specdec++", head=str(paths["acceptance"]),
-                           max_new_tokens=30, seed=1, ignore_eos=True, gamma=5)
+                           max_new_tokens=30, seed=1, ignore_eos=True, gamma=5, temperature=1.0)
     assert g.stats["drafted"] > 0 and len(g.token_ids) == 30
     # a verifier trained on this head refuses another head, and an independent draft's refuses this head
     other = _head(target, torch.arange(0, 64, 2), scale=1.5, seed=9)
     with pytest.raises(DraftwiseError, match="another draft model"):
-        draftwise.generate(target, [1, 2, 3], draft=other, method="sprinter", verifier=str(paths["sprinter"]))
+        draftwise.generate(target, [1, 2, 3], draft=other, method="sprinter", verifier=str(paths["sprinter"]),
+                           temperature=1.0)
 
 
 def test_specdecpp_on_a_head_is_exact_at_t0(head_verifiers):

@@ -627,7 +627,7 @@ def test_registry_verifier_refuses_other_settings_and_targets(capsys, dirs, ship
 
     # a sampling setting the registry has no file for: the error says what it ships
     code, out, err = _run(capsys, ["generate", "--method", "sprinter", "--temperature", "0", "the cat"])
-    _one_line_error(code, out, err, "sprinter needs verifier=PATH: the registry ships one for smollm2-135m with "
+    _one_line_error(code, out, err, "sprinter needs --verifier PATH: the registry ships one for smollm2-135m with "
                                     "smollm2-135m-draft at temperature 1")
     with pytest.raises(DraftwiseError, match="needs head=PATH: the registry ships one"):
         draftwise.generate(TARGET, "the cat", method="specdec++", temperature=1.0, top_k=5)

@@ -199,7 +199,8 @@ def test_sprinter_calls_the_target_only_on_rejections(trained):
     target, draft, _, _, path = trained
     for tau in (0.3, 0.5, 0.7):
         g = draftwise.generate(target=target.model, draft=draft.model, prompt=[1, 2, 3], method="sprinter",
-                               verifier=str(path), tau=tau, max_run=8, max_new_tokens=40, seed=1, ignore_eos=True)
+                               verifier=str(path), tau=tau, max_run=8, max_new_tokens=40, seed=1, ignore_eos=True,
+                               temperature=1.0)
         s = g.stats
         assert s["verifier_calls"] == s["drafted"] == s["draft_calls"]
         rejections = s["drafted"] - s["verifier_accepted"]

@@ -370,7 +370,7 @@ def test_generate_runs_the_profiled_selector(profile_path):
         for seed in range(2):
             got = draftwise.generate(target, [1, 2, 3], draft=draft, method="sv", companion=companion,
                                      profile=str(profile_path), bins=bins, max_new_tokens=16, gamma=GAMMA, seed=seed,
-                                     ignore_eos=True)
+                                     ignore_eos=True, temperature=1.0)
             inner = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
             drafter = CompanionRowsDrafter(inner, ModelRunner(companion.model, vocab_size=V, rows=0), V)
             engine = Engine(ModelRunner(target.model, vocab_size=V, rows=0), drafter, ExactRule(), gamma=GAMMA,
@@ -614,7 +614,8 @@ def test_profile_save_is_atomic(tmp_path, monkeypatch):
 def _generate_sv(method="sv", **overrides):
     target, draft, companion = trio()
     target = overrides.pop("target", target)
-    kwargs = dict(draft=draft, method=method, max_new_tokens=4, gamma=GAMMA, seed=0, ignore_eos=True)
+    kwargs = dict(draft=draft, method=method, max_new_tokens=4, gamma=GAMMA, seed=0, ignore_eos=True,
+                  temperature=1.0)  # the profile's setting
     if method == "sv":
         kwargs["companion"] = companion
     kwargs.update(overrides)

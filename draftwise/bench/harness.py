@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from draftwise.api import generate
-from draftwise.errors import DraftwiseError
+from draftwise.errors import DraftwiseError, did_you_mean
 from draftwise.methods import METHODS
 from draftwise.heads.eagle import DraftHead
 from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
@@ -64,7 +64,8 @@ def check_methods(methods: tuple[str, ...]) -> None:
     valid = list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY]
     unknown = [m for m in methods if m.partition("/")[0].partition(":")[0].partition("@")[0] not in valid]
     if unknown:
-        raise DraftwiseError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+        hints = "".join(did_you_mean(m.partition("/")[0].partition(":")[0].partition("@")[0], valid) for m in unknown)
+        raise DraftwiseError(f"unknown method(s) {', '.join(unknown)}{hints}; valid: {', '.join(valid)}")
     for label in methods:
         parse_label(label)
     if len(set(methods)) != len(methods):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftwise.errors import DraftwiseError
+from draftwise.errors import DraftwiseError, did_you_mean
 from draftwise.methods import MAX_GAMMA, METHODS
 
 HF_METHODS = ("hf-assisted", "prompt-lookup-hf")
@@ -47,7 +47,8 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
         return name, options
     if name not in METHODS:
         valid = ", ".join(list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY])
-        raise DraftwiseError(f"unknown method {name!r} in {label!r}; valid: {valid}")
+        hint = did_you_mean(name, list(METHODS) + list(HF_METHODS) + [DRAFT_ONLY])
+        raise DraftwiseError(f"unknown method {name!r} in {label!r}{hint}; valid: {valid}")
     gamma = options.pop("gamma", None)
     known = {o.name for o in METHODS[name].options}
     for key in options:

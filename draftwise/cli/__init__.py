@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"draftwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
-    methods = sub.add_parser("methods", help="list the methods, their options and defaults")
+    methods = sub.add_parser("methods", help="the methods, grouped by what they need beside the target")
+    methods.add_argument("--options", action="store_true", help="each method's options and defaults, and its reference")
     methods.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                          help="the methods as JSON, to PATH or to standard output ('-' or left out)")
     add_bench(sub)

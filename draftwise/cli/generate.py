@@ -212,6 +212,17 @@ def run_methods(args: argparse.Namespace) -> int:
         }, args.json)
         return 0
     common = ", ".join(f"{k}={v}" for k, v in API_DEFAULTS.items() if k not in ("prompt", "messages", "draft", "method"))
+    if not args.options:
+        for need, names in method_groups().items():
+            print(need)
+            for name in names:
+                m = METHODS[name]
+                greedy = " (temperature 0 only)" if m.greedy_only else ""
+                print(f"  {m.name:<16}{'exact' if m.exact else 'lossy':<7}{m.summary}{greedy}")
+            print()
+        print("exact: the target's own output distribution (its greedy output at temperature 0); lossy: a defined "
+              "other one.\nEach method's options and defaults: draftwise methods --options")
+        return 0
     print(f"common options (all methods): {common}\n")
     for m in METHODS.values():
         kind = "exact" if m.exact else "lossy"
@@ -225,6 +236,25 @@ def run_methods(args: argparse.Namespace) -> int:
         if m.reference:
             print(f"{'':<14} ref: {m.reference}")
     return 0
+
+
+def method_groups() -> dict[str, list[str]]:
+    """The methods by what they need beside the target, in catalogue order within a group."""
+    from draftwise.plan import EAGLE_METHODS
+
+    groups: dict[str, list[str]] = {
+        "Nothing beside the target:": [],
+        "A draft model or an EAGLE head (a registry target gets its default draft):": [],
+        "A draft model (an EAGLE head cannot draft for these):": [],
+        "A trained helper beside the draft (a verifier, a stop head, a companion or a profile; the registry ships "
+        "them for its pairs):": [],
+    }
+    none, either, model, helper = groups.values()
+    for m in METHODS.values():
+        trained = bool(m.kind.objective) or m.needs_companion or m.needs_profile
+        (helper if trained else none if not m.needs_draft else either if m.name in EAGLE_METHODS else model).append(
+            m.name)
+    return groups
 
 
 def run_models(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 from draftwise import api, builder, prompts
 from draftwise import plan as plan_module
-from draftwise.errors import DraftwiseError, DraftwiseWarning
+from draftwise.errors import DraftwiseError, DraftwiseWarning, did_you_mean
 from draftwise.engine.grammar import grammar_from
 from draftwise.methods import METHODS, Method
 from draftwise.models.loading import LoadedModel
@@ -235,7 +235,8 @@ class Service:
         override = dict(parsed.override)
         method = override.pop("method", self.config.method)
         if not isinstance(method, str) or method not in METHODS:
-            raise ApiError(400, f"unknown method {method!r}; this server runs: {', '.join(self.runnable())}",
+            hint = did_you_mean(method, self.runnable()) if isinstance(method, str) else ""
+            raise ApiError(400, f"unknown method {method!r}{hint}; this server runs: {', '.join(self.runnable())}",
                            param="draftwise.method", code="unknown_method")
         if method in self.refused:
             raise ApiError(400, f"method {method!r} is not available on this server: {self.refused[method]}; it "
