@@ -321,14 +321,22 @@ def add_train_eagle3(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
     p.add_argument("--own-lm-head", dest="shared_lm_head", action="store_false",
                    help="train and store the head's own LM head (default: the target's rows, frozen, not stored)")
-    p.add_argument("--fp32", dest="bf16", action="store_false",
-                   help="fp32 matmuls (default: bf16 autocast with fp32 master weights)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--fp32", dest="bf16", action="store_false",
+                           help="fp32 matmuls (default: bf16 autocast with fp32 master weights where bf16 is native: "
+                           "AVX512-BF16 / AMX or a GPU with it; fp32 elsewhere)")
+    precision.add_argument("--bf16", dest="bf16", action="store_true", help="bf16 autocast even where it is emulated")
+    p.set_defaults(bf16=None)
+    p.add_argument("--vocab-file", default="", help="the draft vocabulary's token ids (a JSON list, or an object with "
+                   "\"ids\", as draftwise/weights/vocab/*.json); default: the most frequent tokens of the data")
     p.add_argument("--minutes", type=float, default=None, help="train one chunk of this many minutes, then checkpoint "
                    "and export (re-run to go on)")
     p.add_argument("--init-from", default="", help="start from this EAGLE-3 head (registry name or directory) and "
                    "its draft vocabulary: fine-tuning, e.g. the greedy head on sampled answers")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after that step (resume later)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--dtype", default="fp32", help="the target's format for its embedding and LM-head rows: fp32, or "
+                   "auto (as it serves: a GGUF's own blocks, no float copy of the whole model)")
     _add_device(p)
     _add_batch_order(p)
 
@@ -348,7 +356,7 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     names = {f.name for f in dataclasses.fields(Eagle3TrainConfig)}
     config = Eagle3TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, target_name=args.target)
-    target = load_model(args.target, dtype="fp32", device=args.device)
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
     log_path = Path(args.out) / "train-log.jsonl"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with tqdm(total=args.steps, desc="train-eagle3", unit="step", file=sys.stderr, mininterval=10) as bar:

@@ -18,8 +18,8 @@ Checkpoints are atomic; re-running the same command resumes. `--minutes` trains 
 
 from __future__ import annotations
 
+import hashlib
 import json
-import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -34,6 +34,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.atomic import write_text
 from draftwise.training.loop import cosine_lr, train_loop
 from draftwise.heads.eagle3 import eagle3_layers
+from draftwise.models.qkernel import out_rows, weight_rows
 from draftwise.training.shards import ShardSequence, read_shards
 
 
@@ -44,7 +45,7 @@ class Eagle3TrainConfig:
     target_name: str = ""
     draft_vocab: int = 8192
     intermediate_size: int = 1536
-    max_len: int = 640
+    max_len: int = 1024  # the data recipe's sequences (benchmarks/eagle_data_recipe.sh) are at most 1,024 tokens
     batch_size: int = 8
     steps: int = 2000
     lr: float = 1e-3
@@ -57,7 +58,10 @@ class Eagle3TrainConfig:
     val_fraction: float = 0.03
     max_examples: int = 0  # 0: every sequence in the shards
     shared_lm_head: bool = True  # the target's LM-head rows, frozen (False: the head trains its own, stored)
-    bf16: bool = True  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX
+    bf16: bool | None = None  # bf16 autocast for the matmuls (fp32 master weights): ~10x on CPUs with AMX; None:
+    # where bf16 is native (AVX512-BF16 / AMX, or a GPU with it), float32 elsewhere (emulated bf16 is slower)
+    vocab_file: str = ""  # the draft vocabulary's ids from a file (a JSON list, or an object with "ids": the
+    # registry's draftwise/weights/vocab/*.json); empty: the most frequent tokens of the training data
     group_by_length: bool = True  # batches of similar lengths (less padding: every position costs the same)
     init_from: str = ""  # an EAGLE-3 head directory to start from (fine-tuning): its weights and draft vocabulary
 
@@ -92,6 +96,48 @@ def load_examples(data: str, layers, max_len: int, limit: int = 0) -> list[Examp
     if not out:
         raise DraftwiseError(f"no usable sequence in {data}")
     return out
+
+
+def held_out(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """(validation, training): a sequence is held out by a hash of its uid, so it stays held out while the shards
+    grow (a data job still writing them) and across resumed chunks. Sequences without a uid are split by position.
+    At least one is held out when there are two or more."""
+    def key(i: int) -> int:
+        e = examples[i]
+        uid = e.sequence.uid if e.sequence is not None and e.sequence.uid else f"#{i}"
+        return int.from_bytes(hashlib.sha256(uid.encode()).digest()[:8], "big")
+
+    if len(examples) < 2:
+        return [], list(examples)
+    keys = [key(i) for i in range(len(examples))]
+    bound = int(fraction * 2 ** 64)
+    val_index = {i for i, k in enumerate(keys) if k < bound} or {min(range(len(keys)), key=keys.__getitem__)}
+    if len(val_index) == len(examples):
+        val_index.discard(max(range(len(keys)), key=keys.__getitem__))
+    return ([e for i, e in enumerate(examples) if i in val_index],
+            [e for i, e in enumerate(examples) if i not in val_index])
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively there: a GPU that supports them, or a CPU with AVX512-BF16 / AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    from draftwise.models.loading import cpu_has_native_bf16
+
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def vocabulary_file(path: str, vocab: int) -> torch.Tensor:
+    """Sorted token ids from a JSON file: a list, or an object with "ids"; each must be a token of the target."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise DraftwiseError(f"--vocab-file {path}: {e}") from None
+    ids = data.get("ids") if isinstance(data, dict) else data
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        raise DraftwiseError(f"--vocab-file {path}: expected a non-empty list of token ids below {vocab} (or an "
+                             "object with \"ids\")")
+    return torch.tensor(sorted(set(ids)), dtype=torch.long)
 
 
 def draft_vocabulary(examples: list[Example], size: int, always: set[int], vocab: int) -> torch.Tensor:
@@ -239,17 +285,18 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     torch.manual_seed(config.seed)
     layers = tuple(feature_layers or eagle3_layers(target.config.num_hidden_layers))
     examples = load_examples(config.data, layers, config.max_len, config.max_examples)
-    rng = random.Random(config.seed)
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    n_val = max(1, int(len(order) * config.val_fraction)) if len(order) > 1 else 0
-    val = [examples[i] for i in order[:n_val]]
-    train = [examples[i] for i in order[n_val:]]
+    val, train = held_out(examples, config.val_fraction)
+    head_module = target.get_output_embeddings()  # float, or kept in its GGUF blocks (a target loaded as served)
+    device = next(target.parameters()).device  # the head trains where the target was loaded
+    bf16 = config.bf16 if config.bf16 is not None else native_bf16(device)
+    config = replace(config, bf16=bf16)
     vocab_path = out / "vocab_ids.json"  # fixed at the first chunk, so resumed chunks keep the same head shape
-    vocab = int(target.get_output_embeddings().weight.shape[0])
+    vocab = out_rows(head_module)
     start = _initial_head(config) if config.init_from else None
     if vocab_path.exists():
         vocab_ids = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long)
+    elif config.vocab_file:
+        vocab_ids = vocabulary_file(config.vocab_file, vocab)
     else:
         vocab_ids = start.vocab_ids.clone() if start is not None else \
             draft_vocabulary(train, config.draft_vocab, eos_ids, vocab)
@@ -261,9 +308,8 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
         head.load_state_dict({k: v for k, v in start.state_dict().items()
                               if not (config.shared_lm_head and k == "lm_head.weight")}, strict=False)
         head.config = replace(head.config, dynamic=dict(start.config.dynamic))  # its tuned draft length, to retune
-    device = target.get_output_embeddings().weight.device  # the head trains where the target was loaded
     head.to(device)
-    target_rows = target.get_output_embeddings().weight.detach().float()[vocab_ids.to(device)]  # [Vd, H]
+    target_rows = weight_rows(head_module, vocab_ids).detach().float().to(device)  # [Vd, H]
     hidden = head.config.hidden_size
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
@@ -327,7 +373,7 @@ def evaluate(head: Eagle3Head, target_rows: torch.Tensor, val: list[Example], co
         _, stats = ttt_losses(head, target_rows, _batch(val[i : i + config.batch_size], config.ttt_steps,
                                                         head.config.hidden_size, target_rows.device),
                               config.ttt_steps, config.decay,
-                               bf16=config.bf16)
+                              bf16=config.bf16 if config.bf16 is not None else native_bf16(target_rows.device))
         sums.update(stats)
         batches += 1
     return {k: v / max(batches, 1) for k, v in sums.items()}
