@@ -221,7 +221,7 @@ def test_server_response_format_and_grammar_field(server):
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "response_format"),
-    ({"draftwise": {"grammar": {"regex": "(("}}}, "draftwise.engine.grammar"),
+    ({"draftwise": {"grammar": {"regex": "(("}}}, "draftwise.grammar"),
     ({"draftwise": {"method": "ar"}, "ignore_eos": True, "response_format": {"type": "json_object"}},
      "response_format")])
 def test_server_bad_grammars_are_400(server, body, param):

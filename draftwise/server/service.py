@@ -264,7 +264,7 @@ class Service:
             grammar = grammar_from(grammar, response_format=parsed.response_format)
         except DraftwiseError as error:
             raise ApiError(400, str(error), param="response_format" if parsed.response_format is not None
-                           else "draftwise.engine.grammar") from None
+                           else "draftwise.grammar") from None
         options = {**self._startup_options(spec), **override}
         try:
             with warnings.catch_warnings():
