@@ -83,6 +83,43 @@ def target_answers(directory: Path, tokenizer, exclusion: sharegpt.Exclusion) ->
     return kept, dropped
 
 
+class Threads:
+    """Both cores while the machine is otherwise idle, one while other work keeps a core busy. Measured over the
+    last forward: the CPU time the whole machine spent (/proc/stat) less this process's own. With a core taken by
+    other work, a second thread waits a scheduler tick at every parallel region (a forward slows several times);
+    one thread then runs at a core's speed. The features are the same bits either way (the kernels' rows never
+    depend on the thread that computes them)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.last = self._sample()
+        self.count = most
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # less idle and iowait (ticks)
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        mine = float(own[11]) + float(own[12])  # utime + stime of every thread (ticks)
+        return busy, mine, time.monotonic()
+
+    def __call__(self) -> None:
+        import os
+
+        import torch
+
+        busy, mine, now = self._sample()
+        ticks = os.sysconf("SC_CLK_TCK")
+        elapsed = now - self.last[2]
+        if elapsed > 1.0:
+            others = max(0.0, (busy - self.last[0]) - (mine - self.last[1])) / ticks / elapsed  # cores in use
+            self.count = 1 if self.most > 1 and others > 0.4 else self.most
+            torch.set_num_threads(self.count)
+        self.last = (busy, mine, now)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -155,12 +192,14 @@ def main() -> int:
          "threads": __import__("torch").get_num_threads(), "code": str(Path(sharegpt.__file__).parents[1]),
          "kernel": qkernel.problem() or "draftwise's"})
     run_started, run_tokens = time.perf_counter(), 0
+    threads = Threads(__import__("torch").get_num_threads())
 
     def write(chunk: list[Answer], stage: str) -> None:
         nonlocal answer_done, tokens_done, run_tokens
         chunk = sorted(chunk, key=lambda a: len(a.prompt_ids) + len(a.answer_ids))  # batches of like lengths
         t0 = time.perf_counter()
-        features_from_answers(target, chunk, out, shard_size=len(chunk), batch_tokens=args.batch_tokens)
+        features_from_answers(target, chunk, out, shard_size=len(chunk), batch_tokens=args.batch_tokens,
+                              before_forward=threads)
         seconds = time.perf_counter() - t0
         fed = sum(len(a.prompt_ids) + len(a.answer_ids) for a in chunk)
         answer_done += sum(len(a.answer_ids) for a in chunk)
@@ -171,7 +210,8 @@ def main() -> int:
         log({"stage": stage, "shards": len(shard_paths(out)), "sequences": len(chunk), "answer_tokens": answer_done,
              "tokens": tokens_done, "chunk_tokens": fed, "chunk_seconds": round(seconds, 1),
              "chunk_tokens_per_s": round(fed / max(seconds, 1e-9), 1),
-             "run_tokens_per_s": round(run_tokens / max(time.perf_counter() - run_started, 1e-9), 1)})
+             "run_tokens_per_s": round(run_tokens / max(time.perf_counter() - run_started, 1e-9), 1),
+             "threads": threads.count})
 
     def run(stage: str, items, budget: int | None) -> bool:
         """Feature shards for `items` (Answers) in chunks; False once the budget is reached."""

@@ -184,11 +184,12 @@ def generate_answers_chunks(
 def features_from_answers(
     target: Any, answers: Sequence[Answer], out: Path, *, layers: Sequence[int] | None = None,
     shard_size: int = 64, batch_tokens: int = 4096, progress: Callable[[int], None] | None = None,
+    before_forward: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """The feature shards (training/shards.py) of `answers`: one prefill forward over each finished sequence with
     the inputs of `layers` and the final normed state captured, as the target computes a prompt. The last
     token's row is zero (it was never fed to produce a next token). Re-running skips the (uid, tag) already in a
-    shard."""
+    shard. `before_forward` runs before each forward (a background job choosing its threads, say)."""
     from draftwise.heads.eagle3 import eagle3_layers
     from draftwise.models.runner import ModelRunner
     from draftwise.training.shards import Sequence_, done_keys as shard_done, shard_paths, write_shard
@@ -230,6 +231,8 @@ def features_from_answers(
         tokens = torch.zeros(len(batch), max(counts), dtype=torch.long)
         for b, f in enumerate(fed):
             tokens[b, : len(f)] = torch.tensor(f[: counts[b]] or [0])
+        if before_forward is not None:
+            before_forward()
         runner = ModelRunner(target.model, vocab_size=target.vocab_size, rows=len(batch))
         runner.feature_layers = layers
         states = runner.forward_rows(tokens, counts, hidden=True, prompt=True,
