@@ -1,8 +1,10 @@
 """The README's own examples, as a newcomer types them.
 
-Fast: the *First steps* commands run through a real `draftwise` process (`subprocess`) whose
-registry names (`smollm2-135m`, `-eagle`, `-draft`) point at tiny models, and the Python API
-example runs in-process on the same. Slow: the same commands on the real default model.
+Fast: the first-steps commands on the default target (the README's block after "The default target, when
+`--target` is left out") run through a real `draftwise` process (`subprocess`) whose registry names
+(`smollm2-135m`, `-eagle`, `-draft`) point at tiny models, and the Python API example runs in-process on the same.
+Slow: the same commands on the real default model. (The pair's commands need the pair's files: tests/test_readme.py
+parses them with the real parser.)
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def _block(heading: str, language: str) -> str:
     text = README.read_text()
+    assert heading in text, f"the README has no {heading!r}"
     section = text.split(heading, 1)[1]
     match = re.search(rf"```{language}\n(.*?)```", section, re.S)
     assert match, f"no {language} block after {heading!r}"
     return match.group(1)
 
 
+DEFAULT_TARGET = "The default target, when `--target` is left out"
+PYTHON_API = "## The Python API"
+
+
 def first_steps() -> list[list[str]]:
-    """The `draftwise ...` command lines of the README's first-steps block (comments dropped)."""
-    commands = [shlex.split(line, comments=True) for line in _block("### First steps", "bash").splitlines()]
+    """The `draftwise ...` command lines of the README's first steps on the default target (comments dropped)."""
+    commands = [shlex.split(line, comments=True) for line in _block(DEFAULT_TARGET, "bash").splitlines()]
     commands = [c for c in commands if c]
     assert commands and all(c[0] == "draftwise" for c in commands)
     return [c[1:] for c in commands]
@@ -64,7 +71,7 @@ def test_readme_cli_error_is_one_line(root):
 
 def test_readme_python_example_runs(root, monkeypatch, capsys):
     register(root, monkeypatch.setitem)
-    exec(compile(_block("## Python API", "python"), str(README), "exec"), {})
+    exec(compile(_block(PYTHON_API, "python"), str(README), "exec"), {})
     assert capsys.readouterr().out.strip()
 
 
@@ -79,5 +86,5 @@ def test_readme_first_steps_on_the_real_model(argv):
 
 @pytest.mark.slow
 def test_readme_python_example_on_the_real_model(capsys):
-    exec(compile(_block("## Python API", "python"), str(README), "exec"), {})
+    exec(compile(_block(PYTHON_API, "python"), str(README), "exec"), {})
     assert "Berlin" in capsys.readouterr().out
