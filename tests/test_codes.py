@@ -200,6 +200,15 @@ def test_the_vnni_path_runs_where_the_cpu_has_it():
     assert qkernel.load().blocks_vnni() == (has and os.environ.get("DRAFTWISE_AVX512", "1") != "0")
 
 
+def test_the_avx_vnni_path_runs_where_the_cpu_has_it():
+    import os
+
+    with open("/proc/cpuinfo") as info:
+        flags = next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    has = {"avx_vnni", "avx2", "fma", "f16c"} <= flags
+    assert qkernel.load().blocks_avxvnni() == (has and os.environ.get("DRAFTWISE_AVXVNNI", "1") != "0")
+
+
 def test_block_shapes_that_do_not_match_are_refused():
     linear, _ = _blocks("q4_k", 4, 512)
     with pytest.raises(RuntimeError, match="x has 256 inputs"):
