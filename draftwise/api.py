@@ -55,7 +55,7 @@ def generate(
     *,
     messages: Any = None,
     draft: Any = None,
-    method: str = "sd",
+    method: str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -79,6 +79,9 @@ def generate(
     **method_options: Any,
 ) -> Generation | list[Generation]:
     """Decode `prompt` with `method`; returns the new tokens, their text and the step counters.
+
+    `method` left out: 'sd' with the draft given or the registry's draft for the target; for a target with neither
+    (your own GGUF file, say) 'suffix', which needs none, with a one-line `DraftwiseWarning` saying so.
 
     A list of prompts (strings, token-id lists, chats) is decoded batched, `max_batch_size` rows at a
     time with continuous batching, and returns a list of `Generation`s in prompt order. `seed` seeds
@@ -157,7 +160,7 @@ def stream(
     *,
     messages: Any = None,
     draft: Any = None,
-    method: str = "sd",
+    method: str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,

@@ -246,6 +246,18 @@ def default_draft(target: Any, method: str, temperature: float = 0.0) -> str | N
     return registry.default_draft_for(name, eagle_ok=eagle_ok, temperature=temperature) if name else None
 
 
+def default_method(target: Any, draft: Any, temperature: Any = 0.0) -> str:
+    """The method when none is asked for: 'sd' where there is a draft (given, or the registry's for the target);
+    else 'suffix', which needs none, with a one-line warning that says so. A target whose path is missing keeps
+    'sd', so its error names the path."""
+    t = temperature if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) else 0.0
+    if draft is not None or _missing_path(target) or default_draft(target, "sd", t) is not None:
+        return "sd"
+    warnings.warn("no draft model for this target: decoding with 'suffix', which needs none (pass draft=... "
+                  "(--draft) for 'sd')", DraftwiseWarning, stacklevel=4)
+    return "suffix"
+
+
 def _no_draft_message(method: str, target: Any) -> str:
     missing = _missing_path(target)
     if missing:
@@ -295,7 +307,7 @@ def _eagle_refused(method: str, target: Any) -> str:
 
 
 def make_plan(
-    *, target: Any, prompt: Any, draft: Any, method: str, max_new_tokens: int, temperature: float, top_k: int,
+    *, target: Any, prompt: Any, draft: Any, method: str | None, max_new_tokens: int, temperature: float, top_k: int,
     top_p: float, seed: int | None, gamma: int, stop: Any, ignore_eos: bool, method_options: dict[str, Any],
     messages: Any = None,
 ) -> Plan:
@@ -308,6 +320,8 @@ def make_plan(
         check_messages(messages)
         prompt = list(messages)
     check_prompt(prompt)
+    if method is None:
+        method = default_method(target, draft, temperature)
     spec, options, sampling, stops = check_options(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         gamma=gamma, stop=stop, ignore_eos=ignore_eos, draft_given=draft is not None, target=target, draft=draft,

@@ -20,6 +20,7 @@ import torch
 import draftwise
 from conftest import tiny_llama, tiny_tokenizer
 from draftwise import DraftwiseError
+from draftwise.errors import DraftwiseWarning
 from draftwise.cli import main
 from newcomer_models import DRAFT, EAGLE, TARGET, build, register
 
@@ -133,9 +134,15 @@ def test_default_cli_call_works(capsys, dirs):
     assert out.endswith("\n")
 
 
-def test_no_draft_for_a_non_registry_target_names_the_way_out(dirs):
+def test_a_target_without_a_draft_falls_back_to_suffix_unless_sd_is_asked_for(dirs):
+    """No method asked for and no draft anywhere (a user's own model): `suffix`, which needs none, with one warning
+    line saying so; its greedy tokens are ar's. Asking for `sd` by name still names the way out."""
+    with pytest.warns(DraftwiseWarning, match=r"no draft model for this target: decoding with 'suffix'"):
+        out = draftwise.generate(dirs["target"], "the cat", max_new_tokens=8, ignore_eos=True)
+    ar = draftwise.generate(dirs["target"], "the cat", method="ar", max_new_tokens=8, ignore_eos=True)
+    assert out.token_ids == ar.token_ids
     with pytest.raises(DraftwiseError, match=r"'sd' needs a draft model.*'ar' or 'prompt-lookup'"):
-        draftwise.generate(dirs["target"], "the cat")
+        draftwise.generate(dirs["target"], "the cat", method="sd")
 
 
 # ------------------------------------------------- 3. chat by default (CLI), messages (API), the demo

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from draftwise.api import generate, stream
-from draftwise.plan import check_options, default_draft
+from draftwise.plan import check_options, default_draft, default_method
 from draftwise.errors import DraftwiseError
 from draftwise.methods import METHODS
 from draftwise.models.loading import DTYPE_HELP, load_draft, load_model
@@ -33,7 +33,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                    help="send the prompt as raw text; by default a model with a chat template gets the prompt as "
                    "a user message, formatted by that template")
     p.add_argument("--system", default=None, help="system prompt (chat only)")
-    p.add_argument("--method", default=API_DEFAULTS["method"], choices=list(METHODS), help="decoding method")
+    p.add_argument("--method", default=API_DEFAULTS["method"], choices=list(METHODS),
+                   help="decoding method (left out: sd where the target has a draft, given or the registry's; "
+                   "else suffix, which needs none)")
     p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=API_DEFAULTS["max_new_tokens"], help="new-token budget")
     p.add_argument("--temperature", type=float, default=API_DEFAULTS["temperature"], help="0 means greedy")
     p.add_argument("--top-k", type=int, default=API_DEFAULTS["top_k"], help="0 turns it off")
@@ -170,6 +172,8 @@ def run_generate(args: argparse.Namespace) -> int:
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, gamma=args.gamma, stop=args.stop, ignore_eos=args.ignore_eos, **options,
     )
+    if kwargs["method"] is None:  # sd where the target has a draft, else suffix (one warning line)
+        kwargs["method"] = default_method(args.target, args.draft, args.temperature)
     # Cheap checks first (method, options, sampling values, prompts) so bad input fails before loading weights.
     spec = check_options(draft_given=args.draft is not None, target=args.target, draft=args.draft, **kwargs)[0]
     kwargs.update(structure(args))

@@ -369,8 +369,10 @@ def resolve_path(spec: str | os.PathLike) -> Path | None:
     spec = str(spec)
     if spec in registry.names():
         entry = registry.entry(spec)
-        if entry.gguf is not None and entry.cached() != "ready":  # a GGUF entry not converted: its file (no
-            return entry.gguf()  # float copy is made to answer what the spec is)
+        if entry.gguf is not None:  # a GGUF entry not converted: its file (no float copy is made to answer what
+            converted = entry.converted() if entry.converted is not None else entry.cached() == "ready"  # the
+            if not converted:  # spec is)
+                return entry.gguf()
         return registry.resolve(spec)
     path = Path(spec).expanduser()
     return path if path.exists() else None

@@ -32,6 +32,9 @@ class RegistryEntry:
     resolve: Callable[[], Path]
     cached: Callable[[], str]  # 'ready' or why not
     gguf: Callable[[], Path] | None = None  # the quantised file the entry is converted from (its own format)
+    # whether the float copy `resolve` writes is there (None: `cached` says so); an entry served from its GGUF
+    # file is ready without it
+    converted: Callable[[], bool] | None = None
 
 
 _ENTRIES: dict[str, RegistryEntry] = {}
@@ -231,13 +234,17 @@ def _chunked_entry(name: str, role: str, description: str) -> RegistryEntry:
         return ensure_entry(name, lambda out: convert_gguf(path, out, expected_sha256=None),
                             source_sha256=spec.sha256)
 
-    def cached() -> str:
+    def cached() -> str:  # the assembled, hash-checked GGUF is what `--dtype auto` (the default) serves from
         file_state = chunk_state(spec)
         if file_state != "ready":
             return file_state + f" (`draftwise models --pull {name}` or `make pair`)"
-        return entry_problem(entry_dir(name), spec.sha256) or "ready"
+        return "ready"
 
-    return RegistryEntry(name=name, role=role, description=description, resolve=resolve, cached=cached, gguf=gguf)
+    def converted() -> bool:  # the float copy (`--dtype fp32 / bf16`), written on first use of those formats
+        return entry_problem(entry_dir(name), spec.sha256) is None
+
+    return RegistryEntry(name=name, role=role, description=description, resolve=resolve, cached=cached, gguf=gguf,
+                         converted=converted)
 
 
 register(_chunked_entry(
