@@ -42,18 +42,16 @@ def _filled(model, batch: int, context: int, generator: torch.Generator) -> Mode
 def curve(target, batch: int, context: int, max_k: int, repeats: int, of=None) -> dict[str, float]:
     """cost(k) for k = 1..max_k (and `of`'s one-token forward, key "target k=1", in the same rounds)."""
     generator = torch.Generator().manual_seed(0)
-    runners = {"": _filled(target, batch, context, generator)}
-    if of is not None:
-        runners["target "] = _filled(of, batch, context, generator)
+    runner = _filled(target, batch, context, generator)
+    of_runner = _filled(of, batch, context, generator) if of is not None else None
     feeds = {str(k): torch.randint(100, 40000, (batch, k), generator=generator) for k in range(1, max_k + 1)}
-    runs = {k: (lambda f=feed, r=runners[""]: r.forward_rows(f, [f.shape[1]] * batch)) for k, feed in feeds.items()}
-    if of is not None:
-        runs["target k=1"] = lambda f=feeds["1"], r=runners["target "]: r.forward_rows(f, [1] * batch)
+    runs = {k: (lambda f=feed: runner.forward_rows(f, [f.shape[1]] * batch)) for k, feed in feeds.items()}
+    if of_runner is not None:
+        runs["target k=1"] = lambda: of_runner.forward_rows(feeds["1"], [1] * batch)
 
     def rollback(name: str) -> None:
-        runner = runners["target " if name == "target k=1" else ""]
         for row in range(batch):
-            runner.trim_row(row, context)
+            (of_runner if name == "target k=1" else runner).trim_row(row, context)
 
     times = medians(interleaved(runs, rounds=repeats, warmup=2, after=rollback))
     row = {k: {"ms": 1000 * t, "vs_k1": t / times["1"]} for k, t in times.items() if k != "target k=1"}

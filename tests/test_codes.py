@@ -151,6 +151,20 @@ def test_the_block_kernels_portable_loop_agrees_with_the_avx2_path(kind):
     assert float((portable.double() - _reference(kind, x, weights)).abs().max()) <= 1e-5 * float(portable.abs().max())
 
 
+def _assert_fast_path_gives_the_avx2_paths_bits(module, kind: str) -> None:
+    """qmm_blocks with its VNNI paths allowed against the plain AVX2 path: the same bits for every width and tile
+    split (8-row, 4-row and single-row groups), rows of all-extreme activations (codes of +-127) and tiny rows too."""
+    linear, _ = _blocks(kind, 40, 1024, seed=7)
+    x = torch.randn(29, 1024, generator=torch.Generator().manual_seed(2))
+    x[3] = torch.where(torch.arange(1024) % 3 == 0, -5.0, 5.0)  # every code +-127
+    x[4] = 1e-30  # a tiny row
+    for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 29):
+        rows = x[:width].contiguous()
+        fast = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, True)
+        avx2 = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, False)
+        assert torch.equal(fast, avx2), width
+
+
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 def test_the_avx_vnni_path_gives_the_avx2_paths_bits(kind):
     """Where the CPU has AVX-VNNI (256-bit vpdpbusd / vpdpwssd), the AVX2 kernels run with those instructions: the
@@ -161,15 +175,7 @@ def test_the_avx_vnni_path_gives_the_avx2_paths_bits(kind):
         pytest.skip("no AVX-VNNI here (or DRAFTWISE_AVXVNNI=0)")
     if kind in ("q4_k", "q6_k") and module.blocks_vnni():
         pytest.skip("AVX512-VNNI takes the K-quants here (run with DRAFTWISE_AVX512=0 to test this path)")
-    linear, _ = _blocks(kind, 40, 1024, seed=7)
-    x = torch.randn(29, 1024, generator=torch.Generator().manual_seed(2))
-    x[3] = torch.where(torch.arange(1024) % 3 == 0, -5.0, 5.0)  # every code +-127
-    x[4] = 1e-30  # a tiny row
-    for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 29):
-        rows = x[:width].contiguous()
-        vex = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, True)
-        avx2 = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, False)
-        assert torch.equal(vex, avx2), width
+    _assert_fast_path_gives_the_avx2_paths_bits(module, kind)
 
 
 @pytest.mark.parametrize("kind", ("q4_k", "q6_k"))
@@ -180,15 +186,7 @@ def test_the_vnni_path_gives_the_avx2_paths_bits(kind):
     module = qkernel.load()
     if not module.blocks_vnni():
         pytest.skip("no AVX512-VNNI here (or DRAFTWISE_AVX512=0)")
-    linear, _ = _blocks(kind, 40, 1024, seed=7)
-    x = torch.randn(29, 1024, generator=torch.Generator().manual_seed(2))
-    x[3] = torch.where(torch.arange(1024) % 3 == 0, -5.0, 5.0)  # every code +-127
-    x[4] = 1e-30  # a tiny row
-    for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 29):
-        rows = x[:width].contiguous()
-        vnni = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, True)
-        avx2 = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, False, False)
-        assert torch.equal(vnni, avx2), width
+    _assert_fast_path_gives_the_avx2_paths_bits(module, kind)
 
 
 def test_the_vnni_path_runs_where_the_cpu_has_it():

@@ -369,9 +369,9 @@ def resolve_path(spec: str | os.PathLike) -> Path | None:
     spec = str(spec)
     if spec in registry.names():
         entry = registry.entry(spec)
-        if entry.gguf is not None:  # a GGUF entry not converted: its file (no float copy is made to answer what
-            converted = entry.converted() if entry.converted is not None else entry.cached() == "ready"  # the
-            if not converted:  # spec is)
+        if entry.gguf is not None:  # a GGUF entry without its float copy: its file (no copy is made to answer
+            converted = entry.converted() if entry.converted is not None else entry.cached() == "ready"
+            if not converted:  # what the spec is)
                 return entry.gguf()
         return registry.resolve(spec)
     path = Path(spec).expanduser()
