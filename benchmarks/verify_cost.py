@@ -25,35 +25,17 @@ import torch
 
 import draftwise
 from draftwise.bench.harness import machine_description
-from draftwise.bench.timing import interleaved, medians
+from draftwise.bench.verify import time_forwards
 from draftwise.atomic import write_json
 from draftwise.models.loading import load_draft
-from draftwise.models.runner import ModelRunner
-
-
-def _filled(model, batch: int, context: int, generator: torch.Generator) -> ModelRunner:
-    runner = ModelRunner(model.model, vocab_size=model.vocab_size, rows=batch,
-                         output_ids=getattr(model, "output_ids", None))  # a draft's restricted vocabulary, as sd runs it
-    prompt = torch.randint(100, 40000, (batch, context), generator=generator)
-    runner.forward_rows(prompt, [context] * batch, logits_at=torch.zeros(batch, 1, dtype=torch.long), prompt=True)
-    return runner
 
 
 def curve(target, batch: int, context: int, max_k: int, repeats: int, of=None) -> dict[str, float]:
     """cost(k) for k = 1..max_k (and `of`'s one-token forward, key "target k=1", in the same rounds)."""
-    generator = torch.Generator().manual_seed(0)
-    runner = _filled(target, batch, context, generator)
-    of_runner = _filled(of, batch, context, generator) if of is not None else None
-    feeds = {str(k): torch.randint(100, 40000, (batch, k), generator=generator) for k in range(1, max_k + 1)}
-    runs = {k: (lambda f=feed: runner.forward_rows(f, [f.shape[1]] * batch)) for k, feed in feeds.items()}
-    if of_runner is not None:
-        runs["target k=1"] = lambda: of_runner.forward_rows(feeds["1"], [1] * batch)
-
-    def rollback(name: str) -> None:
-        for row in range(batch):
-            (of_runner if name == "target k=1" else runner).trim_row(row, context)
-
-    times = medians(interleaved(runs, rounds=repeats, warmup=2, after=rollback))
+    cases = {str(k): (target, k) for k in range(1, max_k + 1)}
+    if of is not None:
+        cases["target k=1"] = (of, 1)
+    times = time_forwards(cases, batch=batch, context=context, repeats=repeats)
     row = {k: {"ms": 1000 * t, "vs_k1": t / times["1"]} for k, t in times.items() if k != "target k=1"}
     if of is not None:
         row["target_k1_ms"] = 1000 * times["target k=1"]

@@ -246,12 +246,22 @@ def default_draft(target: Any, method: str, temperature: float = 0.0) -> str | N
     return registry.default_draft_for(name, eagle_ok=eagle_ok, temperature=temperature) if name else None
 
 
-def default_method(target: Any, draft: Any, temperature: Any = 0.0) -> str:
-    """The method when none is asked for: 'sd' where there is a draft (given, or the registry's for the target);
-    else 'suffix', which needs none, with a one-line warning that says so. A target whose path is missing keeps
-    'sd', so its error names the path."""
+def default_method(target: Any, draft: Any, temperature: Any = 0.0, device: Any = None) -> str:
+    """The method when none is asked for: the exact method `draftwise bench` recorded as the fastest for this
+    target, its draft (given, or the registry's) and this machine (`bench.advice`, one line the first time);
+    without a record, 'sd' where there is a draft; else 'suffix', which needs none, with a one-line warning that
+    says so. A target whose path is missing keeps 'sd', so its error names the path."""
     t = temperature if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) else 0.0
-    if draft is not None or _missing_path(target) or default_draft(target, "sd", t) is not None:
+    if _missing_path(target):
+        return "sd"
+    pair_draft = draft if draft is not None else default_draft(target, "sd", t)
+    from draftwise.bench.advice import recorded_method
+
+    where = getattr(target, "device", None) or device or "cpu"
+    recorded = recorded_method(target, pair_draft, t, device=where)
+    if recorded is not None:
+        return recorded
+    if pair_draft is not None:
         return "sd"
     warnings.warn("no draft model for this target: decoding with 'suffix', which needs none (pass draft=... "
                   "(--draft) for 'sd')", DraftwiseWarning, stacklevel=4)
@@ -322,6 +332,8 @@ def make_plan(
     check_prompt(prompt)
     if method is None:
         method = default_method(target, draft, temperature)
+        if draft is not None and not get_method(method).needs_draft:
+            draft = None  # the recorded fastest method needs no draft: the one given serves no method here
     spec, options, sampling, stops = check_options(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         gamma=gamma, stop=stop, ignore_eos=ignore_eos, draft_given=draft is not None, target=target, draft=draft,

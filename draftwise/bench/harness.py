@@ -56,6 +56,7 @@ class BenchConfig:
     compare_to: str | None = None  # a method whose outputs every other is compared with (ROUGE, win-tie, speed)
     save_outputs: bool = False  # keep every run's output text and token ids in the results (re-score later)
     batch_sizes: tuple[int, ...] = ()  # non-empty: the batched bench (bench.batched) at these max batch sizes
+    advice: bool = True  # with ar and another method: time a verification and name the fastest exact method
 
 
 def check_methods(methods: tuple[str, ...]) -> None:
@@ -283,6 +284,21 @@ def _score(record: RunRecord, target: LoadedModel, ids: list[int], prompt: Promp
         record.reference = reference_text(prompt)
 
 
+def _advice(results: dict[str, Any], config: BenchConfig, target: LoadedModel,
+            draft_of: dict[str, Any]) -> dict[str, Any] | None:
+    """The fastest exact method of the run and why (`bench.advice`): the target's forward of gamma + 1 tokens
+    against one, and one token of the draft model the run used (sd's where it ran), timed after the runs."""
+    from draftwise.bench.advice import advise, machine_signature
+    from draftwise.bench.verify import verify_costs
+
+    used = draft_of["sd"] if "sd" in draft_of else next((d for d in draft_of.values() if d is not None), None)
+    draft = used if isinstance(used, LoadedModel) else None  # an EAGLE head's step is not a model forward
+    windows = [m.context_window or 512 for m in (target, draft) if m is not None]
+    context = min(256, min(windows) // 2)
+    costs = verify_costs(target, draft, config.gamma + 1, context=context)
+    return advise(results, costs, machine_signature(target.device, torch.get_num_threads()))
+
+
 def resolve_drafts(config: BenchConfig) -> BenchConfig:
     """Fill in the registry's default drafts for a registry target when none were given."""
     from draftwise.models import registry
@@ -378,6 +394,8 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
                                                                               "reason": energy_reason},
         "methods": methods,
     }
+    if config.advice and "ar" in labels.values() and len(config.methods) > 1:
+        out["advice"] = _advice(out, config, target, draft_of)
     if config.save_outputs:
         decode = target.tokenizer.decode if target.tokenizer is not None else None
         out["outputs"] = {

@@ -108,6 +108,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(format_batched_table(results["batched"]))
     else:
         print(format_table(results))
+        _advice(results)
     if args.json:
         write_json(results, args.json)
         print(f"wrote {args.json}")
@@ -117,6 +118,23 @@ def run_bench(args: argparse.Namespace) -> int:
         draw = plot_batched if batch_sizes else plot
         plot_safely(lambda: draw(results, args.plot), args)
     return 0
+
+
+def _advice(results: dict) -> None:
+    """The advice line under the table, and its record for the default method (`bench.advice`)."""
+    advice = results.get("advice")
+    if not advice:
+        return
+    print(advice["line"])
+    from draftwise.bench.advice import write_record
+
+    path = write_record(results, advice)
+    if path is not None:
+        results["advice"]["record"] = str(path)
+        config = results["config"]
+        pair = f"{config['target']}" + (f" with --draft {config['draft']}" if config.get("draft") else "")
+        when = "at temperature 0" if not config["temperature"] else "at temperatures above 0"
+        print(f"recorded in {path}: without --method, {pair} decodes with {advice['method']} on this machine {when}")
 
 
 def add_sweep(sub: argparse._SubParsersAction) -> None:

@@ -172,16 +172,18 @@ def run_generate(args: argparse.Namespace) -> int:
         method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, gamma=args.gamma, stop=args.stop, ignore_eos=args.ignore_eos, **options,
     )
-    if kwargs["method"] is None:  # sd where the target has a draft, else suffix (one warning line)
-        kwargs["method"] = default_method(args.target, args.draft, args.temperature)
+    if args.threads:  # before the default method: the machine signature a bench's record is kept under counts them
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if kwargs["method"] is None:  # bench's recorded fastest, else sd where the target has a draft, else suffix
+        kwargs["method"] = default_method(args.target, args.draft, args.temperature, device=args.device)
+        if args.draft is not None and not METHODS[kwargs["method"]].needs_draft:
+            args.draft = None  # the recorded fastest method needs none: the draft given serves no method here
     # Cheap checks first (method, options, sampling values, prompts) so bad input fails before loading weights.
     spec = check_options(draft_given=args.draft is not None, target=args.target, draft=args.draft, **kwargs)[0]
     kwargs.update(structure(args))
     prompts = collect_prompts(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     target = load_model(args.target, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
     prompts = as_chat(prompts, target, args)
     draft_spec = (args.draft or default_draft(target, spec.name, args.temperature)) if spec.needs_draft else None
