@@ -757,3 +757,71 @@ def test_a_packed_head_is_packed_once_and_again_after_an_in_place_weight_change(
         after = head.logits(pre)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, head.lm_head(head.norm(pre)), rtol=1e-3, atol=1e-3)
+
+
+def test_q8_0_blocks_round_trip_and_are_stable_when_quantised_again():
+    """q8_0_blocks writes GGUF Q8_0 (an fp16 scale max|w| / 127 and 32 int8 codes a block): the reference decoder
+    reads each weight back within half a scale step, and quantising the decoded weights again gives the same bytes
+    (a head stored in Q8_0 and packed again at load is the head that was stored)."""
+    from draftwise.models import qkernel
+    from draftwise.models.quant import _decode
+
+    torch.manual_seed(0)
+    w = torch.randn(24, 96) * torch.logspace(-3, 0, 24)[:, None]
+    w[3] = 0.0  # an all-zero row: scale 0, codes 0
+    blocks = qkernel.q8_0_blocks(w)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (24, 3 * 34)
+    back = _decode("q8_0", blocks.numpy()).dequantized()
+    step = blocks.view(24, 3, 34)[..., :2].contiguous().view(torch.float16).float().reshape(24, 3)
+    assert bool(((back - w).abs().reshape(24, 3, 32) <= step[..., None] / 2 + 1e-12).all())
+    assert torch.equal(back[3], torch.zeros(96))
+    assert torch.equal(qkernel.q8_0_blocks(back), blocks)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        qkernel.q8_0_blocks(torch.randn(4, 40))
+
+
+def test_a_head_packed_in_q8_0_blocks_drafts_close_to_its_floats_and_reads_the_targets_own_rows():
+    """pack_for_inference(blocks=True): the products whose inputs are multiples of 32 run Q8_0 blocks on the block
+    kernel (products of other widths stay in floats), close to the float head; with a target whose LM head is in
+    a GGUF's blocks, the head's LM head is the target's rows of the draft vocabulary byte for byte. sd with it stays
+    token for token `ar`'s at T=0."""
+    from draftwise.models import qkernel
+
+    if not qkernel.available():
+        pytest.skip("the block kernel is not built here")
+    target = tiny_llama(0, layers=4, width=64, vocab=64)
+    rows = qkernel.q8_0_linear(target.lm_head.weight.detach())
+    target.lm_head = qkernel.CodesProjection(rows)
+    vocab_ids = torch.arange(0, 64, 2)
+    torch.manual_seed(3)
+    head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=96, feature_layers=LAYERS).eval()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name != "lm_head.weight":
+                p.add_(0.3 * torch.randn_like(p))
+    seq = [3, 9, 27, 17, 5, 40, 11, 2]
+    x = _features(target, seq)[None, :, : head.feature_size]
+    tokens = torch.tensor([seq[1:] + [1]])
+
+    def run():
+        with torch.inference_mode():
+            pre = head.body(head.step_input(x, tokens)).last_hidden_state
+            return pre, head.logits(pre)
+
+    head.pack_for_inference(blocks=False)
+    floats = run()
+    head.pack_for_inference(blocks=True)
+    packed = head.body.__dict__["_packed"]
+    assert all(isinstance(packed[k], qkernel.BlockLinear) for k in ("qkv", "o", "gate_up", "down", "fc", "lm_head"))
+    assert torch.equal(packed["lm_head"].blocks, rows.blocks[vocab_ids])
+    assert head.inference_bytes() == sum(p.nbytes() for p in packed.values())
+    blocks = run()
+    for a, b in zip(floats, blocks):  # int8 weights and activations: about 1% of the values' scale
+        assert float((a - b).norm() / a.norm()) < 0.03
+    head.pack_for_inference()  # a drafter's default keeps the packing chosen by name
+    assert head.body.__dict__["_packed"] is packed
+    ar = draftwise.generate(target, seq, method="ar", temperature=0, max_new_tokens=16, ignore_eos=True)
+    sd = draftwise.generate(target, seq, method="sd", draft=head, temperature=0, max_new_tokens=16, gamma=4,
+                            ignore_eos=True)
+    assert head.body.__dict__["_packed"] is packed  # the drafter drafted with the blocks
+    assert sd.token_ids == ar.token_ids and sd.stats["drafted"] > 0

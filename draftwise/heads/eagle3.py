@@ -224,31 +224,68 @@ class Eagle3Head(DraftHead):
 
     # ---- prepacked products for decoding ----
 
-    def pack_for_inference(self) -> None:
-        """Decoding's products through prepacked oneDNN weights (`fast.FloatLinear`; CPU, fp32 or bf16; elsewhere
-        plain F.linear): q|k|v and gate|up fused, o, down, fc and the LM head. At batch 1 a draft step is a dozen
-        small products, where F.linear's per-call weight handling costs as much as the arithmetic. Used in eval
-        mode without autograd only; moving the head, training it or loading weights drops them."""
+    def pack_for_inference(self, blocks: bool | None = None) -> None:
+        """Decoding's products, prepacked: q|k|v and gate|up fused, o, down, fc and the LM head. At batch 1 a draft
+        step is a dozen small products, where F.linear's per-call weight handling costs as much as the arithmetic,
+        and a draft step reads every weight once, so its cost is the bytes it reads.
+        blocks=False: the float weights through `fast.FloatLinear` (CPU, fp32 or bf16; elsewhere plain F.linear).
+        blocks=True: the weights in Q8_0 blocks through the block kernel (`qkernel.BlockLinear`, 8.5 bits a weight
+        against fp32's 32), and the LM head the target's own rows in its own blocks when the target is in a GGUF's
+        blocks (`BlockLinear.subset`, byte for byte). None (default): blocks where the block kernel runs (CPU) and
+        the target is in blocks too. Used in eval mode without autograd only; moving the head, training it or
+        loading weights drops them."""
         from draftwise.models.fast import FloatLinear
+        from draftwise.models import qkernel
 
         layer = self.body.midlayer
         sources = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, self.fc, self.lm_head)
-        # the weights as they stand: a head packed for them already is not packed again (a drafter per request);
-        # an in-place change of any weight (its version counter moves) packs afresh
+        target_head = self._target_blocks()
+        # the weights as they stand: a head packed for them already is not packed again (a drafter per request,
+        # which asks for the default: a packing chosen by name stays); an in-place change of any weight (its
+        # version counter moves) packs afresh
         stamp = tuple((id(m.weight), m.weight._version) for m in sources)
-        if self.__dict__.get("_packed") is not None and self.__dict__.get("_packed_stamp") == stamp:
+        if self.__dict__.get("_packed") is not None and self.__dict__.get("_packed_stamp") == stamp and (
+                blocks is None or blocks == self.__dict__.get("_packed_blocks")):
             return
+        if blocks is None:
+            blocks = target_head is not None and self.fc.weight.device.type == "cpu" and qkernel.available()
 
-        def linear(*modules: nn.Linear) -> FloatLinear:
-            return FloatLinear(torch.cat([m.weight.detach() for m in modules]))
+        def linear(*modules: nn.Linear):
+            weight = torch.cat([m.weight.detach() for m in modules])
+            # Q8_0 blocks hold 32 inputs: a product whose inputs are not a multiple of 32 stays in floats
+            return qkernel.q8_0_linear(weight) if blocks and weight.shape[1] % 32 == 0 else FloatLinear(weight)
 
         attn, mlp = layer.self_attn, layer.mlp
         packed = {"qkv": linear(attn.q_proj, attn.k_proj, attn.v_proj), "o": linear(attn.o_proj),
                   "gate_up": linear(mlp.gate_proj, mlp.up_proj), "down": linear(mlp.down_proj),
-                  "fc": linear(self.fc), "lm_head": linear(self.lm_head)}
+                  "fc": linear(self.fc)}
+        if blocks and target_head is not None and self.config.shared_lm_head:
+            packed["lm_head"] = target_head.subset(self.vocab_ids)  # the target's rows, byte for byte
+        else:
+            packed["lm_head"] = linear(self.lm_head)
         self.__dict__["_packed"] = self.body.__dict__["_packed"] = packed
         self.__dict__["_packed_stamp"] = stamp
+        self.__dict__["_packed_blocks"] = bool(blocks)
+
+    def _target_blocks(self):
+        """The attached target's LM head when it runs from a GGUF's blocks (`qkernel.BlockLinear`), else None."""
+        from draftwise.models.qkernel import BlockLinear
+
+        target = self._shared.get("target")
+        module = target.get_output_embeddings() if target is not None else None
+        linear = getattr(module, "linear", None)
+        return linear if isinstance(linear, BlockLinear) else None
+
+    def inference_bytes(self) -> int:
+        """The bytes of weights one draft step reads through the packed products (the embedding row aside)."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            return sum(p.numel() * p.element_size() for p in self.parameters())
+        total = 0
+        for linear in packed.values():
+            total += linear.nbytes() if hasattr(linear, "nbytes") else linear.weight.numel() * linear.weight.element_size()
+        return total
 
     def unpack(self) -> None:
         self.__dict__["_packed"] = self.body.__dict__["_packed"] = None

@@ -388,6 +388,24 @@ class BlockLinear(_Product):
         return _decode(self.kind, self.blocks[index.reshape(-1)].numpy()).dequantized()
 
 
+def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """Float weights [out, in] (in a multiple of 32) as GGUF Q8_0 blocks [out, in / 32 * 34] uint8: per block of 32
+    an fp16 scale d = max |w| / 127 and 32 int8 codes round(w / d), as llama.cpp's quantize writes them."""
+    out, n = weight.shape
+    if n % 32:
+        raise ValueError(f"Q8_0 blocks need inputs in multiples of 32, got {n}")
+    w = weight.detach().float().reshape(out, n // 32, 32)
+    d = (w.abs().amax(-1) / 127.0).to(torch.float16)  # [out, blocks]
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros(()))
+    codes = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return torch.cat([d[..., None].contiguous().view(torch.uint8), codes.view(torch.uint8)], dim=-1).reshape(out, -1).contiguous()
+
+
+def q8_0_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> "BlockLinear":
+    """A float projection as Q8_0 blocks on the block kernel (`q8_0_blocks`)."""
+    return BlockLinear("q8_0", q8_0_blocks(weight), weight.shape[1], bias)
+
+
 class JoinedLinear:
     """Projections of different code kinds side by side (a fused q|k|v whose parts differ): outputs concatenated."""
 
