@@ -374,11 +374,25 @@ class Eagle3Head(DraftHead):
 
     # ---- files ----
 
-    def save(self, directory: str | Path, *, dtype: torch.dtype = torch.float16) -> None:
+    def save(self, directory: str | Path, *, dtype: torch.dtype | str = torch.float16) -> None:
+        """Write the head (its config and weights; a shared LM head is the target's and is not stored).
+        dtype="q8_0": the matrices whose inputs are multiples of 32 in GGUF Q8_0 blocks (`<name>.q8_0`, uint8;
+        8.5 bits a weight), the rest in fp16: the size a registry head ships at, and exactly what
+        `pack_for_inference(blocks=True)` runs (quantising the loaded weights again gives the same blocks)."""
+        from draftwise.models.qkernel import q8_0_blocks
+
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()
-                 if not (self.config.shared_lm_head and k == "lm_head.weight")}  # the target's rows: not stored
+        state = {}
+        for k, v in self.state_dict().items():
+            if self.config.shared_lm_head and k == "lm_head.weight":  # the target's rows: not stored
+                continue
+            if dtype == "q8_0" and v.is_floating_point() and v.dim() == 2 and v.shape[1] % 32 == 0:
+                state[k + Q8_0_SUFFIX] = q8_0_blocks(v)
+            elif v.is_floating_point():
+                state[k] = v.to(torch.float16 if dtype == "q8_0" else dtype).contiguous()
+            else:
+                state[k] = v.contiguous()
         tmp = directory / (WEIGHTS_FILE + ".tmp")
         save_file(state, str(tmp))
         tmp.replace(directory / WEIGHTS_FILE)
@@ -394,9 +408,16 @@ class Eagle3Head(DraftHead):
             state = load_file(str(directory / WEIGHTS_FILE))
         except (OSError, ValueError, TypeError) as e:
             raise DraftwiseError(f"{directory}: not a readable EAGLE-3 head ({type(e).__name__}: {e})") from None
+        weights = {}
+        for k, v in state.items():
+            if k.endswith(Q8_0_SUFFIX):  # Q8_0 blocks (`save(dtype="q8_0")`): the float32 weights they encode
+                from draftwise.models.quant import _decode
+
+                k = k[: -len(Q8_0_SUFFIX)]
+                v = _decode("q8_0", v.numpy()).dequantized()
+            weights[k] = v.float() if v.is_floating_point() else v
         head = cls(config, state["vocab_ids"])
-        missing, unexpected = head.load_state_dict(
-            {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False)
+        missing, unexpected = head.load_state_dict(weights, strict=False)
         if unexpected or set(missing) - ({"lm_head.weight"} if config.shared_lm_head else set()):
             raise DraftwiseError(f"{directory}: the head's tensors do not match its config (missing {missing}, "
                                  f"unexpected {unexpected})")
@@ -426,6 +447,9 @@ class Eagle3Head(DraftHead):
             if norm is not None and getattr(norm, "weight", None) is not None:
                 head.norm.weight.copy_(norm.weight.detach().float())
         return head.attach(target_model)
+
+
+Q8_0_SUFFIX = ".q8_0"  # a stored weight in GGUF Q8_0 blocks
 
 
 def is_eagle3_dir(path: str | Path) -> bool:
