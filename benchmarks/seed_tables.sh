@@ -18,6 +18,7 @@ DW=${DW:-.venv/bin/draftwise}
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-out/seed-tables}
 DTYPE=${DTYPE:-auto}        # the default format (on a CPU with native bf16: the GGUF's int4)
+THREADS=${THREADS:-2}       # 1 where other work keeps a core busy: a second thread then waits at every parallel region
 TABLES=${TABLES:-"sprinter mtad cascades sv"}
 TARGET=smollm2-135m
 DRAFT=smollm2-135m-draft    # the independent draft: SPRINTER's verifiers, MTAD's beams and SV's goodput use it
@@ -30,11 +31,22 @@ if [ "${PAIR:-0}" = 1 ]; then
     data=(--dataset humaneval) sweep_data=(--dataset humaneval)
 fi
 tokens() { [ "$TOKENS" = 1 ] && echo "$1" || echo "$TOKENS"; }
+[ -z "${PAIR_TOKENS:-}" ] || [ "$TOKENS" = 1 ] || TOKENS=$PAIR_TOKENS   # PAIR=1's answer length (256)
 # QUICK=1: fewer prompts, one repeat and coarser grids (about 35 minutes on 2 cores instead of about 2 hours)
+# SMALL=1 (with QUICK=1): the pair's cascades and MTAD in about 90 minutes on 2 cores that other work shares:
+# one temperature, the token-specific rule against lossy SD and BiLD, 6 problems, 192-token answers, no ablation.
+# Every grid below is also an environment setting (SWEEP_TEMPS, SWEEP_METHODS, MTAD_METHODS, MTAD_ABLATION=0, ...).
+if [ "${SMALL:-0}" = 1 ]; then
+    QUICK=1 SWEEP_TEMPS=${SWEEP_TEMPS:-0.5} SWEEP_PROMPTS=${SWEEP_PROMPTS:-6} MTAD_PROMPTS=${MTAD_PROMPTS:-6}
+    SWEEP_METHODS=${SWEEP_METHODS:-cascade:token-v3,cascade:bild,lossy} ALPHAS=${ALPHAS:-0.3,0.7}
+    BILD_GRID=${BILD_GRID:-2,6} MTAD_METHODS=${MTAD_METHODS:-ar,sd,mtad} MTAD_ABLATION=${MTAD_ABLATION:-0}
+    [ "$TOKENS" = 1 ] || TOKENS=${PAIR_TOKENS:-192}
+fi
 if [ "${QUICK:-0}" = 1 ]; then
-    SPRINTER_PROMPTS=10 SPRINTER_REPEATS=1 MTAD_PROMPTS=12 ABLATION_PROMPTS=8
+    SPRINTER_PROMPTS=10 SPRINTER_REPEATS=1 MTAD_PROMPTS=${MTAD_PROMPTS:-12} ABLATION_PROMPTS=8
     ABLATION=ar,sd,mtad/num_beams=2,mtad/num_beams=8,mtad/tau=0,mtad/tau=0.9
-    SWEEP_PROMPTS=8 ALPHAS=0,0.5,0.9 OPT_GRID=0,0.5,1 BILD_GRID=2,6 TC_GRID=0.1,0.5 SV_BATCH_SIZES=4,16 SV_PROMPTS=16
+    SWEEP_PROMPTS=${SWEEP_PROMPTS:-8} ALPHAS=${ALPHAS:-0,0.5,0.9} OPT_GRID=0,0.5,1 BILD_GRID=${BILD_GRID:-2,6}
+    TC_GRID=0.1,0.5 SV_BATCH_SIZES=4,16 SV_PROMPTS=16
 fi
 SPRINTER_PROMPTS=${SPRINTER_PROMPTS:-16} SPRINTER_REPEATS=${SPRINTER_REPEATS:-2}
 MTAD_PROMPTS=${MTAD_PROMPTS:-24} ABLATION_PROMPTS=${ABLATION_PROMPTS:-12}
@@ -42,8 +54,15 @@ ABLATION=${ABLATION:-ar,sd,mtad/num_beams=2,mtad/num_beams=4,mtad/num_beams=6,mt
 SWEEP_PROMPTS=${SWEEP_PROMPTS:-12} ALPHAS=${ALPHAS:-0,0.3,0.6,0.9} OPT_GRID=${OPT_GRID:-0,0.3,0.6,1}
 BILD_GRID=${BILD_GRID:-2,4,6,8} TC_GRID=${TC_GRID:-0.1,0.3,0.5,0.7}
 SV_BATCH_SIZES=${SV_BATCH_SIZES:-4,16,32} SV_PROMPTS=${SV_PROMPTS:-32}
+SWEEP_TEMPS=${SWEEP_TEMPS:-"1 0.5"} MTAD_ABLATION=${MTAD_ABLATION:-1}
+SWEEP_METHODS=${SWEEP_METHODS:-cascade:token-v3,cascade:opt,cascade:bild,lossy,token-cascade}
+MTAD_METHODS=${MTAD_METHODS:-ar,sd,cascade:bild@2,mtad,mtjd}
+grids=()                    # the per-method grids of the methods swept (sweep refuses a grid for one not swept)
+for pair in cascade:opt="$OPT_GRID" cascade:bild="$BILD_GRID" token-cascade="$TC_GRID"; do
+    case ",$SWEEP_METHODS," in *",${pair%%=*},"*) grids+=(--grid "$pair") ;; esac
+done
 mkdir -p "$OUT"
-common=(--target "$TARGET" --dtype "$DTYPE" --threads 2 "${data[@]}")
+common=(--target "$TARGET" --dtype "$DTYPE" --threads "$THREADS" "${data[@]}")
 
 run() {  # $1: the JSON; the rest: the command, which writes it with --json
     local json=$1; shift
@@ -63,23 +82,27 @@ for table in $TABLES; do
             done ;;
         mtad)
             run "$OUT/mtad-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
-                --methods ar,sd,cascade:bild@2,mtad,mtjd --num-prompts "$MTAD_PROMPTS" --max-new-tokens "$(tokens 128)" --repeats 1 \
+                --methods "$MTAD_METHODS" --num-prompts "$MTAD_PROMPTS" --max-new-tokens "$(tokens 128)" --repeats 1 \
                 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 --compare-to sd
-            run "$OUT/mtad-ablation-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
-                --methods "$ABLATION" --num-prompts "$ABLATION_PROMPTS" --max-new-tokens "$(tokens 128)" --repeats 1 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 \
-                --compare-to sd
-            [ -s "$OUT/mtad-t1.txt" ] || "$PY" benchmarks/mtad_tables.py "$OUT/mtad-t1.json" \
-                --ablation "$OUT/mtad-ablation-t1.json" --plot "$OUT/mtad-ablation-t1.png" --out "$OUT/mtad-t1.txt" ;;
+            ablation=()
+            if [ "$MTAD_ABLATION" = 1 ]; then
+                run "$OUT/mtad-ablation-t1.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
+                    --methods "$ABLATION" --num-prompts "$ABLATION_PROMPTS" --max-new-tokens "$(tokens 128)" --repeats 1 --temperature 1 --top-k 10 --top-p 0.9 --gamma 4 \
+                    --compare-to sd
+                ablation=(--ablation "$OUT/mtad-ablation-t1.json" --plot "$OUT/mtad-ablation-t1.png")
+            fi
+            [ -s "$OUT/mtad-t1.txt" ] || "$PY" benchmarks/mtad_tables.py "$OUT/mtad-t1.json" "${ablation[@]}" \
+                --out "$OUT/mtad-t1.txt" ;;
         cascades)
-            for T in 1 0.5; do
-                run "$OUT/sweep-t$T.json" "$DW" sweep --target "$TARGET" --draft "$DRAFT" --dtype "$DTYPE" --threads 2 \
-                    --methods cascade:token-v3,cascade:opt,cascade:bild,lossy,token-cascade \
-                    --alpha-grid "$ALPHAS" --grid cascade:opt="$OPT_GRID" --grid cascade:bild="$BILD_GRID" \
-                    --grid token-cascade="$TC_GRID" "${sweep_data[@]}" --num-prompts "$SWEEP_PROMPTS" \
-                    --max-new-tokens "$(tokens 64)" --repeats 1 --gamma 4 --temperatures $T
+            sweeps=()   # one JSON per temperature: a cut-short sweep resumes at the next temperature
+            for T in $SWEEP_TEMPS; do
+                run "$OUT/sweep-t$T.json" "$DW" sweep --target "$TARGET" --draft "$DRAFT" --dtype "$DTYPE" --threads "$THREADS" \
+                    --methods "$SWEEP_METHODS" --alpha-grid "$ALPHAS" "${grids[@]}" "${sweep_data[@]}" \
+                    --num-prompts "$SWEEP_PROMPTS" --max-new-tokens "$(tokens 64)" --repeats 1 --gamma 4 --temperatures $T
+                sweeps+=("$OUT/sweep-t$T.json")
             done
-            [ -s "$OUT/sweep-cascades.json" ] || "$PY" benchmarks/merge_sweeps.py "$OUT/sweep-t1.json" \
-                "$OUT/sweep-t0.5.json" --json "$OUT/sweep-cascades.json" --plot "$OUT/sweep-cascades.png" ;;
+            [ -s "$OUT/sweep-cascades.json" ] || "$PY" benchmarks/merge_sweeps.py "${sweeps[@]}" \
+                --json "$OUT/sweep-cascades.json" --plot "$OUT/sweep-cascades.png" ;;
         sv)
             for T in 1 0; do
                 run "$OUT/sv-batched-t$T.json" "$DW" bench "${common[@]}" --draft "$DRAFT" \
@@ -92,4 +115,5 @@ for table in $TABLES; do
         *) echo "seed tables: unknown table $table (choose from: sprinter mtad cascades sv)" >&2; exit 2 ;;
     esac
 done
+"$PY" benchmarks/seed_plots.py "$OUT"   # one PNG per seed whose JSON is there (seed-*.png)
 echo "seed tables: done ($(date -u +%FT%TZ))"
