@@ -181,7 +181,21 @@ def _sd_rule(options: dict[str, Any]) -> TargetRule:
         raise DraftwiseError(f"tree_adaptive must be 0 or 1, got {options['tree_adaptive']}")
     if not (options["confidence"] == -1.0 or 0.0 <= options["confidence"] <= 1.0):
         raise DraftwiseError(f"confidence must be in [0, 1], or -1 for the head's own value; got {options['confidence']!r}")
-    return ExactRule()
+    return _coupled(options)
+
+
+_COUPLING = Option("coupling", "gumbel", str, "how the draft's and the target's randomness are coupled: 'gumbel' (a "
+                   "seeded answer is ar's, whatever the draft, batch or load) or 'rejection' (standard speculative "
+                   "sampling; accepts more at T > 0, but its answer follows the draft lengths)")
+
+
+def _coupled(options: dict[str, Any]) -> TargetRule:
+    from draftwise.engine.keyed import COUPLINGS
+
+    coupling = options.get("coupling", "gumbel")
+    if coupling not in COUPLINGS:
+        raise DraftwiseError(f"coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
+    return ExactRule(coupling=coupling)
 
 
 _SUFFIX_OPTIONS = (
@@ -329,7 +343,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "sd", "speculative decoding with a draft model and gamma draft tokens (exact)",
-            drafter="model", make_rule=_sd_rule, options=(_CONFIDENCE, _TREE, _TREE_ADAPTIVE), reference="Leviathan et al. 2023",
+            drafter="model", make_rule=_sd_rule, options=(_CONFIDENCE, _TREE, _TREE_ADAPTIVE, _COUPLING), reference="Leviathan et al. 2023",
         ),
         Method(
             "lossy", "lossy speculative sampling: accept with min(1, p/((1-alpha) q)), recover from norm(max(0, p/beta - q))",

@@ -172,11 +172,12 @@ class Case:
     gamma: int
     sampling: SamplingConfig
     length: int  # joint of the first `length` generated tokens
+    coupling: str = ""  # sd: "rejection" (Algorithm 1 with keyed uniforms) or "" (the default, Gumbel; test_keyed)
 
     @property
     def id(self) -> str:
         warping = "plain" if self.sampling == PLAIN else "warped"
-        return f"{self.method}-v{self.vocab}-g{self.gamma}-{warping}-len{self.length}"
+        return f"{self.method}-v{self.vocab}-g{self.gamma}-{warping}-len{self.length}{'-' + self.coupling if self.coupling else ''}"
 
     @property
     def prompt(self) -> list[int]:
@@ -192,6 +193,8 @@ class Case:
         )
         if self.method == "sd":
             kwargs["draft"] = draft
+        if self.coupling:
+            kwargs["coupling"] = self.coupling
         return kwargs
 
     def exact(self) -> np.ndarray:
@@ -216,11 +219,11 @@ def ngram_proposal(prompt: list[int]) -> int:
     raise AssertionError("prompt has no repeated n-gram")
 
 
-SD_CASES = [
-    Case("sd", 6, 1, PLAIN, 2),
-    Case("sd", 6, 3, WARPED, 3),
-    Case("sd", 12, 1, WARPED, 2),
-    Case("sd", 12, 3, PLAIN, 2),
+SD_CASES = [  # rejection sampling (Algorithm 1, keyed uniforms); the default Gumbel coupling is tested in test_keyed
+    Case("sd", 6, 1, PLAIN, 2, "rejection"),
+    Case("sd", 6, 3, WARPED, 3, "rejection"),
+    Case("sd", 12, 1, WARPED, 2, "rejection"),
+    Case("sd", 12, 3, PLAIN, 2, "rejection"),
 ]
 LOOKUP_CASES = [
     Case("prompt-lookup", 6, 3, WARPED, 3),
@@ -270,7 +273,7 @@ class AcceptEverything(Rule):
 
 
 CONTROL_CASES = {
-    "sd": Case("sd", 12, 3, PLAIN, 2),
+    "sd": Case("sd", 12, 3, PLAIN, 2, "rejection"),
     "prompt-lookup": Case("prompt-lookup", 12, 1, PLAIN, 2),
     "suffix": Case("suffix", 12, 1, PLAIN, 2),
 }
@@ -292,16 +295,15 @@ def test_control_residual_bug_is_rejected(monkeypatch):
 @pytest.mark.parametrize("method", ["prompt-lookup", "suffix"])
 def test_control_reseeded_walk_is_rejected_for_deterministic_drafts(method: str, monkeypatch):
     """Prompt lookup and suffix drafts are verified by drawing the target's own token at each position
-    (tree.accept_chains). Drawing every position with one reseeded uniform (the reference codes' pitfall) must fail
-    the same test. (A slot off by one is caught by test_tree and test_ragged_corners; with gamma 1 these cases accept
-    too rarely for it to show here.)"""
-    import draftwise.engine.tree as tree_module
+    (sampler.accept_own_draws, keyed by (seed, position)). Drawing every position with the same key (the reference
+    codes' reseeding pitfall) must fail the same test. (A slot off by one is caught by test_tree and
+    test_ragged_corners; with gamma 1 these cases accept too rarely for it to show here.)"""
+    import draftwise.engine.keyed as keyed
 
     case = CONTROL_CASES[method]
     bug = "reseeded-uniform"
-    monkeypatch.setattr(tree_module, "draw_uniforms",
-                        lambda generators, counts, width, device: torch.full((len(counts), width), 0.37,
-                                                                              dtype=torch.float64))
+    real = keyed.keys
+    monkeypatch.setattr(keyed, "keys", lambda seeds, positions, purpose: real(seeds, positions * 0, purpose))
     counts, totals = sample_joint(N_CONTROL, case.length, case.vocab, **case.generate_kwargs())
     assert totals["drafted"] > 0  # drafts were verified, so the walk was exercised
     p_value = pooled_chisquare(counts, case.exact())

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from draftwise.engine.keyed import row_draws
 from draftwise.engine.sampler import sample_rows, warp_rows
 from draftwise.engine.grammar import mask_rows, push_rows
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
@@ -103,7 +104,7 @@ class RetiringRows:
 
 class ModelRowsDrafter:
     """An independent draft model over rows: each row samples from its own warped distribution with its
-    own generator. A row stops drafting at EOS, at its limit, or when its length policy says so."""
+    keyed draws. A row stops drafting at EOS, at its limit, or when its length policy says so."""
 
     wants_features = False
     feature_layers: tuple[int, ...] = ()
@@ -228,7 +229,8 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
                  eos: torch.Tensor, policy: LengthPolicy, keep_raw: bool = False, ids: torch.Tensor | None = None
                  ) -> RowsDraft:
     """The draft loop of every model-based chain drafter (a draft model, an EAGLE head): up to max(limits) tokens
-    per row, each row sampling from its own warped distribution with its own generator. A row stops at its limit,
+    per row, each row sampling from its own warped distribution with its keyed draws (the token at position t from
+    (seed, t) alone; Gumbel-coupled rows with the target's noise at t). A row stops at its limit,
     after drafting EOS, or when its length policy says so.
 
     first: (logits [rows, V], the drafter's state behind them [rows, H] or None) scoring each row's first drafted
@@ -241,7 +243,7 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
     device = first[0].device
     configs = [r.request.sampling for r in rows]
     greedy = [c.greedy for c in configs]
-    generators = [r.generator for r in rows]
+    draws = None  # the rows' keyed draws (engine.keyed), built when a row samples
     fast = all(greedy) and not keep_raw and not policy.needs_hidden \
         and not any(getattr(r, "grammar", None) is not None for r in rows)
     active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
@@ -268,7 +270,10 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
             if keep_raw:
                 raws.append(raw)
             step_probs = warp_rows(full, configs)  # [rows, vocab]
-            token = sample_rows(step_probs, generators, active.tolist(), greedy)  # [rows]
+            if draws is None and not all(greedy):
+                draws = row_draws(rows, device)
+            # the token at position len(sequence) + step: keyed there (Gumbel rows share the target's noise)
+            token = argmax_last(step_probs) if draws is None else sample_rows(step_probs, draws, step, greedy)
             active = push_rows(rows, token, active)
             probs.append(step_probs)
         drafted += active.long()

@@ -12,6 +12,7 @@ import torch
 from draftwise.drafters.base import ModelRowsDrafter, prefill_row
 from draftwise.engine.protocols import RowsDraft, pad_rows
 from draftwise.engine.rows import Row
+from draftwise.engine.keyed import STAGED, row_draws
 from draftwise.engine.sampler import speculative_sample_rows, warp_rows
 from draftwise.engine.sampling import unwarped
 from draftwise.models.runner import ModelRunner
@@ -87,8 +88,9 @@ class StagedRowsDrafter(CompanionRowsDrafter):
         q_c = draft.companion_probs  # [rows, k + 1, vocab]
         # a row that drafted nothing draws no uniform (flagged greedy), as when it is alone and k == 0
         outcome = speculative_sample_rows(draft.tokens, draft.probs, q_c[:, :k], q_c, draft.counts,
-                                          [r.generator for r in rows],
-                                          [r.request.sampling.greedy or not n for r, n in zip(rows, draft.counts)])
+                                          row_draws(rows, draft.tokens.device),
+                                          [r.request.sampling.greedy or not n for r, n in zip(rows, draft.counts)],
+                                          stage=STAGED)  # its own keys: the target's acceptance draws afresh
         counts, tokens = [], draft.tokens.clone()
         for b in range(len(rows)):
             kept = outcome.num_accepted[b]

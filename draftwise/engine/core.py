@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from draftwise.rules.acceptance import ExactRule, StepDistributions, TargetRule
-from draftwise.engine.sampler import RowsAcceptance, accept_greedy, speculative_sample_rows, warp_rows
+from draftwise.engine.keyed import COUPLINGS, fresh_seed, row_draws
+from draftwise.engine.sampler import (RowsAcceptance, accept_greedy, accept_own_draws, speculative_sample_rows,
+                                      warp_rows)
 from draftwise.errors import DraftwiseError
 from draftwise.engine.grammar import compiler_for, mask_logits
 from draftwise.models.kvcache import release_heap
@@ -46,7 +48,7 @@ from draftwise.engine.sampling import make_generator
 from draftwise.drafters.base import PREFILL_CHUNK, PREFILL_TOKENS
 from draftwise.engine.protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
 from draftwise.engine.rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
-from draftwise.engine.tree import TreeBudget, accept_chains, accept_tree, depths, verify_mask
+from draftwise.engine.tree import TreeBudget, accept_tree, depths, verify_mask
 from draftwise.models.qkernel import out_rows
 
 
@@ -94,6 +96,13 @@ class Engine:
         self.method = method
         self.selector = selector or VerifyAll()
         self.exact = type(rule) is ExactRule  # pi = target: deterministic drafts may take the target's own draws
+        # the exact rule's coupling (keyed.py): "gumbel" (the default) commits the target's own Gumbel-max draw at
+        # every position, so an answer is `ar`'s for the same seed whatever was drafted; "rejection" is Algorithm 4
+        # with keyed uniforms. Other rules are defined by rejection sampling.
+        coupling = rule.coupling if self.exact else "rejection"
+        if coupling not in COUPLINGS:
+            raise DraftwiseError(f"coupling must be one of {', '.join(COUPLINGS)}, got {coupling!r}")
+        self.gumbel = coupling == "gumbel"
         # all-greedy steps compare argmax tokens (sampler.accept_greedy) when nothing reads the target's distributions:
         # the exact rule, and a selector that does not observe them (one that does not say is taken to)
         self.argmax_accept = self.exact and not getattr(self.selector, "observes", True)
@@ -129,11 +138,12 @@ class Engine:
     # ---- interface ----
 
     def submit(self, request: Request) -> int:
+        seed = fresh_seed() if request.seed is None else int(request.seed)
         row = Row(
             id=next(self._ids), request=request,
-            generator=make_generator(request.seed, self.target.device),
+            generator=make_generator(seed, self.target.device),  # a stream for MTAD's beams; the rest is keyed
             counters=RowCounters(gamma=self.gamma), detok=Detokenizer(self.tokenizer),
-            sequence=list(request.prompt_ids), submitted=time.perf_counter(),
+            sequence=list(request.prompt_ids), submitted=time.perf_counter(), seed=seed, gumbel=self.gumbel,
         )
         if request.grammar is not None:
             vocab = self.target.vocab_size or out_rows(self.target.model.get_output_embeddings())
@@ -290,12 +300,12 @@ class Engine:
         bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
         if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
             bonus = self._bonus_maker(rows, draft, target_probs, target_logits, greedy)
-        if draft.deterministic and self.exact and k:  # lookup, suffix: the target's own draw at each position
-            outcome = accept_chains(drafted_host, draft.counts, target_probs, [row.generator for row in rows],
-                                    greedy_host)
+        draws = row_draws(rows, target_probs.device)
+        if self.exact and (self.gumbel or draft.deterministic):  # the target's own draw at each position: Gumbel
+            # coupled drafts, and deterministic ones (lookup, suffix) under either coupling
+            outcome = accept_own_draws(draft.tokens, draft.counts, target_probs, draws, greedy_host)
         else:
-            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi,
-                                              bonus, draft.counts, [row.generator for row in rows], greedy_host)
+            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts, draws, greedy_host)
         self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         return outcome, draft
 
@@ -391,7 +401,7 @@ class Engine:
         target_probs = target_logits if all(greedy) else warp_rows(target_logits, [r.request.sampling for r in rows])
         tokens_host = draft.tokens.tolist() if k else [[] for _ in rows]
         tokens_host = [t[:c] for t, c in zip(tokens_host, draft.counts)]
-        outcome = accept_tree(draft.parents, tokens_host, target_probs, [row.generator for row in rows], greedy)
+        outcome = accept_tree(draft.parents, tokens_host, target_probs, row_draws(rows, target_probs.device), greedy)
         drafter_calls = self.drafter.calls - drafter_calls
         slots = [[0] + [i + 1 for i in path] for path in outcome.paths]  # the pending token's and the path's
         if self.drafter.wants_features:  # the target's features of the pending token and the accepted path
@@ -789,7 +799,7 @@ class Engine:
             "prefill_calls": c.prefill_calls,
             "verifier_accepted": c.verifier_accepted,
             "finish_reason": reason,
-            "seed": row.generator.initial_seed(),
+            "seed": row.seed,
             "wall_time_s": row.finished_at - row.submitted,
             "time_to_first_token_s": (row.first_token_at - row.submitted) if row.first_token_at else None,
         }

@@ -171,6 +171,10 @@ class Row:
     # the first decoding step, so the block is stored after it (its features so far, for a drafter that wants them)
     last_block_pending: bool = False
     last_block_states: Any = None
+    # keyed randomness (keyed.py): the request's seed (drawn when it gave none; reported in its stats) and whether
+    # its draft and target are Gumbel-coupled (the exact rule's default) rather than by rejection sampling
+    seed: int = 0
+    gumbel: bool = False
 
     @property
     def unfed(self) -> int:

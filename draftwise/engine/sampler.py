@@ -5,9 +5,14 @@ padding and never read). Per row: token j is *accepted* with probability min(1, 
 rejection a *recovered* token is drawn from norm(max(0, pi - draft)); when every
 drafted token is accepted a *bonus* token is drawn from `bonus_probs[b, k_b]`.
 
-Randomness: row b draws `num_drafted[b] + 1` uniforms from its own generator, so its
-outcome does not depend on which rows share the batch. Everything else runs on the
-device as [rows, ...] tensors, and the result crosses to the host in one copy.
+Randomness is keyed (keyed.py): the uniforms deciding row b's token at absolute position t are hashes of (its
+seed, t, purpose), never the next numbers of a stream, so its outcome does not depend on which rows share the
+batch or on how many numbers earlier steps took. Everything else runs on the device as [rows, ...] tensors, and the
+result crosses to the host in one copy.
+
+Under the exact rule the engine normally takes the *Gumbel* coupling instead (`accept_own_draws`: a drafted token
+is kept when it equals the target's own Gumbel-max draw); this sampler is the *rejection* coupling, and the only
+one for lossy and cascade rules, whose distributions are defined by it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from draftwise.rules.acceptance import ZERO_RESIDUAL
+from draftwise.engine.keyed import ACCEPT, BONUS, RESIDUAL, Draws, as_draws
 from draftwise.engine.sampling import SamplingConfig, argmax_last, invert_cdf, warp
 
 
@@ -25,17 +31,6 @@ from draftwise.engine.sampling import SamplingConfig, argmax_last, invert_cdf, w
 class RowsAcceptance:
     num_accepted: list[int]  # [rows] drafted tokens kept, a prefix of each row's draft
     next_tokens: list[int]  # [rows] recovered (num_accepted < num_drafted) or bonus token
-
-
-def draw_uniforms(generators: Sequence[torch.Generator], counts: Sequence[int], width: int,
-                  device: torch.device) -> torch.Tensor:
-    """[rows, width] float64 uniforms; row b's first counts[b] come from generators[b], the rest are 0."""
-    out = torch.zeros(len(counts), width, dtype=torch.float64, device=device)
-    for b, (generator, count) in enumerate(zip(generators, counts)):
-        if count:
-            out[b, :count] = torch.rand(count, generator=generator, device=generator.device,
-                                        dtype=torch.float64).to(device)
-    return out
 
 
 def residual_rows(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -53,20 +48,26 @@ def speculative_sample_rows(
     pi: torch.Tensor,  # [rows, k, vocab] target distribution at the drafted positions
     bonus_probs: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],  # [rows, k + 1, vocab]: row b's bonus
     num_drafted: Sequence[int],  # [rows] host ints                      comes from position num_drafted[b];
-    generators: Sequence[torch.Generator],  # one per row                or a callable given the rows that need
+    draws: Draws | Sequence[torch.Generator],  # the rows' keyed draws   or a callable given the rows that need
     greedy: Sequence[bool] | None = None,  # [rows] temperature-0 rows    a bonus ([rows] bool), run only if any do
+    stage: int = 0,  # added to the purposes (keyed.STAGED: a companion's own acceptance before the target's)
 ) -> RowsAcceptance:
     assert draft_tokens.ndim == 2 and draft_probs.ndim == 3 and pi.ndim == 3
     rows, k = draft_tokens.shape
     device = draft_tokens.device
+    draws = as_draws(draws, rows, device)
     counts = torch.tensor(list(num_drafted), dtype=torch.long, device=device)  # [rows]
     # Greedy rows need no randomness: their draft and target distributions are one-hot, so a token is
     # accepted exactly when pi gives it mass 1 (any u < 1 decides alike), and the recovered or bonus
-    # distribution is one-hot too (its argmax is the draw). They draw no uniforms and fill in 0.5.
+    # distribution is one-hot too (its argmax is the draw). They take 0.5.
     greedy = list(greedy) if greedy is not None else [False] * rows
-    uniforms = draw_uniforms(generators, [0 if g else c + 1 for c, g in zip(num_drafted, greedy)], k + 1, device)
-    if any(greedy):
-        uniforms[torch.tensor(greedy, device=device)] = 0.5  # [rows, k + 1]
+    offsets = torch.arange(k + 1, device=device)
+    if all(greedy):
+        uniforms = torch.full((rows, k + 1), 0.5, dtype=torch.float64, device=device)
+    else:
+        uniforms = draws.uniforms(offsets[:k], ACCEPT + stage).to(device)  # [rows, k] at positions start + j
+        if any(greedy):
+            uniforms[torch.tensor(greedy, device=device)] = 0.5
     if k:
         draft_at_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
         pi_at_x = pi.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
@@ -90,8 +91,11 @@ def speculative_sample_rows(
     if all(greedy):
         next_tokens = argmax_last(probs)  # [rows]
     else:
-        # each row's last uniform, drawn at index counts[b], picks its recovered or bonus token
-        next_tokens = invert_cdf(probs, uniforms.gather(1, counts[:, None].clamp(max=k)))
+        # the recovered (or bonus) token decides position start + num_accepted: its uniform is keyed there
+        at_next = num_accepted[:, None]
+        last = torch.where(rejected[:, None], draws.uniforms(at_next, RESIDUAL + stage).to(device),
+                           draws.uniforms(at_next, BONUS + stage).to(device))  # [rows, 1]
+        next_tokens = invert_cdf(probs, last)
         if any(greedy):
             next_tokens = torch.where(torch.tensor(greedy, device=device), argmax_last(probs), next_tokens)
     both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
@@ -118,20 +122,35 @@ def accept_greedy(draft_tokens: torch.Tensor, num_drafted: Sequence[int], target
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
 
 
-def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator], drawing: Sequence[bool],
-                greedy: Sequence[bool]) -> torch.Tensor:
-    """One token per row, with one uniform from the row's own generator. [rows, vocab] -> [rows].
+def sample_rows(probs: torch.Tensor, draws: Draws, offset: int, greedy: Sequence[bool]) -> torch.Tensor:
+    """The draft's token per row at offset `offset` of its step (position starts[b] + offset): keyed, so it does not
+    depend on how long the batch-mates draft. Gumbel rows share the target's noise there (the coupling), rejection
+    rows invert the CDF with u(DRAFT); greedy rows take the argmax. [rows, vocab] -> [rows]."""
+    offsets = torch.full((probs.shape[0], 1), offset, dtype=torch.long, device=probs.device)
+    return draws.sample(probs[:, None], offsets, greedy)[:, 0]
 
-    Only rows still `drawing` consume a uniform (the others' tokens are discarded), so a row's
-    randomness does not depend on how long its batch-mates draft. Greedy rows take the argmax of
-    their one-hot distribution and draw nothing."""
-    if all(greedy):
-        return argmax_last(probs)
-    u = draw_uniforms(generators, [int(d and not g) for d, g in zip(drawing, greedy)], 1, probs.device)  # [rows, 1]
-    sampled = invert_cdf(probs, u)
-    if any(greedy):
-        sampled = torch.where(torch.tensor(list(greedy), device=probs.device), argmax_last(probs), sampled)
-    return sampled
+
+def accept_own_draws(draft_tokens: torch.Tensor, num_drafted: Sequence[int], target_probs: torch.Tensor,
+                     draws: Draws, greedy: Sequence[bool]) -> RowsAcceptance:
+    """Chains verified against the target's own draw at every position (`Draws.own`: the Gumbel-max token under the
+    Gumbel coupling, the inverse CDF with u(BONUS) under the rejection coupling, the argmax at temperature 0): a
+    drafted token is accepted while it equals that draw, and the draw at the first mismatch (or after the last
+    drafted token) is the next token. Each committed token is the target's own draw at its position, so the row
+    writes `ar`'s tokens for the same seed whatever was drafted; a drafted token x is accepted with probability
+    p(x) for a deterministic draft, P(Gumbel argmaxes agree) for a Gumbel-coupled draft model.
+    draft_tokens [rows, k] (padding past num_drafted[b]), target_probs [rows, k + 1, vocab]."""
+    rows, k = draft_tokens.shape
+    device = target_probs.device
+    own = draws.own(target_probs, torch.arange(k + 1, device=device), greedy)  # [rows, k + 1]
+    if k:
+        counts = torch.tensor(list(num_drafted), dtype=torch.long, device=device)
+        match = (draft_tokens.to(device) == own[:, :k]) & (torch.arange(k, device=device)[None] < counts[:, None])
+        num_accepted = match.long().cumprod(1).sum(1)  # [rows]
+    else:
+        num_accepted = torch.zeros(rows, dtype=torch.long, device=device)
+    next_tokens = own.gather(1, num_accepted[:, None])[:, 0]
+    both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
+    return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
 
 
 def warp_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:

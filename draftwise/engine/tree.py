@@ -5,13 +5,14 @@ token, the last committed one, which the verification forward feeds first). Veri
 at slot 0 and node i at slot `1 + i` of the row's cache region: slot s sits at cache position `length + s`, has
 position id `length + depth(s)`, and sees the committed prefix and its own ancestors only (`verify_mask`).
 
-Acceptance (`accept_tree`) walks from the pending token: at a node whose target distribution is p, the row draws
-the target's own token x ~ p (one uniform from its generator, by inverse CDF, as `ar` draws; the argmax at
-temperature 0); if a child of the node carries x, the child is accepted and the walk goes on from it, otherwise x
-is the row's next token. The committed token at every position is a draw from p, so this is exact at any
-temperature, and a child x is accepted with probability p(x), as in multi-candidate speculative sampling with
-one-hot proposals (SpecInfer, EAGLE). Unlike that scheme, which draws a uniform per candidate tried, a row draws
-exactly one uniform per committed token whatever its tree: its tokens depend on its seed alone, never on the
+Acceptance (`accept_tree`) walks from the pending token: at a node whose target distribution is p, the row takes
+the target's own token x ~ p at that position (`keyed.Draws.own`: the Gumbel-max token argmax(log p + G_t) with G_t
+keyed by the row's seed and the position t, as `ar` draws; under the rejection coupling the inverse CDF at a keyed
+uniform; the argmax at temperature 0); if a child of the node carries x, the child is accepted and the walk goes on
+from it, otherwise x is the row's next token. The committed token at every position is a draw from p, so this is
+exact at any temperature, and a child x is accepted with probability p(x), as in multi-candidate speculative
+sampling with one-hot proposals (SpecInfer, EAGLE). Unlike that scheme, which draws a uniform per candidate tried,
+the draw at a position is keyed by the position alone: a row's tokens depend on its seed alone, never on the
 tree's shape. That matters because shapes depend on the batch (the node budget at the batch's size, the value cut
 over every row's nodes): a uniform per candidate tried would let a batch whose size follows one row's random
 outcome give that row a tree correlated with its own uniforms, and bias it. At temperature > 0 a tree method writes
@@ -34,11 +35,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from draftwise.engine.sampler import RowsAcceptance, draw_uniforms
+from draftwise.engine.keyed import Draws, as_draws
+from draftwise.engine.sampler import RowsAcceptance, accept_own_draws
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import TreeMask
 from draftwise.engine.protocols import RowsDraft
-from draftwise.engine.sampling import argmax_last, invert_cdf
+from draftwise.engine.sampling import argmax_last
 
 TREE_TOP_K = 4  # children tried per expanded node, and nodes expanded per depth
 DEFAULT_TREE_NODES = 16  # a row's node budget when the engine has no cost measurements yet
@@ -119,17 +121,17 @@ def node_slot(node: int) -> int:
 
 
 def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], target_probs: torch.Tensor,
-                generators: Sequence[torch.Generator], greedy: Sequence[bool]) -> TreeAcceptance:
-    """Walk each row's tree by drawing the target's own token at every node (see the module docstring).
+                draws: Draws | Sequence[torch.Generator], greedy: Sequence[bool]) -> TreeAcceptance:
+    """Walk each row's tree by taking the target's own token at every node (see the module docstring).
 
     target_probs [rows, 1 + k, vocab]: the warped target distribution at each slot (one-hot for greedy rows).
-    At each depth a walking row draws one uniform from its own generator (greedy rows: none, the argmax) and takes
-    the token at that uniform in the target's distribution at its node (`invert_cdf`, as `ar` draws its tokens);
-    a child carrying that token is accepted and the walk goes on from it, otherwise the token is the row's next
-    token. A row thus draws exactly one uniform per committed token whatever its tree: its tokens do not depend
-    on the tree's shape, hence not on its batch-mates (whose progress and the batch's size shape the trees)."""
+    At depth d a walking row takes the target's own draw at its node, keyed by position starts[b] + d
+    (`Draws.own`); a child carrying that token is accepted and the walk goes on from it, otherwise the token is the
+    row's next token. A row's draws are keyed by position, not by the tree: its tokens do not depend on the tree's
+    shape, hence not on its batch-mates (whose progress and the batch's size shape the trees)."""
     rows = len(parents)
     device = target_probs.device
+    draws = as_draws(draws, rows, device)
     children: list[dict[int, dict[int, int]]] = []  # per row: node -> {token: first child carrying it}
     for b, row in enumerate(parents):
         kids: dict[int, dict[int, int]] = {}
@@ -141,15 +143,15 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
     next_tokens = [0] * rows
     walking = list(range(rows))
     index = torch.arange(rows, device=device)
+    depth = 0
     while walking:
         slots = torch.tensor([node_slot(node[b]) for b in walking], device=device)
         probs = target_probs[index[walking], slots]  # [walking, vocab]
-        sampled = [b for b in walking if not greedy[b]]
-        drawn = argmax_last(probs)
-        if sampled:
-            u = draw_uniforms([generators[b] for b in walking], [0 if greedy[b] else 1 for b in walking], 1, device)
-            drawn = torch.where(torch.tensor([greedy[b] for b in walking], device=device), drawn,
-                                invert_cdf(probs, u))
+        if all(greedy[b] for b in walking):
+            drawn = argmax_last(probs)
+        else:
+            drawn = draws.subset(walking).own(probs[:, None], torch.tensor([depth], device=device),
+                                              [greedy[b] for b in walking])[:, 0]
         still = []
         for b, token in zip(walking, drawn.tolist()):  # one host copy a depth
             child = children[b].get(node[b], {}).get(token)
@@ -160,17 +162,22 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
                 node[b] = child
                 still.append(b)
         walking = still
+        depth += 1
     return TreeAcceptance(paths, next_tokens, [node_slot(n) for n in node])
 
 
 def accept_chains(tokens_host: Sequence[Sequence[int]], counts: Sequence[int], target_probs: torch.Tensor,
-                  generators: Sequence[torch.Generator], greedy: Sequence[bool]) -> RowsAcceptance:
-    """`accept_tree` over chains of deterministic candidates (lookup, suffix; each row's drafted tokens on the host,
-    padded past counts[b]): the same acceptance probabilities as speculative sampling with one-hot proposals, and
-    one uniform per committed token."""
-    tokens = [row[:c] for row, c in zip(tokens_host, counts)]
-    out = accept_tree([chain_parents(c) for c in counts], tokens, target_probs, generators, greedy)
-    return RowsAcceptance(num_accepted=[len(path) for path in out.paths], next_tokens=out.next_tokens)
+                  draws: Draws | Sequence[torch.Generator], greedy: Sequence[bool]) -> RowsAcceptance:
+    """`accept_tree` over chains (each row's drafted tokens on the host, padded past counts[b]), in one pass
+    (`sampler.accept_own_draws`): the same outcome, the target's own draw at every position."""
+    rows = len(counts)
+    draws = as_draws(draws, rows, target_probs.device)
+    k = max(counts, default=0)
+    host = torch.zeros(rows, k, dtype=torch.long)
+    for b, (row, c) in enumerate(zip(tokens_host, counts)):
+        if c:
+            host[b, :c] = torch.as_tensor(list(row[:c]), dtype=torch.long)
+    return accept_own_draws(host.to(target_probs.device), counts, target_probs[:, : k + 1], draws, greedy)
 
 
 # ------------------------------------------------------------------ growing trees from a drafter's distributions

@@ -88,13 +88,24 @@ class Rule:
     bonus_from_pi = False
     needs_draft_raw = False
     cuts_draft = False
+    coupling = "rejection"  # how draft and target randomness are coupled (engine.keyed): rules other than the exact
+    #                         one are defined by rejection sampling (Algorithm 4)
 
 
 @dataclass(frozen=True)
 class ExactRule(Rule):
-    """pi = target: standard speculative decoding (Narasimhan et al. Algorithm 1)."""
+    """pi = target: standard speculative decoding (Narasimhan et al. Algorithm 1).
+
+    `coupling` (engine.keyed): "gumbel" (default) verifies a drafted token by equality with the target's own
+    Gumbel-max draw at its position, the draft sampling with the same Gumbel noise (Daliri et al. 2024): drafter
+    invariant, a seeded answer is `ar`'s whatever was drafted, the batch, the draft length or other requests'
+    history. "rejection" is Algorithm 1 itself (accept with min(1, p/q), recover from the residual) with keyed
+    uniforms: independent of the batch-mates, but a position drafted or not commits a different token, so the
+    answer follows the draft lengths (a long prompt catching up beside decoding rows, a select phase, hybrid's
+    choice of drafter); it accepts more (1 - TV against at least (1 - TV) / (1 + TV))."""
 
     name: str = "exact"
+    coupling: str = "gumbel"
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
         return step.target_probs[..., :-1, :]
