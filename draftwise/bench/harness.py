@@ -310,17 +310,27 @@ def resolve_drafts(config: BenchConfig) -> BenchConfig:
     return BenchConfig(**{**asdict(config), "draft": draft, "hf_draft": hf_draft})
 
 
-def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    """Run the benchmark; returns {"config", "machine", "energy", "methods"} (see `metrics.report`), or with
-    `batch_sizes` {"config", "machine", "energy", "batched"} (see `batched.batched_report`)."""
+def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = None,
+              loaded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns {"config", "machine", "energy", "methods", "advice"} (see `metrics.report`,
+    `bench.advice`), or with `batch_sizes` {"config", "machine", "energy", "batched"} (see `batched.batched_report`).
+    `loaded` maps model specs (the target's, drafts') to models already loaded with this config's device and
+    format, which the run uses instead of loading them again (`make demo`)."""
     drafts = plan_drafts(config)  # every method checked, and its draft chosen, before any model loads
     labels = {m: parse_label(m)[0] for m in config.methods}
     prompts = load_prompts(config.dataset, categories=list(config.categories) or None, num_prompts=config.num_prompts)
     if config.threads:
         torch.set_num_threads(config.threads)
 
-    target = load_model(config.target, device=config.device, dtype=config.dtype)
-    loaded = {spec: _load_bench_draft(spec, target, config) for spec in dict.fromkeys(drafts.values()) if spec}
+    from draftwise.progress import timed_load
+
+    given = dict(loaded or {})
+    target = given.get(config.target) or timed_load(
+        config.target, lambda: load_model(config.target, device=config.device, dtype=config.dtype),
+        dtype=config.dtype, device=config.device, role="target")
+    loaded = {spec: given.get(spec) or timed_load(spec, lambda spec=spec: _load_bench_draft(spec, target, config),
+                                                  dtype=config.dtype, device=config.device, role="draft")
+              for spec in dict.fromkeys(drafts.values()) if spec}
     draft_of = {label: loaded[spec] if spec else None for label, spec in drafts.items()}
     hf_draft = draft_of.get("hf-assisted")
     encoded = [(p, encode_bench_prompt(target, p, config.prefix_fraction)) for p in prompts]

@@ -63,7 +63,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from draftwise.progress import bar as progress_bar
 
     from draftwise.bench.datasets import expand_categories, load_prompts
     from draftwise.bench.harness import BenchConfig, check_methods, run_bench
@@ -100,7 +100,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     plan_drafts(config)  # every method and its draft checked before any model loads
     runs = len(batch_sizes) if batch_sizes else n_prompts  # a batched run decodes every prompt at once
-    with tqdm(total=runs * len(methods) * config.repeats, desc="bench", unit="run", file=sys.stderr) as bar:
+    with progress_bar(total=runs * len(methods) * config.repeats, desc="bench", unit="run") as bar:
         results = run_bench(config, progress=bar.update)
     if batch_sizes:
         from draftwise.bench.batched import format_batched_table
@@ -165,7 +165,7 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from draftwise.progress import bar as progress_bar
 
     from draftwise.bench.datasets import expand_categories, load_prompts
     from draftwise.atomic import write_json
@@ -196,7 +196,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     n_prompts = len(load_prompts(config.dataset, categories=list(categories) or None, num_prompts=config.num_prompts))
     warn_if_fewer(n_prompts, config.num_prompts, config.dataset, categories)
     total = n_prompts * len(labels) * config.repeats * len(config.temperatures)
-    with tqdm(total=total, desc="sweep", unit="run", file=sys.stderr) as bar:
+    with progress_bar(total=total, desc="sweep", unit="run") as bar:
         result = run_sweep(config, progress=bar.update)
     print(format_sweep(result))
     if args.json:

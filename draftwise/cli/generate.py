@@ -13,6 +13,7 @@ from draftwise.plan import check_options, default_draft, default_method
 from draftwise.errors import DraftwiseError
 from draftwise.methods import METHODS
 from draftwise.models.loading import DTYPE_HELP, load_draft, load_model
+from draftwise.progress import timed_load
 from draftwise.cli.common import API_DEFAULTS, DEFAULT_TARGET, json_out, method_options, option_help
 
 
@@ -184,11 +185,14 @@ def run_generate(args: argparse.Namespace) -> int:
     spec = check_options(draft_given=args.draft is not None, target=args.target, draft=args.draft, **kwargs)[0]
     kwargs.update(structure(args))
     prompts = collect_prompts(args)
-    target = load_model(args.target, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+    target = timed_load(args.target, lambda: load_model(args.target, device=args.device, dtype=args.dtype,
+                                                        tokenizer=args.tokenizer),
+                        dtype=args.dtype, device=args.device, role="target")
     prompts = as_chat(prompts, target, args)
     draft_spec = (args.draft or default_draft(target, spec.name, args.temperature)) if spec.needs_draft else None
     # The one resolver the API uses too: a draft model or an EAGLE head, loaded once for every prompt.
-    draft = load_draft(draft_spec, target, device=args.device, dtype=args.dtype) if draft_spec else None
+    draft = timed_load(draft_spec, lambda: load_draft(draft_spec, target, device=args.device, dtype=args.dtype),
+                       dtype=args.dtype, device=args.device, role="draft") if draft_spec else None
     if len(prompts) == 1 and not args.json:
         for piece in stream(target, prompts[0], draft=draft, **kwargs):
             print(piece, end="", flush=True)

