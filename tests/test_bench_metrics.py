@@ -130,7 +130,7 @@ def test_run_bench_end_to_end_on_tiny_models(tmp_path):
         categories=("qa", "translation"),
     )
     results = run_bench(config)
-    assert set(results) == {"config", "machine", "energy", "methods"}
+    assert set(results) == {"config", "machine", "energy", "methods", "advice"}
     energy = results["energy"]  # a reading, or why there is none: never an invented number
     assert energy["available"] == all(m["energy_j_per_token"] is not None for m in results["methods"].values())
     assert energy["available"] or energy["reason"]
