@@ -6,7 +6,7 @@
 Written beside the JSON:
 - seed-cascades.png: the cascades' quality-latency frontier (sweep-cascades.json, else sweep-t*.json): every
   method's points, latency relative to `ar` against pass@1 (else the sweep's first quality metric), the
-  frontier over all methods' points as a step line, the target and the draft alone as reference marks;
+  frontier over all points (the target and the draft alone included: the cascades' end points) as a step line;
 - seed-sprinter.png: SPRINTER's speed against quality (sprinter-t*.json): tokens/s relative to `sd` against
   pass@1 (else target perplexity), each point labelled with its target calls per token;
 - seed-mtad.png: MTAD's target perplexity against speed relative to `sd` (mtad-t1.json, mtad-ablation-t1.json);
@@ -81,9 +81,12 @@ def frontier(points: list[tuple[float, float, str]], lower_is_better: bool = Fal
 def _title(data: dict[str, Any]) -> str:
     cfg, machine = data.get("config", {}), data.get("machine", {})
     parts = [str(cfg.get("target", "")), "+ " + str(cfg.get("draft") or "")]
+    prompts = len(cfg["prompts"]) if isinstance(cfg.get("prompts"), list) else cfg.get("num_prompts")
+    if prompts:
+        parts.append(f"| {prompts} prompts")
     if machine.get("cpu"):
         parts.append(f"| {machine['cpu']}")
-    return " ".join(p for p in parts if p.strip("+ |"))
+    return "\n" + " ".join(p for p in parts if p.strip("+ |"))
 
 
 def _save(fig, path: Path) -> Path:
@@ -130,14 +133,17 @@ def plot_cascades(data: dict[str, Any], path: Path, png: Path) -> list[str]:
                          if p.get("relative_latency") is not None and p.get(metric) is not None)
             everything += pts
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", markersize=4, alpha=0.8, label=label)
-        front = frontier(everything, lower)
+        draft = summary.get("draft_only") or {}
+        references = [(1.0, target[metric], "ar")] + ([(draft["relative_latency"], draft[metric], "draft alone")]
+                                                      if draft.get(metric) is not None and draft.get("relative_latency")
+                                                      else [])
+        front = frontier(everything + references, lower)  # the two models alone are the cascades' end points
         if front:
             ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="black", linewidth=1,
                     label="frontier")
         ax.plot([1.0], [target[metric]], "k*", markersize=10, label="target alone (ar)")
-        draft = summary.get("draft_only") or {}
-        if draft.get(metric) is not None and draft.get("relative_latency"):
-            ax.plot([draft["relative_latency"]], [draft[metric]], "kx", markersize=8, label="draft alone")
+        if len(references) > 1:
+            ax.plot([references[1][0]], [references[1][1]], "kx", markersize=8, label="draft alone")
         ax.axvline(1.0, color="gray", linewidth=0.6, linestyle=":")
         ax.set_xlabel("latency relative to ar (same run)")
         ax.set_ylabel(QUALITY_NAMES.get(metric, metric))
@@ -147,7 +153,7 @@ def plot_cascades(data: dict[str, Any], path: Path, png: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
         notes.append(f"T={t}: frontier ({metric}) " + ", ".join(f"{lab} ({x:.2f}, {y:.3g})" for x, y, lab in front))
-    fig.suptitle("Speculative cascades: quality against latency | " + _title(data), fontsize=9)
+    fig.suptitle("Speculative cascades: quality against latency" + _title(data), fontsize=9)
     _save(fig, png)
     return notes
 
@@ -197,7 +203,7 @@ def plot_sprinter(files: list[Path], png: Path) -> list[str]:
         if best:
             notes.append(f"T={_temperature(path)}: fastest SPRINTER {best} {speed[best]:.2f}x sd, {metric} "
                          f"{methods[best][metric]:.3g} (sd {methods['sd'][metric]:.3g})")
-    fig.suptitle("SPRINTER: speed against quality | " + _title(first), fontsize=9)
+    fig.suptitle("SPRINTER: speed against quality" + _title(first), fontsize=9)
     _save(fig, png)
     return notes
 
@@ -230,7 +236,7 @@ def plot_mtad(files: list[Path], png: Path) -> list[str]:
                          f"(sd {methods['sd']['perplexity']:.3f})" + (
                              f", pass@1 {m['pass_at_1']:.2f} (sd {methods['sd']['pass_at_1']:.2f})"
                              if m.get("pass_at_1") is not None and methods["sd"].get("pass_at_1") is not None else ""))
-    fig.suptitle("MTAD: target perplexity against speed | " + _title(first), fontsize=9)
+    fig.suptitle("MTAD: target perplexity against speed" + _title(first), fontsize=9)
     _save(fig, png)
     return notes
 
@@ -262,7 +268,7 @@ def plot_sv(files: list[Path], png: Path) -> list[str]:
             ratios = ", ".join(f"B={b} {m['throughput_tok_s'] / methods['sd'][b]['throughput_tok_s']:.2f}x"
                                for b, m in methods["sv"].items() if b in methods["sd"])
             notes.append(f"T={_temperature(path)}: sv against sd: {ratios}")
-    fig.suptitle("Speculative Verification: goodput by batch size | " + _title(first), fontsize=9)
+    fig.suptitle("Speculative Verification: goodput by batch size" + _title(first), fontsize=9)
     _save(fig, png)
     return notes
 

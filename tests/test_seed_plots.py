@@ -53,8 +53,8 @@ def test_every_seed_writes_a_png(tmp_path, capsys):
         png = tmp_path / f"seed-{seed}.png"
         assert png.read_bytes()[:8] == PNG_MAGIC, seed
     printed = capsys.readouterr().out
-    # the frontier: token-v3@0.5 (0.7, 0.75) and token-v3@0 (0.9, 0.8); lossy@0.5 (0.8, 0.6) and lossy@0 are beaten
-    assert "cascade:token-v3@0.5 (0.70, 0.75), cascade:token-v3@0 (0.90, 0.8)" in printed
+    # the frontier: the draft alone, token-v3@0.5 (0.7, 0.75), token-v3@0 (0.9, 0.8); lossy and ar (1.0, 0.8) are beaten
+    assert "frontier (pass_at_1) draft alone (0.40, 0.45), cascade:token-v3@0.5 (0.70, 0.75), cascade:token-v3@0 (0.90, 0.8)\n" in printed
     assert "lossy" not in printed.split("frontier")[1].splitlines()[0]
     assert "mtad 1.06x sd, perplexity 1.500 (sd 1.900), pass@1 0.75 (sd 0.70)" in printed
     assert "sv against sd: B=1 1.12x, B=4 1.12x, B=16 1.12x" in printed
