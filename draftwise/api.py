@@ -85,13 +85,13 @@ def generate(
 
     A list of prompts (strings, token-id lists, chats) is decoded batched, `max_batch_size` rows at a
     time with continuous batching, and returns a list of `Generation`s in prompt order. `seed` seeds
-    every request alike: request i gives the same tokens as `generate(target, prompts[i], seed=seed)`,
-    except for methods whose select phase or draft length is decided over the batch (`sv`,
-    `adaptive-verify`, `smartspec`) and `hybrid` chains (a row drafts from the suffix tries, which hold its
-    batch-mates' answers, or from the draft model): at temperature > 0 their tokens depend on the batch-mates.
-    Token trees (`tree_nodes`), prompt lookup and suffix decoding draw the target's own token at every
-    position, one uniform per token: at any temperature they write `ar`'s tokens for the same seed, alone or
-    batched, whatever their drafts.
+    every request alike: request i gives the same tokens as `generate(target, prompts[i], seed=seed)`.
+    Every random number is keyed by (seed, position, purpose) (engine/keyed.py), never taken from a stream, and
+    lossless methods commit the target's own Gumbel-max draw at every position (the drafter-invariant coupling,
+    `coupling="gumbel"`, the default): at any temperature they write `ar`'s tokens for the same seed, alone or
+    batched, whatever their drafts, draft lengths or the suffix tries' history. `sd` with `coupling="rejection"`
+    (standard speculative sampling, which accepts more) and the lossy rules (`lossy`, cascades) depend on which
+    positions were drafted, so on draft lengths, though not on the batch-mates' draws.
     `kv_budget_mb` bounds the target's KV cache: a request joins only when its prompt plus
     `max_new_tokens` fits beside the live ones (one request always runs, whatever its size).
     `logprobs=k` gives each new token's log-probability under the target and its k most likely tokens

@@ -668,6 +668,7 @@ class Row:
         self.sequence = list(sequence)
         self.request = Request(tuple(sequence), sampling)
         self.generator = make_generator(seed)
+        self.seed, self.gumbel = seed, False  # keyed draws (engine.keyed), as the engine's rows carry
 
 
 @torch.inference_mode()

@@ -206,20 +206,25 @@ class Draws:
         if offsets.ndim == 1:
             offsets = offsets[None].expand(rows, -1)
         greedy = list(greedy)
-        out = argmax_last(probs)  # [rows, n]
         if all(greedy):
-            return out
+            return argmax_last(probs)
         gumbel = [b for b in range(rows) if self.gumbel[b] and not greedy[b]]
         plain = [b for b in range(rows) if not self.gumbel[b] and not greedy[b]]
+        device = probs.device
+        seeds, positions = self._seeds_t.to(device), self.positions(offsets).to(device)
+        if len(gumbel) == rows:  # one kind of row: no copies of the distributions
+            return gumbel_argmax(probs, seeds, positions)
+        if len(plain) == rows:
+            return invert_cdf(probs.reshape(-1, vocab), uniforms(seeds, positions, purpose).reshape(-1, 1)
+                              ).reshape(rows, n)
+        out = argmax_last(probs)  # [rows, n]: greedy rows keep it
         if gumbel:
-            index = torch.tensor(gumbel, device=probs.device)
-            out[index] = gumbel_argmax(probs[index], self._seeds_t[index.to(self.device)].to(probs.device),
-                                       self.positions(offsets)[index.to(self.device)].to(probs.device))
+            index = torch.tensor(gumbel, device=device)
+            out[index] = gumbel_argmax(probs[index], seeds[index], positions[index])
         if plain:
-            index = torch.tensor(plain, device=probs.device)
-            u = self.uniforms(offsets, purpose)[index.to(self.device)].to(probs.device)  # [m, n]
-            drawn = invert_cdf(probs[index].reshape(-1, vocab), u.reshape(-1, 1))
-            out[index] = drawn.reshape(len(plain), n)
+            index = torch.tensor(plain, device=device)
+            u = uniforms(seeds[index], positions[index], purpose)  # [m, n]
+            out[index] = invert_cdf(probs[index].reshape(-1, vocab), u.reshape(-1, 1)).reshape(len(plain), n)
         return out
 
     def generator(self, b: int, purpose: int = 0) -> torch.Generator:
