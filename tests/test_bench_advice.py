@@ -73,6 +73,18 @@ def test_ar_wins_when_nothing_beats_it_and_a_tie_goes_to_ar():
     assert line.startswith("fastest exact method here: ar; suffix 0.97x, sd 0.72x:"), line
 
 
+def test_a_method_that_accepted_nothing_cannot_win_on_noise():
+    # measured on the pair while other work shared the 2 cores: suffix drafted nothing that was accepted (1.00
+    # token a target call, ar's work) and still read 1.28x ar
+    results = _results({"ar": 1.0, "suffix": 1.28, "sd": 0.31})
+    results["methods"]["suffix"]["mean_accepted_length"] = 1.0
+    found = advice.advise(results, COSTS, {})
+    assert found["method"] == "ar"
+    assert found["line"].startswith("fastest exact method here: ar; suffix 1.28x (no draft accepted: noise), sd 0.31x")
+    results["methods"]["suffix"]["mean_accepted_length"] = 1.2  # the control: accepted drafts, a real win
+    assert advice.advise(results, COSTS, {})["method"] == "suffix"
+
+
 def test_only_runs_the_default_could_repeat_are_candidates():
     # a label with options, a method given --option, or another gamma is not what the default would run
     assert advice.advise(_results({"ar": 1.0, "sd/gamma=3": 1.4, "suffix": 1.1}), COSTS, {})["method"] == "suffix"

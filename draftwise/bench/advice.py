@@ -167,11 +167,16 @@ def advise(results: dict[str, Any], costs: dict[str, Any] | None, machine: dict[
     speeds = _candidates(results)
     if not speeds:
         return None
-    winner = max(speeds, key=lambda label: (speeds[label], label == "ar"))  # a tie goes to ar: nothing to pay
-    others = sorted(((s, label) for label, s in speeds.items() if label not in (winner, "ar")), reverse=True)
+    # A method that committed no more than one token a target call did ar's work plus its drafting: faster than ar
+    # only by noise, so it cannot win (its ratio is still shown). A tie goes to ar: nothing to pay.
     methods = results["methods"]
+    can_win = {label: s for label, s in speeds.items()
+               if label == "ar" or (methods[label].get("mean_accepted_length") or 0) > 1.0 + 1e-9}
+    winner = max(can_win, key=lambda label: (can_win[label], label == "ar"))
+    others = sorted(((s, label) for label, s in speeds.items() if label not in (winner, "ar")), reverse=True)
     head = (f"fastest exact method here: {winner}" + (f" ({speeds[winner]:.2f}x ar)" if winner != "ar" else ""))
-    rest = [f"{label} {s:.2f}x" for s, label in others]
+    rest = [f"{label} {s:.2f}x" + (" (no draft accepted: noise)" if label not in can_win and s > 1 else "")
+            for s, label in others]
     why = _why(winner, methods, costs, results["config"])
     line = head + ("; " + ", ".join(rest) if rest else "") + (f": {why}" if why else "")
     return {"method": winner, "speedup_vs_ar": speeds[winner], "speedups": speeds, "costs": costs, "line": line,
