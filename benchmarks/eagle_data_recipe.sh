@@ -26,7 +26,11 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-out/eagle-data}
 BUDGET=${BUDGET:-600000}
 PIDFILE=${PIDFILE:-out/eagle-data.pid}
-renice -n 19 $$ >/dev/null 2>&1 || true  # niced however it was started: it shares the cores with interactive work
+NICE=${NICE:-19}  # niced however it was started: it shares the cores with interactive work
+renice -n "$NICE" $$ >/dev/null 2>&1 || true
+# Linux groups processes by session (sched_autogroup): nice orders processes within one session only, and a
+# job started with setsid competes with every other session as an equal. The group's own nice fixes that.
+echo "$NICE" 2>/dev/null > /proc/self/autogroup || true
 mkdir -p "$(dirname "$PIDFILE")" "$OUT"
 if [ -s "$PIDFILE" ] && grep -qs eagle_data "/proc/$(cat "$PIDFILE")/cmdline"; then
     echo "eagle data recipe: already running as PID $(cat "$PIDFILE") ($PIDFILE)" >&2

@@ -29,7 +29,11 @@ MINUTES=${MINUTES:-20}
 PIDFILE=${PIDFILE:-out/eagle-train.pid}
 DATA_PIDFILE=${DATA_PIDFILE:-out/eagle-data.pid}
 WAIT_FOR_DATA=${WAIT_FOR_DATA:-1}
-renice -n 19 $$ >/dev/null 2>&1 || true
+NICE=${NICE:-19}  # niced however it was started: it shares the cores with interactive work
+renice -n "$NICE" $$ >/dev/null 2>&1 || true
+# Linux groups processes by session (sched_autogroup): nice orders processes within one session only, and a
+# job started with setsid competes with every other session as an equal. The group's own nice fixes that.
+echo "$NICE" 2>/dev/null > /proc/self/autogroup || true
 mkdir -p "$(dirname "$PIDFILE")" "$OUT"
 if [ -s "$PIDFILE" ] && grep -qs eagle_train_recipe "/proc/$(cat "$PIDFILE")/cmdline"; then
     echo "eagle train recipe: already running as PID $(cat "$PIDFILE") ($PIDFILE)" >&2
