@@ -35,8 +35,11 @@ def bar(**kwargs: Any):
 
 
 def say(message: str) -> None:
+    """One line on stderr where `wanted`, above any bar on screen (tqdm moves the bar below it)."""
     if wanted():
-        print(message, file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(message, file=sys.stderr)
 
 
 def _times_path() -> Path:
