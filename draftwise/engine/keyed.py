@@ -164,7 +164,8 @@ class Draws:
     (`gumbel[b]`). Offsets count from the start: offset j is position starts[b] + j."""
 
     def __init__(self, seeds: Sequence[int], starts: Sequence[int], gumbel: Sequence[bool],
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, streams: Sequence[torch.Generator] | None = None) -> None:
+        self.streams = streams  # the rows' torch.Generators, for a caller that indexes the draws (`draws[b]`)
         self.seeds = [int(s) for s in seeds]
         self.starts = [int(s) for s in starts]
         self.gumbel = [bool(g) for g in gumbel]
@@ -177,7 +178,8 @@ class Draws:
 
     def subset(self, index: Sequence[int]) -> "Draws":
         return Draws([self.seeds[i] for i in index], [self.starts[i] for i in index],
-                     [self.gumbel[i] for i in index], self.device)
+                     [self.gumbel[i] for i in index], self.device,
+                     None if self.streams is None else [self.streams[i] for i in index])
 
     def positions(self, offsets: torch.Tensor) -> torch.Tensor:
         """[rows, n] offsets -> absolute positions."""
@@ -236,13 +238,16 @@ class Draws:
         return generator
 
     def __getitem__(self, b: int) -> torch.Generator:
-        return self.generator(b)
+        """Row b's stream (its request's torch.Generator, numbers taken in order) where the rows gave theirs, else
+        `generator(b)`: for code written against streams (a reference walk in a test, a beam search)."""
+        return self.streams[b] if self.streams is not None else self.generator(b)
 
 
 def row_draws(rows: Sequence, device: torch.device | str) -> Draws:
     """The keyed draws of a step's rows (engine `Row`s): each row's seed, the position of the first token the step
     decides (its sequence's length: the prompt, the committed tokens and the pending one) and its coupling."""
-    return Draws([r.seed for r in rows], [len(r.sequence) for r in rows], [r.gumbel for r in rows], device)
+    return Draws([r.seed for r in rows], [len(r.sequence) for r in rows], [r.gumbel for r in rows], device,
+                 [r.generator for r in rows])
 
 
 def fresh_seed() -> int:
