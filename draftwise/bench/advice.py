@@ -199,8 +199,11 @@ def _why(winner: str, methods: dict[str, Any], costs: dict[str, Any] | None, con
         label, m = model_based[0]
         gamma = config.get("gamma", 4)
         need = v + gamma * costs["draft_vs_target"]
-        parts.append(f"so {label} breaks even at {need:.2f} tokens a target call and got "
-                     f"{m['mean_accepted_length']:.2f}")
+        got, ran = m["mean_accepted_length"], m.get("speedup_vs_ar")
+        rest = ", the gap is time outside these forwards" if ran is not None and ran < 0.95 * got / need else ""
+        ran_text = f"; it ran {ran:.2f}x{rest}" if ran is not None else ""
+        parts.append(f"so {label} breaks even at {need:.2f} tokens a target call and got {got:.2f} (the forwards "
+                     f"alone predict {got / need:.2f}x{ran_text})")
     elif drafted:
         label, m = max(drafted, key=lambda lm: lm[1].get("speedup_vs_ar") or 0)
         parts.append(f"{label} commits {m['mean_accepted_length']:.2f} tokens a target call")
