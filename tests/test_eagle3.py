@@ -45,6 +45,7 @@ def _head(target, vocab_ids, *, scale: float = 3.0, seed: int = 3) -> Eagle3Head
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.3 * torch.randn_like(p)).mul_(scale)  # sharp, and unlike the target
+        head.feature_scale.copy_(0.5 + 4 * torch.rand(head.feature_size))  # every path must divide by it
     return head.eval()
 
 
@@ -61,7 +62,7 @@ def _rollout(head, target, seq, limit):
     tokens = list(seq[1:])
     out = []
     with torch.no_grad():
-        fused = head.fc(torch.stack(aux))  # [n, H]
+        fused = head.fuse(torch.stack(aux))  # [n, H]
         states = list(fused)
         for _ in range(limit):
             x = torch.cat([head.embed(torch.tensor([tokens])), torch.stack(states)[None]], dim=-1)
@@ -108,7 +109,7 @@ def test_training_time_test_equals_a_cache_free_rollout_with_teacher_tokens():
             if i + 1 + k > len(seq) - 1:
                 continue
             with torch.no_grad():
-                states = list(head.fc(aux[: i + 1]))
+                states = list(head.fuse(aux[: i + 1]))
                 tokens = seq[1 : i + 2]
                 pre = None
                 for step in range(k + 1):
@@ -389,7 +390,7 @@ def test_head_bonus_distribution_equals_a_cache_free_rollout_and_drafting_goes_o
     def next_logits(seq):
         aux = _features(target, seq)[: len(seq) - 1, : head.feature_size]
         with torch.no_grad():
-            x = torch.cat([head.embed(torch.tensor([seq[1:]])), head.fc(aux)[None]], dim=-1)
+            x = torch.cat([head.embed(torch.tensor([seq[1:]])), head.fuse(aux)[None]], dim=-1)
             return head.logits(head.body(x).last_hidden_state[0, -1])
 
     rng = random.Random(5)
@@ -464,7 +465,7 @@ def test_mtad_beams_on_a_head_equal_a_brute_force_beam_search_under_forced_accep
     def logprobs_after(seq, beam):
         aux = _features(target, seq)[: len(seq) - 1, : head.feature_size]
         with torch.no_grad():
-            states, tokens = list(head.fc(aux)), list(seq[1:])
+            states, tokens = list(head.fuse(aux)), list(seq[1:])
             pre = None
             for step in range(len(beam) + 1):
                 x = torch.cat([head.embed(torch.tensor([tokens])), torch.stack(states)[None]], dim=-1)
@@ -587,7 +588,7 @@ def _rollout_states(head, target, seq, limit):
     aux = list(_features(target, seq)[: len(seq) - 1, : head.feature_size])
     tokens, states, out = list(seq[1:]), [], []
     with torch.no_grad():
-        states = list(head.fc(torch.stack(aux)))
+        states = list(head.fuse(torch.stack(aux)))
         for _ in range(limit):
             x = torch.cat([head.embed(torch.tensor([tokens])), torch.stack(states)[None]], dim=-1)
             pre = head.body(x).last_hidden_state[0, -1]
@@ -656,6 +657,8 @@ def head_verifiers(tmp_path_factory):
     target = _target()
     loaded = draftwise.load_model(target)
     head = _head(target, torch.arange(0, 64, 2), scale=1.5)
+    with torch.no_grad():  # this head's labels need both classes in every split: its drafts as they were tuned
+        head.feature_scale.fill_(1.0)
     config = VerifierDataConfig(continuation=12, per_kind=6)
     data = collect(loaded, head, [[i, i + 1, i + 2, 5, 6, 7] for i in range(40)], config, vocab_size=64)
     assert set(data["kind"].tolist()) == {0, 2, 3}  # no draft-only completions for a head

@@ -59,6 +59,7 @@ def _head(target):
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.3 * torch.randn_like(p))
+        head.feature_scale.copy_(0.5 + 4 * torch.rand(head.feature_size))  # folded into fc by the export
     return head.eval()
 
 

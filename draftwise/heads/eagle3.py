@@ -68,6 +68,13 @@ class Eagle3Config:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
 
 
+class _Folded:
+    """A stand-in with a `weight` (a packing source): fc's folded weight, or the scale whose version stamps it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -220,6 +227,10 @@ class Eagle3Head(DraftHead):
         if config.shared_lm_head:
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)  # [draft_vocab] target token ids
+        # fc reads the fused features divided by this, dimension by dimension (`fuse`): the target's massive
+        # activations (Qwen2.5: a few dimensions near 4,000 where the rest are near 1) brought to the scale of the
+        # rest, so the optimiser sees inputs of one size. A fixed diagonal: exports fold it into fc's weight.
+        self.register_buffer("feature_scale", torch.ones(3 * h), persistent=True)
         self._shared: dict[str, object] = {}  # the target's embedding: shared, kept out of the state dict
 
     # ---- prepacked products for decoding ----
@@ -239,7 +250,8 @@ class Eagle3Head(DraftHead):
 
         layer = self.body.midlayer
         sources = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, self.fc, self.lm_head)
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, self.fc, self.lm_head,
+                   _Folded(self.feature_scale))
         target_head = self._target_blocks()
         # the weights as they stand: a head packed for them already is not packed again (a drafter per request,
         # which asks for the default: a packing chosen by name stays); an in-place change of any weight (its
@@ -259,7 +271,7 @@ class Eagle3Head(DraftHead):
         attn, mlp = layer.self_attn, layer.mlp
         packed = {"qkv": linear(attn.q_proj, attn.k_proj, attn.v_proj), "o": linear(attn.o_proj),
                   "gate_up": linear(mlp.gate_proj, mlp.up_proj), "down": linear(mlp.down_proj),
-                  "fc": linear(self.fc)}
+                  "fc": linear(_Folded(self.fc_weight()))}
         if blocks and target_head is not None and self.config.shared_lm_head:
             packed["lm_head"] = target_head.subset(self.vocab_ids)  # the target's rows, byte for byte
         else:
@@ -299,9 +311,11 @@ class Eagle3Head(DraftHead):
             self.unpack()
         return super().train(mode)
 
-    def load_state_dict(self, *args, **kwargs):
+    def load_state_dict(self, state_dict, *args, **kwargs):
         self.unpack()
-        return super().load_state_dict(*args, **kwargs)
+        if "feature_scale" not in state_dict:  # written before the scale existed: it read its features unscaled
+            state_dict = {**state_dict, "feature_scale": torch.ones_like(self.feature_scale)}
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     # ---- the drafters' interface (shared with eagle.EagleHead) ----
 
@@ -342,6 +356,15 @@ class Eagle3Head(DraftHead):
                 self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
         return self
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The fused target features [..., 3H] -> fc's output [..., H] (each dimension divided by its scale)."""
+        return self.fc(features.to(self.fc.weight.dtype) / self.feature_scale.to(self.fc.weight.dtype))
+
+    def fc_weight(self) -> torch.Tensor:
+        """fc's weight with the feature scale folded in: fc_weight() @ features == fuse(features) (up to rounding),
+        what packed products and exported checkpoints carry."""
+        return (self.fc.weight / self.feature_scale.to(self.fc.weight.dtype)).detach()
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if "embed" not in self._shared:
             raise DraftwiseError("EAGLE-3 head used before attach(target_model)")
@@ -355,7 +378,7 @@ class Eagle3Head(DraftHead):
         -> the body's input [..., 2H]."""
         x = x.to(self.fc.weight.dtype)
         packed = self.body.packed()
-        hidden = (packed["fc"](x) if packed is not None else self.fc(x)) if x.shape[-1] == self.feature_size else x
+        hidden = (packed["fc"](x) if packed is not None else self.fuse(x)) if x.shape[-1] == self.feature_size else x
         return torch.cat([self.embed(tokens), hidden], dim=-1)
 
     def forward(self, x: torch.Tensor, next_tokens: torch.Tensor, *, cache=None,
@@ -387,7 +410,9 @@ class Eagle3Head(DraftHead):
         for k, v in self.state_dict().items():
             if self.config.shared_lm_head and k == "lm_head.weight":  # the target's rows: not stored
                 continue
-            if dtype == "q8_0" and v.is_floating_point() and v.dim() == 2 and v.shape[1] % 32 == 0:
+            if k == "feature_scale":  # kept exact: fc's inputs are divided by it
+                state[k] = v.float().contiguous()
+            elif dtype == "q8_0" and v.is_floating_point() and v.dim() == 2 and v.shape[1] % 32 == 0:
                 state[k + Q8_0_SUFFIX] = q8_0_blocks(v)
             elif v.is_floating_point():
                 state[k] = v.to(torch.float16 if dtype == "q8_0" else dtype).contiguous()
@@ -418,7 +443,8 @@ class Eagle3Head(DraftHead):
             weights[k] = v.float() if v.is_floating_point() else v
         head = cls(config, state["vocab_ids"])
         missing, unexpected = head.load_state_dict(weights, strict=False)
-        if unexpected or set(missing) - ({"lm_head.weight"} if config.shared_lm_head else set()):
+        # heads written before the feature scale existed read their features unscaled (its default of ones)
+        if unexpected or set(missing) - ({"lm_head.weight"} if config.shared_lm_head else set()) - {"feature_scale"}:
             raise DraftwiseError(f"{directory}: the head's tensors do not match its config (missing {missing}, "
                                  f"unexpected {unexpected})")
         return head.eval()

@@ -53,8 +53,10 @@ def export_eagle3(head: Eagle3Head, out: str | Path, *, dtype: torch.dtype = tor
     c = head.config
     tensors: dict[str, torch.Tensor] = {}
     for name, value in head.state_dict().items():
-        if name == "vocab_ids":
+        if name in ("vocab_ids", "feature_scale"):  # the feature scale is folded into fc (the layout has none)
             continue
+        if name == "fc.weight":
+            value = head.fc_weight()
         for old, new in _RENAMES:
             name = name.replace(old, new)
         tensors[name] = value.detach().to(dtype).contiguous()
@@ -134,7 +136,7 @@ def import_eagle3(path: str | Path) -> Eagle3Head:
     head = Eagle3Head(c, vocab_ids)
     wanted = {}
     for name in head.state_dict():
-        if name == "vocab_ids":
+        if name in ("vocab_ids", "feature_scale"):  # the layout's fc reads the features as they are: scale ones
             continue
         source = name
         for old, new in _RENAMES:
@@ -142,7 +144,7 @@ def import_eagle3(path: str | Path) -> Eagle3Head:
         if source not in state:
             raise DraftwiseError(f"{path}: tensor {source} is missing")
         wanted[name] = state[source].float()
-    head.load_state_dict({**wanted, "vocab_ids": vocab_ids})
+    head.load_state_dict({**wanted, "vocab_ids": vocab_ids, "feature_scale": torch.ones(3 * hidden)})
     return head.eval()
 
 

@@ -216,7 +216,7 @@ def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], steps: int) ->
     causal = torch.ones(W, W, dtype=torch.bool, device=aux.device).tril()
     groups = c.num_heads // c.num_kv_heads
     scale = c.head_dim ** -0.5
-    hidden_in = head.fc(aux.to(head.fc.weight.dtype))  # [B, W, H]
+    hidden_in = head.fuse(aux)  # [B, W, H]
     keys, values = [], []  # per step, [B, heads, W, d] (kv heads repeated)
     out = []
     for k in range(steps):
@@ -303,6 +303,9 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
         write_text(vocab_path, json.dumps(vocab_ids.tolist()))
     head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=config.intermediate_size,
                           target_name=config.target_name, feature_layers=layers, shared_lm_head=config.shared_lm_head)
+    if start is None:  # the checkpoint, when there is one, brings back the scale it was trained with
+        with torch.no_grad():
+            head.feature_scale.copy_(feature_scale(train, head.feature_size))
     if start is not None:  # the checkpoint, when there is one, overrides these weights as it resumes
         _check_initial_head(config.init_from, start, head)
         head.load_state_dict({k: v for k, v in start.state_dict().items()
@@ -336,6 +339,25 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     head.to("cpu").save(out / "head")
     write_text(out / "distill-report.json", json.dumps({"config": asdict(config), **report}, indent=2))
     return report
+
+
+def feature_scale(examples: list[Example], size: int, sample: int = 64) -> torch.Tensor:
+    """The fused features' scale, dimension by dimension, from up to `sample` sequences (spread over the set): each
+    dimension's root mean square, raised to its layer's median (a dimension is only ever scaled down, to the size
+    of a typical one). The target's massive activations (a few dimensions in the thousands) then reach fc at the
+    size of the rest."""
+    if not examples:
+        return torch.ones(size)
+    picked = examples[:: max(1, len(examples) // sample)][:sample]
+    total, count = torch.zeros(size, dtype=torch.float64), 0
+    for e in picked:
+        feats = e.features[:, :size].double()
+        total += feats.pow(2).sum(0)
+        count += feats.shape[0]
+    rms = (total / max(count, 1)).sqrt().float()
+    hidden = size // 3
+    parts = [rms[i * hidden: (i + 1) * hidden] for i in range(3)]
+    return torch.cat([torch.maximum(p, p.median().clamp(min=1e-6)) for p in parts])
 
 
 def _initial_head(config: Eagle3TrainConfig) -> Eagle3Head:
