@@ -116,8 +116,8 @@ def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataCon
                 d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
                 hidden, q_logits = d_out.hidden_states[-1][0, rows_at], d_out.logits[0, rows_at, :vocab_size]
             if getattr(draft, "output_ids", None) is not None:  # a restricted output vocabulary, as when decoding
-                ids = draft.output_ids.to(q_logits.device)
-                q_logits = full_vocabulary_logits(q_logits[:, ids], ids, q_logits.shape[-1])
+                out_ids = draft.output_ids.to(q_logits.device)
+                q_logits = full_vocabulary_logits(q_logits[:, out_ids], out_ids, q_logits.shape[-1])
             q_w, p_w = warp(q_logits, sampling), warp(t_logits[rows_at.to(t_logits.device)], sampling)
             x = q_w.argmax(-1) if sampling.greedy else sample(q_w, generator)  # [count]
             feats = {name: verifier_features((name,), hidden, x, unwarped(q_logits), embedding)
