@@ -18,6 +18,7 @@ DW=${DW:-.venv/bin/draftwise}
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-out/seed-tables}
 DTYPE=${DTYPE:-auto}        # the default format (on a CPU with native bf16: the GGUF's int4)
+export DRAFTWISE_PROGRESS=${DRAFTWISE_PROGRESS:-1}  # progress bars in the log: a nohup run shows how far it is
 THREADS=${THREADS:-2}       # 1 where other work keeps a core busy: a second thread then waits at every parallel region
 TABLES=${TABLES:-"sprinter mtad cascades sv"}
 TARGET=smollm2-135m
