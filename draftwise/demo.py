@@ -16,7 +16,9 @@ import time
 
 TARGET = "qwen2.5-coder-1.5b"
 DRAFT = "qwen2.5-coder-0.5b"
-QUESTION = "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces."
+QUESTION = "Can you write a Python function that checks whether a string is a palindrome, ignoring case and spaces?"
+# The question is a chat, as users meet an instruct model: OpenAI-style messages through the chat template.
+SAMPLE_CHAT = [{"role": "user", "content": QUESTION}]
 METHODS = ("ar", "suffix", "prompt-lookup", "sd")
 PROMPTS, NEW_TOKENS, ANSWER_TOKENS = 2, 48, 128
 
@@ -60,7 +62,7 @@ def main() -> int:
 
     method = default_method(TARGET, None, 0.0)
     print(f"[3/4] {QUESTION}\n      (method {method}, temperature 0, at most {ANSWER_TOKENS} tokens)\n", flush=True)
-    events = draftwise.stream(target, messages=[{"role": "user", "content": QUESTION}], method=method,
+    events = draftwise.stream(target, messages=SAMPLE_CHAT, method=method,
                               draft=draft if METHODS_BY_NAME[method].needs_draft else None,
                               max_new_tokens=ANSWER_TOKENS, temperature=0, events=True)
     new_tokens = 0
