@@ -155,7 +155,7 @@ def _ngram_rule(options: dict[str, Any]) -> TargetRule:
     _positive_int("min_ngram", options["min_ngram"])
     if options["max_ngram"] < options["min_ngram"]:
         raise DraftwiseError(f"max_ngram ({options['max_ngram']}) must be >= min_ngram ({options['min_ngram']})")
-    return ExactRule()
+    return _coupled(options)
 
 
 _ALPHA = Option("alpha", 0.1, float, "deviation allowed from the target (0 = exact)")
@@ -222,7 +222,7 @@ def _suffix_rule(options: dict[str, Any]) -> TargetRule:
         _sd_rule(options)
     if "threshold" in options and options["threshold"] < 0:
         raise DraftwiseError(f"threshold must be >= 0, got {options['threshold']}")
-    return ExactRule()
+    return _coupled(options)
 
 
 def _window(name: str) -> Callable[[dict[str, Any]], TargetRule]:
@@ -362,19 +362,20 @@ METHODS: dict[str, Method] = {
             options=(
                 Option("max_ngram", 3, int, "longest n-gram to match", high=MAX_WINDOW),
                 Option("min_ngram", 1, int, "shortest n-gram to match", high=MAX_WINDOW),
+                _COUPLING,
             ),
             reference="Saxena 2023 (prompt lookup decoding)",
         ),
         Method(
             "suffix", "suffix-tree drafting over the prompt, the output so far and earlier outputs (exact)",
-            drafter="suffix", make_rule=_suffix_rule, options=(*_SUFFIX_OPTIONS, _TREE, _TREE_ADAPTIVE),
+            drafter="suffix", make_rule=_suffix_rule, options=(*_SUFFIX_OPTIONS, _TREE, _TREE_ADAPTIVE, _COUPLING),
             reference="Oliaro et al. 2024 (SuffixDecoding)",
         ),
         Method(
             "hybrid", "suffix drafting where its speculation scores high, the draft (an EAGLE head) elsewhere (exact)",
             drafter="hybrid", make_rule=_suffix_rule,
             options=(Option("threshold", 3.0, float, "expected accepted tokens a suffix speculation needs to be used"),
-                     _CONFIDENCE, *_SUFFIX_OPTIONS, _TREE, _TREE_ADAPTIVE),
+                     _CONFIDENCE, *_SUFFIX_OPTIONS, _TREE, _TREE_ADAPTIVE, _COUPLING),
             reference="Oliaro et al. 2024 §4 (hybrid with a model drafter)",
         ),
         Method(

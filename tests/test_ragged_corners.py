@@ -241,8 +241,8 @@ def test_chain_rows_in_a_ragged_batch_write_their_tokens_alone(method, issue_pai
 
 def test_control_suffix_chains_sampled_as_drafts_of_their_own_depend_on_the_batch(issue_pair, monkeypatch):
     """Suffix tries are shared across the batch, so a row's draft depends on its batch-mates' answers: verified as
-    one-hot proposals (a uniform per drafted token) rather than by the target's own draw, the row's tokens follow
-    its batch-mates, and the same check catches it."""
+    one-hot proposals (a uniform per drafted token, rejection sampling) rather than by the target's own draw, the
+    row's tokens follow its batch-mates, and the same check catches it."""
     import draftwise.drafters.suffix as suffix_module
     from dataclasses import replace
 
@@ -250,7 +250,7 @@ def test_control_suffix_chains_sampled_as_drafts_of_their_own_depend_on_the_batc
     one_hot = suffix_module.one_hot_draft
     monkeypatch.setattr(suffix_module, "one_hot_draft", lambda *a: replace(one_hot(*a), deterministic=False))
     with pytest.raises(AssertionError):
-        _batch_equals_alone(target, RAGGED, method="suffix", gamma=3, max_new_tokens=10)
+        _batch_equals_alone(target, RAGGED, method="suffix", gamma=3, max_new_tokens=10, coupling="rejection")
 
 
 def test_grammar_rows_in_a_ragged_batch_write_their_tokens_alone():
