@@ -185,6 +185,10 @@ def load(verbose: bool = False):
                 _problem = blocked
                 _say(f"draftwise: {blocked}; running PyTorch's kernels instead of draftwise's")
                 return None
+            # one compiler a core (ninja's default runs cores + 2 at once: on 2 cores, 4 compilers of about 1.5 GB
+            # each thrash rather than finish sooner); MAX_JOBS set by the user wins
+            os.environ.setdefault("MAX_JOBS", str(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                      else (os.cpu_count() or 1))))
             scripts = str(Path(sys.executable).parent)  # the venv's own ninja (a dependency), venv activated or not
             if scripts not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
