@@ -1,11 +1,12 @@
 """Seeded answers under load on a real pair, and the acceptance of the two couplings (issue 55, item 2).
 
-1. Load: REQUESTS copies of one seeded request on one engine, `concurrency` in flight (a closed loop: a new
-   request joins as one ends, while the others decode, as in the server), for each method at T=0 and T=1; each
-   answer is compared with the first answer at concurrency 1 (which must all agree with each other too).
-2. Couplings: `sd` at T=1 on Spec-Bench prompts with the Gumbel coupling (the default: drafter-invariant) and with
-   rejection sampling, both seeded alike: acceptance rate, mean accepted length, and whether each answer equals
-   `ar`'s with the same seed (it must under Gumbel; under rejection it need not).
+1. Couplings (run first): `sd` at T=1 on Spec-Bench prompts with the Gumbel coupling (the default:
+   drafter-invariant) and with rejection sampling, both seeded alike: acceptance rate, mean accepted length, and
+   whether each answer equals `ar`'s with the same seed (it must under Gumbel; under rejection it need not).
+2. Load: REQUESTS copies of one seeded request (the shortest of the first 40 Spec-Bench prompts) on one engine,
+   `concurrency` in flight (a closed loop: a new request joins as one ends, while the others decode, as in the
+   server), for each method at T=0 and T=1; each answer is compared with the first answer at concurrency 1 (which
+   must all agree with each other too).
 
     nice -n 10 python benchmarks/keyed_pair.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
         --max-new-tokens 8 --json benchmarks/results/keyed-pair.json
@@ -76,27 +77,6 @@ def main() -> None:
            "machine": machine_description(torch.device("cpu")), "target": args.target, "draft": args.draft, "load": [], "couplings": {}}
     started = time.perf_counter()
 
-    if not args.skip_load:
-        levels = [int(c) for c in args.concurrency.split(",")]
-        for temperature in [float(t) for t in args.temperatures.split(",")]:
-            for label in args.methods.split(","):
-                method, needs_draft, options = LOAD_METHODS[label]
-                plan = make_plan(target=target, prompt=prompts[0], draft=draft if needs_draft else None,
-                                 method=method, max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=0,
-                                 top_p=1.0, seed=args.seed, gamma=4, stop=None, ignore_eos=True,
-                                 method_options=dict(options))
-                t0 = time.perf_counter()
-                answers = {c: closed_loop(plan, c, args.requests) for c in levels}
-                reference = answers[levels[0]][0]
-                row = {"method": label, "temperature": temperature,
-                       "identical": {str(c): sum(a == reference for a in answers[c]) for c in levels},
-                       "of": args.requests, "seconds": round(time.perf_counter() - t0, 1)}
-                row["all"] = f"{sum(row['identical'].values())}/{args.requests * len(levels)}"
-                print(row, flush=True)
-                out["load"].append(row)
-                if args.json:
-                    write_json(out, args.json)
-
     accept_prompts = prompts[: args.accept_prompts]
     common = dict(temperature=1.0, max_new_tokens=args.accept_tokens, ignore_eos=True, seed=args.seed)
     ar = [draftwise.generate(target, p, method="ar", **common).token_ids for p in accept_prompts]
@@ -112,6 +92,31 @@ def main() -> None:
             "target_calls": steps, "mean_accepted_length": round(tokens / max(steps, 1), 3),
             "equal_to_ar": f"{sum(o.token_ids == a for o, a in zip(outs, ar))}/{len(outs)}"}
         print(coupling, out["couplings"][coupling], flush=True)
+        if args.json:
+            write_json(out, args.json)
+    if not args.skip_load:
+        short = min((encode_bench_prompt(target, p) for p in load_prompts(num_prompts=40)), key=len)
+        out["load_prompt_tokens"] = len(short)
+        levels = [int(c) for c in args.concurrency.split(",")]
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            for label in args.methods.split(","):
+                method, needs_draft, options = LOAD_METHODS[label]
+                plan = make_plan(target=target, prompt=short, draft=draft if needs_draft else None,
+                                 method=method, max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=0,
+                                 top_p=1.0, seed=args.seed, gamma=4, stop=None, ignore_eos=True,
+                                 method_options=dict(options))
+                t0 = time.perf_counter()
+                answers = {c: closed_loop(plan, c, args.requests) for c in levels}
+                reference = answers[levels[0]][0]
+                row = {"method": label, "temperature": temperature,
+                       "identical": {str(c): sum(a == reference for a in answers[c]) for c in levels},
+                       "of": args.requests, "seconds": round(time.perf_counter() - t0, 1)}
+                row["all"] = f"{sum(row['identical'].values())}/{args.requests * len(levels)}"
+                print(row, flush=True)
+                out["load"].append(row)
+                if args.json:
+                    write_json(out, args.json)
+
     out["seconds"] = round(time.perf_counter() - started, 1)
     if args.json:
         write_json(out, args.json)
