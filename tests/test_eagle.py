@@ -40,7 +40,7 @@ def _drafter(head: EagleHead, sampling: SamplingConfig, seed: int):
     drafter.admit(0, sequence)
     drafter.observe(0, 0, features)
     row = SimpleNamespace(sequence=sequence, request=SimpleNamespace(sampling=sampling), grammar=None,
-                          generator=make_generator(seed))
+                          generator=make_generator(seed), seed=seed, gumbel=False)  # an engine Row's keyed draws
     return drafter, row
 
 

@@ -217,7 +217,8 @@ def test_tau_one_is_sd_with_gamma_one_and_tau_zero_never_checks(trained):
                       temperature=1.0, ignore_eos=True)
         # tau = 1: the verifier (a sigmoid) never reaches it, every run is one token checked by the target
         sprinter = draftwise.generate(method="sprinter", verifier=str(path), tau=1.0, **common)
-        assert sprinter.token_ids == draftwise.generate(method="sd", gamma=1, **common).token_ids
+        # SPRINTER's target check is rejection sampling: sd under the same coupling, keyed alike
+        assert sprinter.token_ids == draftwise.generate(method="sd", gamma=1, coupling="rejection", **common).token_ids
         # tau = 0: every token passes; the target only runs every max_run tokens
         free = draftwise.generate(method="sprinter", verifier=str(path), tau=0.0, max_run=5, **common)
         assert free.stats["target_calls"] == math.ceil(30 / 6) and free.stats["verifier_accepted"] == free.stats["drafted"]
