@@ -33,20 +33,12 @@ def drafting_step(head, target, context: int, generator: torch.Generator):
     cache holds `context` positions, and the rollback that puts the cache back."""
     drafter = EagleRowsDrafter(head, target.vocab_size, torch.device("cpu"))
     drafter.admit(0, [0])
-    dtype = head.fc.weight.dtype
     with torch.inference_mode():
-        feats = torch.randn(1, context, head.feature_size, generator=generator).to(dtype)
+        feats = torch.randn(1, context, head.feature_size, generator=generator).to(head.fc.weight.dtype)
         tokens = torch.randint(100, 30000, (1, context), generator=generator)
-        states = drafter.runner.forward_states(drafter._embed_fuse(feats, tokens), [context])
-    state = states[:, -1]
+        state = drafter.runner.forward_states(head.step_input(feats, tokens), [context])[:, -1]
     token = torch.randint(100, 30000, (1,), generator=generator)
-
-    @torch.inference_mode()
-    def step():
-        fused = drafter._embed_fuse(state[:, None].to(dtype), token[:, None])
-        predicted = drafter.runner.forward_states(fused, [1])[:, 0]
-        return drafter._usable_logits(predicted)
-
+    step = torch.inference_mode()(lambda: drafter.draft_step(state, token))
     return step, lambda: drafter.runner.trim_row(0, context)
 
 

@@ -704,6 +704,14 @@ def test_specdecpp_on_a_head_is_exact_at_t0(head_verifiers):
     assert sd.token_ids == ar.token_ids and sd.stats["drafted"] > 0
 
 
+def _body_and_logits(head, features, tokens):
+    """The head body's states over `features` [1, n, F] and next `tokens` [1, n], and its logits, without autograd
+    (where a packed head runs its packed products)."""
+    with torch.inference_mode():
+        states = head.body(head.step_input(features, tokens)).last_hidden_state
+        return states, head.logits(states)
+
+
 def test_prepacked_products_match_the_modules_and_are_dropped_when_weights_may_change():
     """pack_for_inference: the same states and logits as the nn.Linear modules (fp32: to rounding), used only in
     eval mode without autograd, and dropped by .to(), train() and load_state_dict (stale copies never run)."""
@@ -713,16 +721,11 @@ def test_prepacked_products_match_the_modules_and_are_dropped_when_weights_may_c
     x = _features(target, seq)[None, :, : head.feature_size]
     tokens = torch.tensor([seq[1:] + [1]])
 
-    def run():
-        with torch.inference_mode():
-            pre = head.body(head.step_input(x, tokens)).last_hidden_state
-            return pre, head.logits(pre)
-
-    plain = run()
+    plain = _body_and_logits(head, x, tokens)
     head.pack_for_inference()
     with torch.inference_mode():
         assert head.body.packed() is not None
-    packed = run()
+    packed = _body_and_logits(head, x, tokens)
     for a, b in zip(plain, packed):  # two fp32 products in different orders (measured up to 3.7e-4 apart)
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     assert head.body.packed() is None  # autograd on: the modules, whose gradients training needs
@@ -806,19 +809,14 @@ def test_a_head_packed_in_q8_0_blocks_drafts_close_to_its_floats_and_reads_the_t
     x = _features(target, seq)[None, :, : head.feature_size]
     tokens = torch.tensor([seq[1:] + [1]])
 
-    def run():
-        with torch.inference_mode():
-            pre = head.body(head.step_input(x, tokens)).last_hidden_state
-            return pre, head.logits(pre)
-
     head.pack_for_inference(blocks=False)
-    floats = run()
+    floats = _body_and_logits(head, x, tokens)
     head.pack_for_inference(blocks=True)
     packed = head.body.__dict__["_packed"]
     assert all(isinstance(packed[k], qkernel.BlockLinear) for k in ("qkv", "o", "gate_up", "down", "fc", "lm_head"))
     assert torch.equal(packed["lm_head"].blocks, rows.blocks[vocab_ids])
     assert head.inference_bytes() == sum(p.nbytes() for p in packed.values())
-    blocks = run()
+    blocks = _body_and_logits(head, x, tokens)
     for a, b in zip(floats, blocks):  # int8 weights and activations: about 1% of the values' scale
         assert float((a - b).norm() / a.norm()) < 0.03
     head.pack_for_inference()  # a drafter's default keeps the packing chosen by name

@@ -147,9 +147,18 @@ class EagleRowsDrafter:
     def beam_step(self, tokens: torch.Tensor, states: torch.Tensor, begin: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One beam step on rows begin .. begin + m - 1 of the head's cache: each reads its state and its token
         [m]; returns the full-vocabulary logits of the next token [m, vocab] and the new states [m, H]."""
+        logits, states = self.draft_step(states, tokens, begin=begin)
+        return full_vocabulary_logits(logits, self.usable_ids, self.vocab_size), states
+
+    def draft_step(self, states: torch.Tensor, tokens: torch.Tensor, *,
+                   begin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step of the head on rows begin .. begin + m - 1 of its cache: each reads its last predicted
+        state [m, H] and the token drafted from it [m]. Returns the next token's logits over the usable draft
+        vocabulary [m, usable] and the new predicted states [m, H]."""
+        assert states.ndim == 2 and tokens.ndim == 1, (states.shape, tokens.shape)
         fused = self._embed_fuse(states[:, None].to(self.head.fc.weight.dtype), tokens[:, None])
         states = self.runner.forward_states(fused, [1] * tokens.shape[0], begin=begin)[:, 0]
-        return self.full_logits(states), states
+        return self._usable_logits(states), states
 
     def _usable_logits(self, states: torch.Tensor) -> torch.Tensor:
         """[m, H] head states -> [m, usable draft vocabulary] logits."""
@@ -171,21 +180,17 @@ class EagleRowsDrafter:
         predicted, limits = self.catch_up(rows, limits)
         if self.tree_nodes > 0:
             return self._propose_trees(predicted, limits)
-        dtype = self.head.fc.weight.dtype
-
-        def scored(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._usable_logits(state), state  # [rows, usable draft vocabulary]
 
         def advance(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             nonlocal predicted
-            fused = self._embed_fuse(predicted[:, None].to(dtype), token[:, None])
-            predicted = self.runner.forward_states(fused, [1] * n)[:, 0]
-            return scored(predicted)
+            logits, predicted = self.draft_step(predicted, token)
+            return logits, predicted
 
         # a verifier policy (SPRINTER, SpecDec++) reads the head's state behind each drafted token, as it reads a
         # draft model's last hidden state
-        return draft_chains(rows, limits, scored(predicted), advance, vocab_size=self.vocab_size, eos=self.eos,
-                            policy=self.policy, keep_raw=self.keep_raw, ids=self.usable_ids)
+        return draft_chains(rows, limits, (self._usable_logits(predicted), predicted), advance,
+                            vocab_size=self.vocab_size, eos=self.eos, policy=self.policy, keep_raw=self.keep_raw,
+                            ids=self.usable_ids)
 
     def _propose_trees(self, predicted: torch.Tensor, limits: Sequence[int]) -> "RowsDraft":
         """EAGLE-2's dynamic tree (tree.grow_on): a node's head input is its parent's predicted state and its own
