@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from draftwise.rules.acceptance import ExactRule, LossyGreedyRule, LossyRule, TargetRule
+from draftwise.engine.protocols import TargetRule
+from draftwise.rules.acceptance import ExactRule, LossyGreedyRule, LossyRule
 from draftwise.rules.cascades import (CASCADE_RULES, AcceptDraftRule, BildRollbackRule, CascadeRule, FLyRule, chow_stop,
                        sequence_confidence)
 from draftwise.errors import DraftwiseError, did_you_mean, short

@@ -16,10 +16,10 @@ from draftwise.rules.acceptance import (
     ExactRule,
     LossyGreedyRule,
     LossyRule,
-    StepDistributions,
     output_distribution,
     residual,
 )
+from draftwise.engine.protocols import StepDistributions
 from draftwise.errors import DraftwiseError
 from draftwise.engine.sampling import SamplingConfig, make_generator, warp
 

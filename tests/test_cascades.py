@@ -30,7 +30,8 @@ from scipy.stats import binomtest
 
 import draftwise
 import draftwise.rules.cascades as cascades
-from draftwise.rules.acceptance import LossyRule, StepDistributions, residual
+from draftwise.engine.protocols import StepDistributions
+from draftwise.rules.acceptance import LossyRule, residual
 from draftwise.rules.cascades import CASCADE_RULES, CascadeRule, cascade_pi, tv_distance
 from draftwise.errors import DraftwiseError
 from draftwise.engine.sampling import SamplingConfig, make_generator, sample, warp

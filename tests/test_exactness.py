@@ -60,7 +60,8 @@ from scipy.stats import chisquare
 import draftwise
 import draftwise.rules.acceptance as acceptance
 import draftwise.engine.sampler as batched
-from draftwise.rules.acceptance import ExactRule, Rule, StepDistributions, output_distribution
+from draftwise.engine.protocols import StepDistributions
+from draftwise.rules.acceptance import ExactRule, Rule, output_distribution
 from draftwise.engine.sampling import SamplingConfig, warp
 
 from conftest import sweep, tiny_llama

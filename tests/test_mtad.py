@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import draftwise
-from draftwise.rules.acceptance import StepDistributions
+from draftwise.engine.protocols import StepDistributions
 from draftwise.bench.energy import EnergyMeter, find_meter, rapl_meter
 from draftwise.bench.labels import parse_label
 from draftwise.bench.metrics import RunRecord, quality_fields, summarize

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import draftwise
-from draftwise.rules.acceptance import StepDistributions
+from draftwise.engine.protocols import StepDistributions
 from draftwise.rules.cascades import AcceptDraftRule, BildRollbackRule, FLyRule, aligned_ahead, chow_stop, sequence_confidence
 from draftwise.engine.sampling import SamplingConfig, make_generator, sample, unwarped, warp
 

@@ -18,7 +18,7 @@ from scipy.stats import binomtest, norm
 
 import draftwise
 from draftwise import theory
-from draftwise.rules.acceptance import StepDistributions
+from draftwise.engine.protocols import StepDistributions
 from draftwise.errors import DraftwiseError
 from draftwise.engine.sampling import make_generator, sample
 from draftwise.heads.sprinter import Verifier

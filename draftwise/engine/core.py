@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from draftwise.rules.acceptance import ExactRule, StepDistributions, TargetRule
+from draftwise.rules.acceptance import ExactRule
 from draftwise.engine.keyed import COUPLINGS, fresh_seed, row_draws
 from draftwise.engine.sampler import (RowsAcceptance, accept_greedy, accept_own_draws, speculative_sample_rows,
                                       warp_rows)
@@ -46,7 +46,8 @@ from draftwise.models.kvcache import release_heap
 from draftwise.models.runner import ModelRunner, RowsOutput, fast_model
 from draftwise.engine.sampling import make_generator
 from draftwise.drafters.base import PREFILL_CHUNK, PREFILL_TOKENS
-from draftwise.engine.protocols import RowsDraft, RowsDrafter, VerifyAll, VerifySelector, pad_rows
+from draftwise.engine.protocols import (RowsDraft, RowsDrafter, StepDistributions, TargetRule, VerifyAll, VerifySelector,
+                                        pad_rows)
 from draftwise.engine.rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
 from draftwise.engine.tree import TreeBudget, accept_tree, depths, verify_mask
 from draftwise.models.qkernel import out_rows

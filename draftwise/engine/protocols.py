@@ -1,6 +1,6 @@
 """The parts the engine calls, as protocols with their declared fields: a drafter over rows (`RowsDrafter`, which
-returns a `RowsDraft`) and the select phase (`VerifySelector`; `VerifyAll` verifies every drafted token). Rules are
-`acceptance.TargetRule`, length policies `policies.LengthPolicy`."""
+returns a `RowsDraft`) and the select phase (`VerifySelector`; `VerifyAll` verifies every drafted token), the acceptance rule (`TargetRule`, called with a
+`StepDistributions`; the rules themselves are in rules/). Length policies are `drafters.policies.LengthPolicy`."""
 
 from __future__ import annotations
 
@@ -68,6 +68,40 @@ class RowsDraft:
         return RowsDraft(self.tokens[:, :k], cut(self.q), counts, cut(self.draft_raw), cut(self.verdicts),
                          cut(self.companion_probs, k + 1), cut(self.companion_raw, k + 1), cut(self.joint), parents,
                          scores, self.deterministic, self.vocab_size)
+
+
+@dataclass(frozen=True)
+class StepDistributions:
+    """What a rule may read at one verification step with k drafted tokens.
+
+    The batched engine passes the same fields with a leading rows dimension ([rows, k], [rows, k, vocab],
+    ...), positions past a row's `num_drafted` being padding; rules index the last dimensions only, so
+    one call serves a batch.
+    """
+
+    draft_tokens: torch.Tensor  # [k] int64
+    draft_probs: torch.Tensor  # [k, vocab] warped draft distributions the tokens were drawn from
+    target_probs: torch.Tensor  # [k + 1, vocab] warped target distributions (last = bonus position)
+    target_logits: torch.Tensor  # [k + 1, vocab] raw target logits, for rules that read unwarped probs
+    draft_raw: torch.Tensor | None = None  # [k, vocab] unwarped draft distributions (cascade rules), if kept
+    greedy: bool | torch.Tensor = False  # temperature 0: one flag, or per row ([rows] bool) in the engine
+    verdicts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
+    draft_joint: torch.Tensor | None = None  # [k] log q(x_{1:j}), MTAD's beam drafter
+    num_drafted: torch.Tensor | None = None  # [rows] drafted tokens per row (batched steps only)
+
+
+class TargetRule(Protocol):
+    """What the engine calls on a rule, and what a rule declares it needs (defaults in `Rule`)."""
+
+    name: str
+    bonus_from_pi: bool  # Algorithm 4's bonus: pi = T(q, p) after the last drafted token (the drafter's
+    #                      `next_distribution` gives q there) and `bonus(q, q_warped, p, p_warped, greedy)` mixes them
+    needs_draft_raw: bool  # reads the draft's unwarped distributions (StepDistributions.draft_raw)
+    cuts_draft: bool  # keeps a prefix of each draft after verification: `prefix(step, greedy) -> [rows] counts`
+
+    def __call__(self, step: StepDistributions) -> torch.Tensor:
+        """pi for the k drafted positions: [k, vocab]."""
+        ...
 
 
 class RowsDrafter(Protocol):

@@ -37,49 +37,13 @@ committed token's distribution by at most the rejection probability
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from draftwise.errors import DraftwiseError
+from draftwise.engine.protocols import StepDistributions
+from draftwise.engine.sampler import ZERO_RESIDUAL
 from draftwise.engine.sampling import unwarped
-
-ZERO_RESIDUAL = 1e-5
-
-
-@dataclass(frozen=True)
-class StepDistributions:
-    """What a rule may read at one verification step with k drafted tokens.
-
-    The batched engine passes the same fields with a leading rows dimension ([rows, k], [rows, k, vocab],
-    ...), positions past a row's `num_drafted` being padding; rules index the last dimensions only, so
-    one call serves a batch.
-    """
-
-    draft_tokens: torch.Tensor  # [k] int64
-    draft_probs: torch.Tensor  # [k, vocab] warped draft distributions the tokens were drawn from
-    target_probs: torch.Tensor  # [k + 1, vocab] warped target distributions (last = bonus position)
-    target_logits: torch.Tensor  # [k + 1, vocab] raw target logits, for rules that read unwarped probs
-    draft_raw: torch.Tensor | None = None  # [k, vocab] unwarped draft distributions (cascade rules), if kept
-    greedy: bool | torch.Tensor = False  # temperature 0: one flag, or per row ([rows] bool) in the engine
-    verdicts: torch.Tensor | None = None  # [k] bool, SPRINTER's verifier verdicts
-    draft_joint: torch.Tensor | None = None  # [k] log q(x_{1:j}), MTAD's beam drafter
-    num_drafted: torch.Tensor | None = None  # [rows] drafted tokens per row (batched steps only)
-
-
-class TargetRule(Protocol):
-    """What the engine calls on a rule, and what a rule declares it needs (defaults in `Rule`)."""
-
-    name: str
-    bonus_from_pi: bool  # Algorithm 4's bonus: pi = T(q, p) after the last drafted token (the drafter's
-    #                      `next_distribution` gives q there) and `bonus(q, q_warped, p, p_warped, greedy)` mixes them
-    needs_draft_raw: bool  # reads the draft's unwarped distributions (StepDistributions.draft_raw)
-    cuts_draft: bool  # keeps a prefix of each draft after verification: `prefix(step, greedy) -> [rows] counts`
-
-    def __call__(self, step: StepDistributions) -> torch.Tensor:
-        """pi for the k drafted positions: [k, vocab]."""
-        ...
-
+from draftwise.errors import DraftwiseError
 
 class Rule:
     """The defaults every rule inherits: the bonus from the target, no unwarped draft, every drafted token judged."""

@@ -39,7 +39,8 @@ from typing import Callable
 
 import torch
 
-from draftwise.rules.acceptance import Rule, StepDistributions
+from draftwise.engine.protocols import StepDistributions
+from draftwise.rules.acceptance import Rule
 from draftwise.errors import DraftwiseError
 from draftwise.engine.sampling import unwarped
 

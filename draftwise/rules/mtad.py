@@ -11,7 +11,8 @@ import torch
 
 from draftwise.engine.sampling import unwarped
 from draftwise.errors import DraftwiseError
-from draftwise.rules.acceptance import Rule, StepDistributions
+from draftwise.engine.protocols import StepDistributions
+from draftwise.rules.acceptance import Rule
 
 
 def check_tau(tau: float) -> None:

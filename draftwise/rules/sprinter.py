@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.errors import DraftwiseError
-from draftwise.rules.acceptance import Rule, StepDistributions
+from draftwise.engine.protocols import StepDistributions
+from draftwise.rules.acceptance import Rule
 
 
 def adaedl_stop(scale: float, threshold: float):
