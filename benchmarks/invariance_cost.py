@@ -19,7 +19,7 @@ import draftwise
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import encode_bench_prompt, machine_description, plan_drafts
 from draftwise.atomic import write_json
-from draftwise.models.fast import FloatLinear
+from draftwise.models.linear import FloatLinear
 from draftwise.models.runner import fast_model
 
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from draftwise.atomic import write_json  # noqa: E402
 from draftwise.bench.harness import machine_description  # noqa: E402
-from draftwise.models import qkernel  # noqa: E402
+from draftwise.models import linear as linears, qkernel  # noqa: E402
 
 PEAK_SOURCE = r"""
 #include <immintrin.h>
@@ -131,7 +131,7 @@ def peaks(threads: int) -> dict[str, dict[str, float]]:
 
 
 def random_blocks(kind: str, rows: int, inputs: int) -> torch.Tensor:
-    kid, per, size = qkernel.BLOCK_KINDS[kind]
+    kid, per, size = linears.BLOCK_KINDS[kind]
     blocks = torch.randint(0, 256, (rows, inputs // per * size), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(0))
     view = blocks.view(rows, inputs // per, size)
@@ -164,7 +164,7 @@ def main() -> None:
         f"{k} {v['one_thread']:.1f} / {v['all_threads']:.1f}" for k, v in peak.items()), flush=True)
     rows = []
     for kind in args.formats.split(","):
-        kid = qkernel.BLOCK_KINDS[kind][0]
+        kid = linears.BLOCK_KINDS[kind][0]
         for n, k, name in SHAPES[kind]:
             blocks = random_blocks(kind, n, k)
             line = []

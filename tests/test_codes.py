@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.models import qkernel
+from draftwise.models import linear as linears, qkernel
 from draftwise.models.quant import _OFFSET, _decode
 
 from test_kquants import random_blocks
@@ -28,9 +28,9 @@ def kernel():
         pytest.fail(f"the codes kernel is not built: {qkernel.problem()} (make install builds it)")
 
 
-def _linear(kind: str, rows: int, inputs: int, seed: int = 0) -> tuple[qkernel.CodesLinear, torch.Tensor]:
+def _linear(kind: str, rows: int, inputs: int, seed: int = 0) -> tuple[linears.CodesLinear, torch.Tensor]:
     tensor = _decode(kind, random_blocks(kind, rows, inputs // KINDS[kind], seed=seed))
-    linear = qkernel.CodesLinear(kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group, _OFFSET[kind],
+    linear = linears.CodesLinear(kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group, _OFFSET[kind],
                                  None, torch.float32)
     return linear, tensor.dequantized()
 
@@ -66,10 +66,10 @@ def test_joined_parts_share_their_codes_and_equal_the_parts():
     a, wa = _linear("q4_k", 8, 256, seed=1)
     b, wb = _linear("q4_k", 4, 256, seed=2)
     c, wc = _linear("q6_k", 4, 256, seed=3)
-    same = qkernel.joined([a, b])
-    assert isinstance(same, qkernel.CodesLinear) and a.codes.data_ptr() == same.codes.data_ptr()  # views
-    mixed = qkernel.joined([same, c])
-    assert isinstance(mixed, qkernel.JoinedLinear)
+    same = linears.joined([a, b])
+    assert isinstance(same, linears.CodesLinear) and a.codes.data_ptr() == same.codes.data_ptr()  # views
+    mixed = linears.joined([same, c])
+    assert isinstance(mixed, linears.JoinedLinear)
     x = torch.randn(2, 256)
     assert torch.equal(mixed(x), torch.cat([a(x), b(x), c(x)], -1))
     assert torch.equal(mixed.dequantized(), torch.cat([wa, wb, wc]))
@@ -77,7 +77,7 @@ def test_joined_parts_share_their_codes_and_equal_the_parts():
 
 def test_an_embedding_in_codes_reads_its_rows():
     linear, weights = _linear("q4_k", 40, 256)
-    embedding = qkernel.CodesEmbedding(linear, torch.float32)
+    embedding = linears.CodesEmbedding(linear, torch.float32)
     ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
     assert torch.equal(embedding(ids), weights[ids])
 
@@ -87,14 +87,14 @@ def test_an_embedding_in_codes_reads_its_rows():
 BLOCK_KINDS = ("q4_k", "q6_k", "q5_0", "q8_0")
 
 
-def _blocks(kind: str, rows: int, inputs: int, seed: int = 0) -> tuple[qkernel.BlockLinear, torch.Tensor]:
+def _blocks(kind: str, rows: int, inputs: int, seed: int = 0) -> tuple[linears.BlockLinear, torch.Tensor]:
     raw = random_blocks(kind, rows, inputs // KINDS[kind], seed=seed)
-    return qkernel.BlockLinear(kind, torch.from_numpy(raw), inputs), _decode(kind, raw).dequantized()
+    return linears.BlockLinear(kind, torch.from_numpy(raw), inputs), _decode(kind, raw).dequantized()
 
 
 def _reference(kind: str, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The exact product (float64) of the dequantised weights with the activations as the kernel quantises them."""
-    quantised = qkernel.load().quantised_activations(x.contiguous(), qkernel.BLOCK_KINDS[kind][1])
+    quantised = qkernel.load().quantised_activations(x.contiguous(), linears.BLOCK_KINDS[kind][1])
     return quantised.double() @ weights.double().T
 
 
@@ -212,9 +212,9 @@ def test_block_shapes_that_do_not_match_are_refused():
     with pytest.raises(RuntimeError, match="x has 256 inputs"):
         qkernel.load().qmm_blocks(torch.randn(2, 256), linear.blocks, 0, 512, False)
     with pytest.raises(ValueError, match="do not hold 256 inputs"):
-        qkernel.BlockLinear("q4_k", linear.blocks, 256)
+        linears.BlockLinear("q4_k", linear.blocks, 256)
     with pytest.raises(ValueError, match="the block kernel takes"):
-        qkernel.BlockLinear("q4_1", linear.blocks, 512)
+        linears.BlockLinear("q4_1", linear.blocks, 512)
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
@@ -248,7 +248,7 @@ def test_bf16_prompt_feeds_run_the_blocks_weights_in_bf16_and_every_other_feed_t
         assert torch.equal(linear(x[i: i + 1], True), prompt[i: i + 1])
     assert torch.equal(linear(x.float(), True),
                        kernel.qmm_blocks(x.float(), linear.blocks, linear.kind_id, 512, False) + linear.bias)
-    fused = qkernel.joined([linear, _blocks("q6_k" if kind == "q4_k" else "q4_k", 8, 512, seed=7)[0]])
+    fused = linears.joined([linear, _blocks("q6_k" if kind == "q4_k" else "q4_k", 8, 512, seed=7)[0]])
     assert torch.equal(fused(x, True)[:, :40], prompt)  # a joined projection passes the feed's kind to its parts
     monkeypatch.delenv("DRAFTWISE_PROMPT_BF16")  # the default: no bf16 copy, prompts run the blocks
     assert torch.equal(linear(x, True), blocks)
@@ -283,8 +283,8 @@ def test_joined_blocks_fuse_runs_of_one_kind():
     v, _ = _blocks("q6_k", 4, 256, seed=3)
     x = torch.randn(3, 256)
     expected = torch.cat([q(x), k(x), v(x)], -1)
-    fused = qkernel.joined([q, k, v])
-    assert isinstance(fused, qkernel.JoinedLinear) and [p.out_features for p in fused.parts] == [12, 4]
+    fused = linears.joined([q, k, v])
+    assert isinstance(fused, linears.JoinedLinear) and [p.out_features for p in fused.parts] == [12, 4]
     assert q.blocks.data_ptr() == fused.parts[0].blocks.data_ptr()  # a view: one copy of the bytes
     assert torch.equal(fused(x), expected)
 

@@ -769,21 +769,21 @@ def test_q8_0_blocks_round_trip_and_are_stable_when_quantised_again():
     """q8_0_blocks writes GGUF Q8_0 (an fp16 scale max|w| / 127 and 32 int8 codes a block): the reference decoder
     reads each weight back within half a scale step, and quantising the decoded weights again gives the same bytes
     (a head stored in Q8_0 and packed again at load is the head that was stored)."""
-    from draftwise.models import qkernel
+    from draftwise.models import linear as linears
     from draftwise.models.quant import _decode
 
     torch.manual_seed(0)
     w = torch.randn(24, 96) * torch.logspace(-3, 0, 24)[:, None]
     w[3] = 0.0  # an all-zero row: scale 0, codes 0
-    blocks = qkernel.q8_0_blocks(w)
+    blocks = linears.q8_0_blocks(w)
     assert blocks.dtype == torch.uint8 and blocks.shape == (24, 3 * 34)
     back = _decode("q8_0", blocks.numpy()).dequantized()
     step = blocks.view(24, 3, 34)[..., :2].contiguous().view(torch.float16).float().reshape(24, 3)
     assert bool(((back - w).abs().reshape(24, 3, 32) <= step[..., None] / 2 + 1e-12).all())
     assert torch.equal(back[3], torch.zeros(96))
-    assert torch.equal(qkernel.q8_0_blocks(back), blocks)
+    assert torch.equal(linears.q8_0_blocks(back), blocks)
     with pytest.raises(ValueError, match="multiples of 32"):
-        qkernel.q8_0_blocks(torch.randn(4, 40))
+        linears.q8_0_blocks(torch.randn(4, 40))
 
 
 def test_a_head_packed_in_q8_0_blocks_drafts_close_to_its_floats_and_reads_the_targets_own_rows():
@@ -791,13 +791,13 @@ def test_a_head_packed_in_q8_0_blocks_drafts_close_to_its_floats_and_reads_the_t
     kernel (products of other widths stay in floats), close to the float head; with a target whose LM head is in
     a GGUF's blocks, the head's LM head is the target's rows of the draft vocabulary byte for byte. sd with it stays
     token for token `ar`'s at T=0."""
-    from draftwise.models import qkernel
+    from draftwise.models import linear as linears, qkernel
 
     if not qkernel.available():
         pytest.skip("the block kernel is not built here")
     target = tiny_llama(0, layers=4, width=64, vocab=64)
-    rows = qkernel.q8_0_linear(target.lm_head.weight.detach())
-    target.lm_head = qkernel.CodesProjection(rows)
+    rows = linears.q8_0_linear(target.lm_head.weight.detach())
+    target.lm_head = linears.CodesProjection(rows)
     vocab_ids = torch.arange(0, 64, 2)
     torch.manual_seed(3)
     head = Eagle3Head.new(target, vocab_ids=vocab_ids, intermediate_size=96, feature_layers=LAYERS).eval()
@@ -813,7 +813,7 @@ def test_a_head_packed_in_q8_0_blocks_drafts_close_to_its_floats_and_reads_the_t
     floats = _body_and_logits(head, x, tokens)
     head.pack_for_inference(blocks=True)
     packed = head.body.__dict__["_packed"]
-    assert all(isinstance(packed[k], qkernel.BlockLinear) for k in ("qkv", "o", "gate_up", "down", "fc", "lm_head"))
+    assert all(isinstance(packed[k], linears.BlockLinear) for k in ("qkv", "o", "gate_up", "down", "fc", "lm_head"))
     assert torch.equal(packed["lm_head"].blocks, rows.blocks[vocab_ids])
     assert head.inference_bytes() == sum(p.nbytes() for p in packed.values())
     blocks = _body_and_logits(head, x, tokens)
@@ -831,7 +831,7 @@ def test_a_head_packed_in_q8_0_blocks_drafts_close_to_its_floats_and_reads_the_t
 def test_a_head_saved_in_q8_0_loads_as_the_blocks_it_runs(tmp_path):
     """save(dtype="q8_0") stores the matrices as Q8_0 blocks (about a quarter of fp32's bytes, a shared LM head not
     at all); the loaded head packed in blocks runs the very blocks the saved head ran, and drafts the same tokens."""
-    from draftwise.models import qkernel
+    from draftwise.models import linear as linears, qkernel
 
     target = tiny_llama(0, layers=4, width=64, vocab=64)
     torch.manual_seed(3)
@@ -844,7 +844,7 @@ def test_a_head_saved_in_q8_0_loads_as_the_blocks_it_runs(tmp_path):
     back = Eagle3Head.load(tmp_path / "q8").attach(target).eval()
     for name in ("fc.weight", "body.midlayer.self_attn.q_proj.weight", "body.midlayer.mlp.down_proj.weight"):
         mine, theirs = dict(head.named_parameters())[name], dict(back.named_parameters())[name]
-        assert torch.equal(qkernel.q8_0_blocks(mine), qkernel.q8_0_blocks(theirs))
+        assert torch.equal(linears.q8_0_blocks(mine), linears.q8_0_blocks(theirs))
     if qkernel.available():
         head.pack_for_inference(blocks=True)
         back.pack_for_inference(blocks=True)

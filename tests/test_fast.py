@@ -30,8 +30,10 @@ from conftest import tiny_gpt2, tiny_llama
 from draftwise.errors import DraftwiseError
 from draftwise.models import ModelRunner
 from draftwise.models import loading
-from draftwise.models.fast import FastModel, FloatLinear, Int4Linear, Int8Linear, supports
-from draftwise.models.quant import GROUP, GGUFFormats, GGUFTensor, _decode, encode, read_gguf_weights
+from draftwise.models.fast import FastModel, supports
+from draftwise.models.formats import GGUFFormats
+from draftwise.models.linear import CodesLinear, FloatLinear, Int4Linear, Int8Linear
+from draftwise.models.quant import GROUP, GGUFTensor, _decode, encode, read_gguf_weights
 
 VOCAB = 64
 ROWS = 3
@@ -580,7 +582,7 @@ def test_gguf_formats_lm_head_runs_the_file_weights(vocab, codes, tmp_path):
     assert formats.describe().startswith("gguf (1 q4_0 projections; ")
     weights = torch.from_numpy(_gguf_dequantize(raw, "q4_0"))
     linear = formats.linear("lm_head", [("lm_head", weights)], weights, None)
-    assert isinstance(linear, qkernel.CodesLinear if codes else Int4Linear if vocab % 16 == 0 else FloatLinear)
+    assert isinstance(linear, CodesLinear if codes else Int4Linear if vocab % 16 == 0 else FloatLinear)
     assert torch.equal(linear.dequantized(), weights)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
     assert _error(linear(x), x @ weights.T) < 1e-5

@@ -427,10 +427,10 @@ def test_bmm16_rounds_to_bf16_in_the_kernel_as_pytorch_rounds_the_float32_produc
 
 
 def test_bf16_products_run_bmm16_for_every_feed_where_the_cpu_has_avx512_bf16(kernel, monkeypatch):
-    from draftwise.models import fast
+    from draftwise.models.linear import FloatLinear
 
     monkeypatch.setenv("DRAFTWISE_BMM16", "1")
-    linear = fast.FloatLinear(torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16())
+    linear = FloatLinear(torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16())
     if not kernel.bf16_native():
         assert linear._bf16 is None
         return
@@ -438,8 +438,8 @@ def test_bf16_products_run_bmm16_for_every_feed_where_the_cpu_has_avx512_bf16(ke
     expected = (kernel.bmm16(x.reshape(15, 64), linear.weight) + linear.bias.float()).bfloat16().reshape(3, 5, 40)
     assert torch.equal(linear(x), expected) and torch.equal(linear(x[1:2, 2:3]), expected[1:2, 2:3])
     monkeypatch.setenv("DRAFTWISE_BMM16", "0")
-    assert fast.FloatLinear(linear.weight)._bf16 is None  # off: fmm runs the bf16 weights in float32
-    assert fast.FloatLinear(torch.randn(40, 48).bfloat16())._bf16 is None  # 48 inputs: not a multiple of 32
+    assert FloatLinear(linear.weight)._bf16 is None  # off: fmm runs the bf16 weights in float32
+    assert FloatLinear(torch.randn(40, 48).bfloat16())._bf16 is None  # 48 inputs: not a multiple of 32
 
 
 def test_bf16_shapes_that_do_not_match_are_refused(kernel):

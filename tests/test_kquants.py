@@ -65,7 +65,7 @@ def test_a_corrupted_code_changes_exactly_its_weight(kind):
 
 
 def test_q4_k_runs_through_the_int4_kernel_in_its_own_codes():
-    from draftwise.models.fast import Int4Linear
+    from draftwise.models.linear import Int4Linear
 
     raw = random_blocks("q4_k", rows=32, blocks=2, seed=5)
     tensor = _decode("q4_k", raw)

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from conftest import tiny_gpt2, tiny_llama
-from draftwise.models import loading, qkernel
-from draftwise.models.fast import FloatLinear, Int4Linear, Int8Linear, float32_product
+from draftwise.models import linear as linears, loading, qkernel
+from draftwise.models.linear import FloatLinear, Int4Linear, Int8Linear, float32_product
 from draftwise.models.quant import GROUP, _OFFSET, _decode
 from draftwise.models.runner import ModelRunner
 
@@ -73,9 +73,9 @@ def test_a_float_head_writes_float32(weight_dtype, invariant, monkeypatch):
 
 def test_float32_product_widens_a_large_head_a_slice_at_a_time(monkeypatch):
     """More rows than one slice: the slices' products side by side are the whole product; gradients reach x."""
-    from draftwise.models import fast
+    from draftwise.models import linear
 
-    monkeypatch.setattr(fast, "WIDEN_ELEMENTS", 64 * 7)  # slices of 7 rows
+    monkeypatch.setattr(linear, "WIDEN_ELEMENTS", 64 * 7)  # slices of 7 rows
     gen = torch.Generator().manual_seed(2)
     weights = torch.randn(30, 64, generator=gen).to(torch.bfloat16)
     bias = torch.randn(30, generator=gen).to(torch.bfloat16)
@@ -119,17 +119,17 @@ def test_a_head_in_codes_writes_float32(kind, kernel):
     per = 256 if kind.endswith("_k") else 32
     tensor = _decode(kind, random_blocks(kind, 40, 512 // per, seed=5))
     bias = torch.randn(40, generator=torch.Generator().manual_seed(5))
-    linear = qkernel.CodesLinear(kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group, _OFFSET[kind],
+    linear = linears.CodesLinear(kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group, _OFFSET[kind],
                                  bias, torch.float32)
     _check_head(linear, tensor.dequantized(), bias, _x(512))
 
 
-@pytest.mark.parametrize("kind", sorted(qkernel.BLOCK_KINDS))
+@pytest.mark.parametrize("kind", sorted(linears.BLOCK_KINDS))
 def test_a_head_in_a_files_blocks_writes_float32(kind, kernel):
     """The blocks' product: the exact product with the activations quantised to int8 per block, in float32."""
-    per = qkernel.BLOCK_KINDS[kind][1]
+    per = linears.BLOCK_KINDS[kind][1]
     raw = random_blocks(kind, 40, 512 // per, seed=6)
-    linear = qkernel.BlockLinear(kind, torch.from_numpy(raw), 512)
+    linear = linears.BlockLinear(kind, torch.from_numpy(raw), 512)
     x = _x(512)
     quantised = qkernel.load().quantised_activations(x.reshape(-1, 512).float().contiguous(), per).reshape(x.shape)
     _check_head(linear, _decode(kind, raw).dequantized(), None, x, quantised)
@@ -139,10 +139,10 @@ def test_a_head_of_joined_parts_writes_float32(kernel):
     parts, weights = [], []
     for seed, kind in enumerate(["q4_1", "q8_0"]):
         tensor = _decode(kind, random_blocks(kind, 24, 512 // 32, seed=seed))
-        parts.append(qkernel.CodesLinear(kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group,
+        parts.append(linears.CodesLinear(kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group,
                                          _OFFSET[kind], None, torch.float32))
         weights.append(tensor.dequantized())
-    _check_head(qkernel.JoinedLinear(parts), torch.cat(weights), None, _x(512))
+    _check_head(linears.JoinedLinear(parts), torch.cat(weights), None, _x(512))
 
 
 # ------------------------------------------------------------------ a runner's logits, every format and type
@@ -220,8 +220,8 @@ def reference_logits(head, states: torch.Tensor, chunk: int = 16384) -> torch.Te
     head holds, dequantised exactly, a chunk of rows at a time (a large head's float64 copy would be GBs). A head
     in a file's blocks multiplies the activations quantised to int8 per block: the reference takes them so too."""
     x = states.reshape(-1, states.shape[-1]).float().contiguous()
-    if isinstance(head, qkernel.BlockLinear):
-        x = qkernel.load().quantised_activations(x, qkernel.BLOCK_KINDS[head.kind][1])
+    if isinstance(head, linears.BlockLinear):
+        x = qkernel.load().quantised_activations(x, linears.BLOCK_KINDS[head.kind][1])
     x = x.double()
     parts = []
     for start in range(0, head.out_features, chunk):

@@ -50,7 +50,7 @@ from draftwise.engine.protocols import (RowsDraft, RowsDrafter, StepDistribution
                                         pad_rows)
 from draftwise.engine.rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
 from draftwise.engine.tree import TreeBudget, accept_tree, depths, verify_mask
-from draftwise.models.qkernel import out_rows
+from draftwise.models.linear import out_rows
 
 
 PREFILL_SHARE = 0.25  # long prompts' tokens a step feeds beside decoding rows may cost this fraction of a decoding step

@@ -24,8 +24,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.fast import FloatLinear, float32_product
-from draftwise.models.qkernel import out_rows, weight_rows
+from draftwise.models.linear import FloatLinear, float32_product, out_rows, weight_rows
 
 CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "eagle.safetensors"

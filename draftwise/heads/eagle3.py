@@ -35,8 +35,7 @@ from torch import nn
 
 from draftwise.heads.eagle import DraftHead
 from draftwise.errors import DraftwiseError
-from draftwise.models.fast import float32_product
-from draftwise.models.qkernel import out_rows, weight_rows
+from draftwise.models.linear import float32_product, out_rows, weight_rows
 
 CONFIG_FILE = "eagle3.json"
 WEIGHTS_FILE = "eagle3.safetensors"
@@ -239,13 +238,13 @@ class Eagle3Head(DraftHead):
         """Decoding's products, prepacked: q|k|v and gate|up fused, o, down, fc and the LM head. At batch 1 a draft
         step is a dozen small products, where F.linear's per-call weight handling costs as much as the arithmetic,
         and a draft step reads every weight once, so its cost is the bytes it reads.
-        blocks=False: the float weights through `fast.FloatLinear` (CPU, fp32 or bf16; elsewhere plain F.linear).
-        blocks=True: the weights in Q8_0 blocks through the block kernel (`qkernel.BlockLinear`, 8.5 bits a weight
+        blocks=False: the float weights through `linear.FloatLinear` (CPU, fp32 or bf16; elsewhere plain F.linear).
+        blocks=True: the weights in Q8_0 blocks through the block kernel (`linear.BlockLinear`, 8.5 bits a weight
         against fp32's 32), and the LM head the target's own rows in its own blocks when the target is in a GGUF's
         blocks (`BlockLinear.subset`, byte for byte). None (default): blocks where the block kernel runs (CPU) and
         the target is in blocks too. Used in eval mode without autograd only; moving the head, training it or
         loading weights drops them."""
-        from draftwise.models.fast import FloatLinear
+        from draftwise.models.linear import FloatLinear, q8_0_linear
         from draftwise.models import qkernel
 
         layer = self.body.midlayer
@@ -266,7 +265,7 @@ class Eagle3Head(DraftHead):
         def linear(*modules: nn.Linear):
             weight = torch.cat([m.weight.detach() for m in modules])
             # Q8_0 blocks hold 32 inputs: a product whose inputs are not a multiple of 32 stays in floats
-            return qkernel.q8_0_linear(weight) if blocks and weight.shape[1] % 32 == 0 else FloatLinear(weight)
+            return q8_0_linear(weight) if blocks and weight.shape[1] % 32 == 0 else FloatLinear(weight)
 
         attn, mlp = layer.self_attn, layer.mlp
         packed = {"qkv": linear(attn.q_proj, attn.k_proj, attn.v_proj), "o": linear(attn.o_proj),
@@ -281,8 +280,8 @@ class Eagle3Head(DraftHead):
         self.__dict__["_packed_blocks"] = bool(blocks)
 
     def _target_blocks(self):
-        """The attached target's LM head when it runs from a GGUF's blocks (`qkernel.BlockLinear`), else None."""
-        from draftwise.models.qkernel import BlockLinear
+        """The attached target's LM head when it runs from a GGUF's blocks (`linear.BlockLinear`), else None."""
+        from draftwise.models.linear import BlockLinear
 
         target = self._shared.get("target")
         module = target.get_output_embeddings() if target is not None else None
@@ -402,7 +401,7 @@ class Eagle3Head(DraftHead):
         dtype="q8_0": the matrices whose inputs are multiples of 32 in GGUF Q8_0 blocks (`<name>.q8_0`, uint8;
         8.5 bits a weight), the rest in fp16: the size a registry head ships at, and exactly what
         `pack_for_inference(blocks=True)` runs (quantising the loaded weights again gives the same blocks)."""
-        from draftwise.models.qkernel import q8_0_blocks
+        from draftwise.models.linear import q8_0_blocks
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

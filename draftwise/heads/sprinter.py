@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.qkernel import weight_rows
+from draftwise.models.linear import weight_rows
 from draftwise.engine.sampling import SamplingConfig
 
 FEATURES = ("hidden", "embedding", "stats")

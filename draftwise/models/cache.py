@@ -180,3 +180,12 @@ def list_entries(*, verify: bool = False) -> dict[str, str]:
         for p in sorted(models.iterdir())
         if not p.name.startswith(".")
     }
+
+
+def gguf_cache_name(path: Path) -> tuple[str, str]:
+    """(cache entry name, source key) of a GGUF file: keyed by its absolute path, size and mtime,
+    so a changed file is converted again and an unchanged one never is."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    safe_stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:64]
+    return f"gguf-{safe_stem}-{key[:12]}", key

@@ -26,175 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.qkernel import CodesLinear, CodesProjection, JoinedLinear, joined, split_feed
+from draftwise.models import qkernel
+from draftwise.models.linear import CodesProjection, FloatLinear, Linear, joined
 
 FAST_FAMILIES = {"llama", "mistral", "qwen2"}
 PER_ROW_MAX_FILL = 0.75  # attention runs row by row when live keys or real queries fill at most this share
 PACKED_ROWS_WIDTH = 8  # up to this many tokens per row, row-by-row attention reads padded queries (one cache write)
 _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # inv_freq independent of the sequence length
-
-
-# ------------------------------------------------------------------ projections in each weight format
-
-def onednn_packing(weight: torch.Tensor) -> bool:
-    """Whether float products of this weight run through oneDNN with a prepacked weight (CPU, fp32 or bf16):
-    prepacking beats F.linear at every width for these shapes (DRAFTWISE_ONEDNN=0 turns it off)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and os.environ.get("DRAFTWISE_ONEDNN", "1") != "0")
-
-
-class FloatLinear:
-    """y = x W^T (+ b) in the weights' own float dtype. On CPU through draftwise's batch-invariant product
-    (`qkernel`'s fmm: a row's sums in one order whatever the number of rows, float32 inside, rounded to the
-    activations' type) for every feed; bf16 weights and activations on a CPU with AVX512-BF16 through its `bmm16`
-    (bf16 products summed in float32, about 3x fmm's speed there; the same for every feed too). Where the kernel is not
-    built (or DRAFTWISE_INVARIANT=0), through oneDNN with a prepacked weight. `logits=True` (the LM head): float32
-    out, the kernel's float32 sums as they are (`float32_product` where no kernel runs)."""
-
-    format = "float"
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight.contiguous()
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
-        self._invariant = None
-        if (self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and self.in_features % 8 == 0):
-            self._invariant = invariant_kernel("fmm")
-        self._bf16 = None  # bmm16, for bf16 activations, where the weights are bf16 and the CPU has AVX512-BF16
-        if self._invariant is not None and self.weight.dtype == torch.bfloat16 and self.in_features % 32 == 0:
-            self._bf16 = bf16_kernel()
-        self._packed = None  # oneDNN's prepacked weight, built at the first product that needs it
-        self._bias32 = None if bias is None else bias.float().contiguous()  # the invariant product's bias, converted once
-
-    @property
-    def packed(self):
-        if self._packed is None and onednn_packing(self.weight):
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-            except RuntimeError:  # bf16 on a CPU without AVX512-BF16/AVX-NE-CONVERT (e.g. AMD Zen 3): plain F.linear
-                self._packed = False
-        return None if self._packed is None or self._packed is False else self._packed  # (a tensor has no bool)
-
-    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
-        shape = x.shape
-        if self._invariant is not None:
-            flat = x.reshape(-1, shape[-1])
-            if self._bf16 is not None and x.dtype == torch.bfloat16:  # the bias added (and rounded) in the kernel
-                y = self._bf16(flat.contiguous(), self.weight, self._bias32, not logits)
-                return y.reshape(*shape[:-1], self.out_features)
-            y = self._invariant(flat.float().contiguous(), self.weight, False)
-            if self._bias32 is not None:
-                y = y + self._bias32
-            return (y if logits else y.to(x.dtype)).reshape(*shape[:-1], self.out_features)
-        if logits and not (x.dtype == self.weight.dtype == torch.float32):
-            return float32_product(x, self.weight, self.bias)
-        packed = self.packed
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, self.bias, "none", [], "")
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.weight
-
-
-class Int8Linear:
-    """Weight-only int8, one scale per output channel: w = q * scale (`_weight_int8pack_mm`)."""
-
-    format = "int8"
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-                 ) -> None:
-        self.qweight = qweight.contiguous()  # [out, in] int8
-        self.scales = scales.to(dtype).contiguous()  # [out]
-        self.bias = None if bias is None else bias.to(dtype)
-        self.out_features, self.in_features = qweight.shape
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
-        return cls(q, scales, bias, weight.dtype)
-
-    def __call__(self, x: torch.Tensor, wide: bool = False, *, logits: bool = False) -> torch.Tensor:
-        """logits: the LM head's product, float32 activations and scales whatever the activations' type (the
-        kernel's output type is theirs): float32 logits, not rounded to bf16."""
-        shape = x.shape
-        flat, scales, bias = x.reshape(-1, shape[-1]), self.scales, self.bias
-        if logits:
-            flat, scales = flat.float(), scales.float()
-            bias = None if bias is None else bias.float()
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scales)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def dequantized(self) -> torch.Tensor:
-        return (self.qweight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
-
-
-class Int4Linear:
-    """Weight-only int4 in groups along the input dimension: w = (q - 8) * scale + zero, q in 0..15.
-
-    The layout of GGUF's Q4_0 and Q4_1 blocks (see `models.quant`), run by PyTorch's CPU int4 kernel
-    (`_weight_int4pack_mm_for_cpu`); scales and zeros in the activations' dtype.
-
-    The kernel wins at decode widths and loses to oneDNN's prepacked bf16 product on prompts. So a prompt feed (`wide`) runs the dequantised weights (rounded to the activation type, prepacked at the first prompt), and every decode and
-    verification feed runs the int4 kernel, whatever the batch: a token's result never depends on its
-    batch-mates, and every method computes a prompt's cache the same way."""
-
-    format = "int4"
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        out_features, in_features = codes.shape  # codes: [out, in] integers 0..15
-        self.out_features, self.in_features, self.group = out_features, in_features, group
-        self.dtype = dtype
-        self.codes = codes.to(torch.uint8)  # kept for round trips and dequantisation (half a byte per weight x2)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        # [in / group, out, 2]: (scale, zero) per group and output channel
-        self.scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
-        self.bias = None if bias is None else bias.to(dtype)
-        self._wide: FloatLinear | None = None  # built at the first prompt feed
-        self._scales_zeros32: torch.Tensor | None = None  # the LM head's (`logits`), widened at its first product
-
-    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
-        """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
-        verification forward that also carries prompt chunks): each part runs as it would alone. logits: the LM
-        head's product, run in float32 (the same weights: scales and zeros as held, widened) so that the logits
-        are float32 and not rounded to the activations' type; PyTorch's float32 int4 path is several times slower
-        than its bf16 one, a cost paid only where draftwise's codes kernel is not built."""
-        shape = x.shape
-        if logits:
-            if self._scales_zeros32 is None:
-                self._scales_zeros32 = self.scales_zeros.float()
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).float(), self.packed,
-                                                            self.group, self._scales_zeros32)
-            if self.bias is not None:
-                y = y + self.bias.float()
-            return y.reshape(*shape[:-1], self.out_features)
-        mixed, wide = split_feed(self, x, wide)
-        if mixed is not None:
-            return mixed
-        if wide:  # a prompt: the dequantised weights, prepacked once, run it faster
-            if self._wide is None:
-                self._wide = FloatLinear(self.dequantized(), self.bias)
-            return self._wide(x, True)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, self.group,
-                                                        self.scales_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def dequantized(self) -> torch.Tensor:
-        scales = self.scales_zeros[..., 0].t().float().repeat_interleave(self.group, dim=1)
-        zeros = self.scales_zeros[..., 1].t().float().repeat_interleave(self.group, dim=1)
-        return ((self.codes.float() - 8) * scales + zeros).to(self.dtype)
-
-
-Linear = FloatLinear | Int8Linear | Int4Linear | CodesLinear | JoinedLinear
 
 
 # ------------------------------------------------------------------ the model
@@ -244,16 +82,16 @@ class FastModel:
         self.norm = base.norm.weight.detach()
         embedding = base.embed_tokens
         # a model loaded straight from a GGUF file keeps its embedding and projections in their codes
-        # (qkernel.CodesEmbedding / CodesProjection): the lookup and the products run from the codes
+        # (linear.CodesEmbedding / CodesProjection): the lookup and the products run from the codes
         self.embed = None if getattr(embedding, "codes", None) is not None else embedding.weight.detach()
         self._lookup = embedding if self.embed is None else None
         self.dtype = self.embed.dtype if self.embed is not None else embedding.dtype
         self.device = self.norm.device
         self.rotary = base.rotary_emb
         self.scaling = self.head_dim ** -0.5
-        self._attend = invariant_kernel("attend")
+        self._attend = qkernel.invariant_kernel("attend")
         # one call a norm on CPU (PyTorch's rms_norm runs several on bf16), for the float types the kernel takes
-        self._norm = invariant_kernel("rmsnorm") if self.device.type == "cpu" and self.dtype in (
+        self._norm = qkernel.invariant_kernel("rmsnorm") if self.device.type == "cpu" and self.dtype in (
             torch.float32, torch.bfloat16) else None
         self.cache_dtype = cache_dtype(self.dtype, self.device, kernel=self._attend is not None)
         # on the CPU every feed runs the attention kernel, which reads only visible keys: its cache needs no zeroing
@@ -439,59 +277,6 @@ class FastModel:
             return
         cache.allocate(len(self.layers), cache.buffer_shape(rows, self.num_kv_heads, self.head_dim), self.cache_dtype,
                        self.device)
-
-
-WIDEN_ELEMENTS = 1 << 22  # `float32_product` widens this many weights at a time (16 MB of float32)
-
-
-def float32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) summed in float32 with a float32 result, whatever the float types of x and W: an LM head's logits
-    where no kernel of draftwise's runs (the generic path, a draft's restricted vocabulary, EAGLE heads in training,
-    GPUs). Float32 x and W: F.linear as it is; otherwise x and the weights widened to float32, the weights a slice
-    of rows at a time (no full float32 copy of a large head), and the slices' results side by side. Autograd flows
-    through it (to x and W)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.linear(x, weight, bias)
-    x = x.float()
-    bias = None if bias is None else bias.float()
-    step = max(1, WIDEN_ELEMENTS // max(1, weight.shape[1]))
-    if weight.shape[0] <= step:
-        return F.linear(x, weight.float(), bias)
-    return torch.cat([F.linear(x, weight[i: i + step].float(), None if bias is None else bias[i: i + step])
-                      for i in range(0, weight.shape[0], step)], dim=-1)
-
-
-def head_logits(head, states: torch.Tensor) -> torch.Tensor:
-    """A transformers model's LM head module (`get_output_embeddings()`) applied to `states`, float32 out: a head
-    kept in its GGUF codes runs its kernel's float32 sums as they are, a float head `float32_product`."""
-    if isinstance(head, CodesProjection):
-        return head.linear(states, logits=True)
-    return float32_product(states, head.weight, head.bias)
-
-
-def invariant_kernel(name: str):
-    """One of draftwise's batch-invariant kernels (qkernel's `attend` or `fmm`), or None where the kernel is not
-    built or DRAFTWISE_INVARIANT=0 turns them off (then PyTorch's SDPA and oneDNN's products run, whose results
-    move with the batch's shape)."""
-    if os.environ.get("DRAFTWISE_INVARIANT", "1") in ("0", "false", "no"):
-        return None
-    from draftwise.models import qkernel
-
-    module = qkernel.load()
-    return None if module is None else getattr(module, name)
-
-
-def bf16_kernel():
-    """qkernel's `bmm16` (bf16 x bf16, batch invariant) where the CPU has AVX512-BF16, else None (also where
-    DRAFTWISE_INVARIANT=0 or DRAFTWISE_BMM16=0 turns it off: fmm then runs the bf16 weights in float32)."""
-    if os.environ.get("DRAFTWISE_BMM16", "1") in ("0", "false", "no"):
-        return None
-    bmm16 = invariant_kernel("bmm16")
-    if bmm16 is None:
-        return None
-    from draftwise.models import qkernel
-
-    return bmm16 if qkernel.load().bf16_native() else None
 
 
 class _Writer:

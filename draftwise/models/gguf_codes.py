@@ -2,10 +2,10 @@
 
 transformers builds the model's skeleton on the meta device from the file's metadata (config and tokenizer, read
 once and kept in a small cache entry, `<cache>/models/<entry>-meta-<key>/`). The decoder's projections and the LM
-head become `qkernel.CodesProjection`s, the token embedding a `qkernel.CodesEmbedding` (a lookup dequantises the
+head become `linear.CodesProjection`s, the token embedding a `linear.CodesEmbedding` (a lookup dequantises the
 rows it reads), and only the norms and biases are float tensors. Two regimes, one a file:
 - a file whose projections are all Q4_K, Q6_K, Q5_0 or Q8_0 (a K-quant file such as Q4_K_M) keeps the file's own
-  blocks byte for byte (`qkernel.BlockLinear`, int8 activations as llama.cpp runs it): they are copied from the
+  blocks byte for byte (`linear.BlockLinear`, int8 activations as llama.cpp runs it): they are copied from the
   file at every load, nothing is decoded and nothing cached;
 - any other (Q4_0, Q4_1) is decoded once into a cache entry (`<entry>-codes-<key>/codes.safetensors`, packed for
   the codes kernel, float32 activations; written atomically by `cache.ensure_entry`), which later loads read.
@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from draftwise.models.quant import QUANTISED, GGUFTensor, _decode, codes_of
+from draftwise.models.linear import (BLOCK_KINDS, BlockLinear, CodesEmbedding, CodesLinear, CodesProjection, codes_of,
+                                     joined)
+from draftwise.models.quant import QUANTISED, GGUFTensor, _decode
 
 CODES_FORMAT = 1  # the layout of a codes cache entry (a change makes new entries)
 CHUNK_WEIGHTS = 1 << 24  # weights decoded at a time (about 50 MB of scratch)
@@ -38,7 +40,7 @@ class Unsupported(Exception):
 
 def _file_key(path: Path) -> str:
     """The file's key in the cache (its path, size and modification time), as the dequantising loader keys it."""
-    from draftwise.models.loading import gguf_cache_name
+    from draftwise.models.cache import gguf_cache_name
 
     return gguf_cache_name(path)[1]
 
@@ -194,18 +196,14 @@ def _quantised_names(tensors: "_File", config) -> list[str]:
 def _all_blocks(tensors: "_File", config) -> bool:
     """Whether every projection and the embedding are kinds the block kernel runs from the file's own bytes (a
     K-quant file's Q4_K, Q6_K, Q5_0 and Q8_0): then the model runs in llama.cpp's regime (int8 activations, see
-    qkernel.BlockLinear) and nothing is decoded or cached. A file with any other kind (Q4_0, Q4_1) runs wholly on
+    linear.BlockLinear) and nothing is decoded or cached. A file with any other kind (Q4_0, Q4_1) runs wholly on
     the codes kernel (float32 activations): one numerical regime a model."""
-    from draftwise.models.qkernel import BLOCK_KINDS
-
     return all(n in tensors and tensors[n][0] in BLOCK_KINDS for n in _quantised_names(tensors, config))
 
 
 def _gather(tensors: "_File", config, blocks: bool) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Every tensor the model needs, by key, and what each projection is: the file's own blocks, copied as they are
     (`blocks`), or its codes decoded and packed for the codes kernel."""
-    from draftwise.models import qkernel
-
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     llama = config.model_type == "llama"
@@ -232,7 +230,7 @@ def _gather(tensors: "_File", config, blocks: bool) -> tuple[dict[str, torch.Ten
             index = None if order is None else order[begin: begin + step].numpy()
             pieces.append(codes_of(_codes((kind, data[begin: begin + step] if index is None else data[index], None))))
         tensors.release(name)
-        linear = qkernel.joined(pieces) if len(pieces) > 1 else pieces[0]
+        linear = joined(pieces) if len(pieces) > 1 else pieces[0]
         flat[key + ".codes"], flat[key + ".scales"] = linear.codes.contiguous(), linear.scales.contiguous()
         if linear.zeros is not None:
             flat[key + ".zeros"] = linear.zeros.contiguous()
@@ -315,13 +313,12 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
             flat = {k: f.get_tensor(k).clone() for k in f.keys()}  # owned memory: the map closes here
     del tensors
 
-    def linear(key: str) -> "qkernel.CodesLinear | qkernel.BlockLinear":
+    def linear(key: str) -> CodesLinear | BlockLinear:
         info = meta[key]
         if info.get("blocks"):
-            return qkernel.BlockLinear(info["kind"], flat[key + ".blocks"], info["in"], flat.get(key + ".bias"))
-        return qkernel.CodesLinear.packed(info["kind"], info["bits"], info["group"], flat[key + ".codes"],
-                                          flat[key + ".scales"], flat.get(key + ".zeros"), flat.get(key + ".bias"),
-                                          info["in"])
+            return BlockLinear(info["kind"], flat[key + ".blocks"], info["in"], flat.get(key + ".bias"))
+        return CodesLinear.packed(info["kind"], info["bits"], info["group"], flat[key + ".codes"],
+                                  flat[key + ".scales"], flat.get(key + ".zeros"), flat.get(key + ".bias"), info["in"])
 
     config.tie_word_embeddings = False  # the head is its own module here, over the embedding's codes if tied
     with torch.device("meta"):
@@ -337,12 +334,12 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
             owner = getattr(layer, owner_name)
             if (getattr(owner, leaf).bias is not None) != (f"layers.{i}.{attr}.bias" in flat):
                 raise Unsupported(f"layer {i} {attr}: the file's bias does not match the model's")
-            setattr(owner, leaf, qkernel.CodesProjection(linear(f"layers.{i}.{attr}")))
+            setattr(owner, leaf, CodesProjection(linear(f"layers.{i}.{attr}")))
         layer.input_layernorm.weight = param(flat[f"layers.{i}.input_layernorm"])
         layer.post_attention_layernorm.weight = param(flat[f"layers.{i}.post_attention_layernorm"])
     base.norm.weight = param(flat["norm"])
-    base.embed_tokens = qkernel.CodesEmbedding(linear("embed"), dtype)
-    model.lm_head = qkernel.CodesProjection(linear("lm_head") if "lm_head" in meta else base.embed_tokens.codes)
+    base.embed_tokens = CodesEmbedding(linear("embed"), dtype)
+    model.lm_head = CodesProjection(linear("lm_head") if "lm_head" in meta else base.embed_tokens.codes)
     with torch.device("cpu"):
         base.rotary_emb = type(base.rotary_emb)(config=config)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -351,27 +348,3 @@ def load(path: Path, dtype: torch.dtype, *, name: str):
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(meta_dir, local_files_only=True)
     return model, tokenizer
-
-
-class CodesFormats:
-    """The `draftwise_formats` of a model loaded in its codes (its projections are already in place)."""
-
-    def __init__(self, model) -> None:
-        from draftwise.models.qkernel import BlockLinear
-
-        self.kinds: dict[str, int] = {}
-        self.blocks = False
-        for module in model.modules():
-            linear = getattr(module, "linear", None)
-            for part in getattr(linear, "parts", [linear] if linear is not None else []):
-                self.kinds[part.kind] = self.kinds.get(part.kind, 0) + 1
-                self.blocks = self.blocks or isinstance(part, BlockLinear)
-
-    def linear(self, name, parts, weight, bias):
-        raise AssertionError("a model loaded in its codes builds no projection from float weights")
-
-    def describe(self) -> str:
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
-        if self.blocks:
-            return f"gguf blocks ({kinds} projections; draftwise's kernel, activations quantised to int8 per block)"
-        return f"gguf codes ({kinds} projections; draftwise's kernel)"

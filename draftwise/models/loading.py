@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import socket
@@ -247,13 +246,13 @@ def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None,
     quantisation and the fast forward cannot run the model, or the file holds no Q4_0 / Q4_1 / Q8_0 tensor, the
     model runs its float weights; an explicit 'gguf' or 'int8' says why it cannot."""
     from draftwise.models.fast import supports
-    from draftwise.models.quant import GGUFFormats, Int8Formats, NoQuantisedTensors
+    from draftwise.models.formats import GGUFFormats, Int8Formats, NoQuantisedTensors
 
     model = loaded.model
     model.__dict__.pop("draftwise_formats", None)
     model.__dict__.pop("_draftwise_fast", None)
     if model.__dict__.get("draftwise_codes"):  # loaded in its codes: nothing to build
-        from draftwise.models.gguf_codes import CodesFormats
+        from draftwise.models.formats import CodesFormats
 
         model.__dict__["draftwise_formats"] = CodesFormats(model)
         model.__dict__["draftwise_weights"] = "gguf"
@@ -492,18 +491,9 @@ def _load_directory(path: Path, dtype: torch.dtype, *, name: str) -> LoadedModel
 GGUF_MAGIC = b"GGUF"
 
 
-def gguf_cache_name(path: Path) -> tuple[str, str]:
-    """(cache entry name, source key) of a GGUF file: keyed by its absolute path, size and mtime,
-    so a changed file is converted again and an unchanged one never is."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    safe_stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in path.stem)[:64]
-    return f"gguf-{safe_stem}-{key[:12]}", key
-
-
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
     """Dequantise once into the draftwise cache (like the registry's model); later loads read that folder."""
-    from draftwise.models.cache import ensure_entry
+    from draftwise.models.cache import ensure_entry, gguf_cache_name
 
     with open(path, "rb") as f:
         magic = f.read(4)

@@ -21,11 +21,11 @@ spells out. Decoding keeps the codes exactly, and each group's scale and additiv
 the file's fp16 and 6/8-bit fields as ggml does (exact products), so `dequantized()` equals gguf's reference
 dequantisation value for value (tests/test_kquants.py checks each format block by block).
 
-How each runs (`GGUFFormats.linear`): 4-bit codes (Q4_0, Q4_1, Q4_K) run as int4 groups of 32 (`fast.Int4Linear`:
+How each runs (`GGUFFormats.linear`): 4-bit codes (Q4_0, Q4_1, Q4_K) run as int4 groups of 32 (`linear.Int4Linear`:
 w = (q - 8) * scale + zero) with bf16 activations, so the kernel holds scale and zero in bf16: they are rounded by
 up to 2^-9 of their value (the 4-bit codes are kept exactly). PyTorch's int4 CPU kernel has no fast fp32 path.
 Prompt feeds run the dequantised weights (see
-`fast.Int4Linear`). Q5_0, Q6_K and Q8_0 blocks are dequantised exactly (in fp32) and run as float in the
+`linear.Int4Linear`). Q5_0, Q6_K and Q8_0 blocks are dequantised exactly (in fp32) and run as float in the
 activations' type: no PyTorch CPU kernel takes 5-, 6- or 8-bit codes with a scale per group of 16 or 32, and the
 alternatives (per-group `_weight_int8pack_mm` calls) are slower than oneDNN's prepacked bf16 product. Other GGUF
 types (F32, F16, BF16)
@@ -41,8 +41,6 @@ import numpy as np
 import torch
 
 from draftwise.errors import DraftwiseError
-from draftwise.models import qkernel
-from draftwise.models.fast import FloatLinear, Int4Linear, Int8Linear
 
 GROUP = 32
 QK_K = 256
@@ -228,94 +226,3 @@ def join(tensors: list[GGUFTensor]) -> GGUFTensor:
     zeros = None if tensors[0].zeros is None else torch.cat([t.zeros for t in tensors])
     return GGUFTensor(tensors[0].kind, torch.cat([t.codes for t in tensors]), torch.cat([t.scales for t in tensors]),
                       zeros)
-
-
-def codes_of(tensor: GGUFTensor, bias: torch.Tensor | None = None) -> "qkernel.CodesLinear":
-    """One decoded tensor as a projection on draftwise's kernel."""
-    return qkernel.CodesLinear(tensor.kind, tensor.codes, tensor.scales, tensor.zeros, tensor.group,
-                               _OFFSET[tensor.kind], bias, torch.float32)
-
-
-def codes_linear(tensors: list[GGUFTensor], bias: torch.Tensor | None):
-    """A fused projection in its codes on draftwise's kernel: one product over parts of one kind, or one per run of
-    parts of the same kind, outputs joined (Q4_K_M files mix Q4_K and Q6_K in one layer's q, k, v)."""
-    runs: list[list[GGUFTensor]] = []
-    for t in tensors:
-        if runs and runs[-1][0].kind == t.kind:
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-    pieces = []
-    start = 0
-    for run in runs:
-        joined = join(run)
-        rows = joined.codes.shape[0]
-        pieces.append(codes_of(joined, None if bias is None else bias[start: start + rows]))
-        start += rows
-    return pieces[0] if len(pieces) == 1 else qkernel.JoinedLinear(pieces)
-
-
-class NoQuantisedTensors(DraftwiseError):
-    pass
-
-
-class GGUFFormats:
-    """`linear` for FastModel: each projection in the GGUF file's own quantisation where it has one."""
-
-    def __init__(self, path: Path, model, activation_dtype: torch.dtype) -> None:
-        self.path = Path(path)
-        self.tensors = read_gguf_weights(self.path)
-        if not self.tensors:
-            raise NoQuantisedTensors(f"{path}: no quantised tensors ({', '.join(QUANTISED)}) to keep; load it "
-                                    "with a float dtype")
-        self.dtype = activation_dtype
-        self.codes = qkernel.available()  # draftwise's kernel runs every kind in its codes
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        self.kinds: dict[str, int] = {}
-        config = model.config
-        self.heads = tuple({config.num_attention_heads,
-                            getattr(config, "num_key_value_heads", None) or config.num_attention_heads})
-
-    def linear(self, name: str, parts: list[tuple[str, torch.Tensor]], weight: torch.Tensor,
-               bias: torch.Tensor | None):
-        found = [self.tensors.get(gguf_name(part, self.tied)) for part, _ in parts]
-        kinds = {t.kind if t is not None else "float" for t in found}
-        if "float" in kinds or (len(kinds) != 1 and not self.codes):  # float parts: the dequantised weights
-            self.kinds["float"] = self.kinds.get("float", 0) + 1
-            return FloatLinear(weight, bias)
-        matched = [_match_rows(t, w, gguf_name(p, self.tied), self.heads) for t, (p, w) in zip(found, parts)]
-        if self.codes:  # draftwise's kernel: every kind in its codes, one product per part where kinds differ
-            for t in matched:
-                self.kinds[t.kind] = self.kinds.get(t.kind, 0) + 1
-            return codes_linear(matched, bias)
-        kind = kinds.pop()
-        self.kinds[kind] = self.kinds.get(kind, 0) + 1
-        joined = join(matched)
-        # 5-, 6- and 8-bit codes (see the module docstring), or a row count PyTorch's int4 kernel cannot pack (it
-        # needs a multiple of 16): float from the exactly dequantised blocks
-        if kind not in _FOUR_BIT or joined.codes.shape[0] % 16:
-            return FloatLinear(joined.dequantized().to(self.dtype), bias)
-        codes, scales, zeros = joined.int4()
-        return Int4Linear(codes, scales, zeros, GROUP, bias, self.dtype)
-
-    def describe(self) -> str:
-        kernel = "draftwise's codes kernel" if self.codes else "PyTorch's kernels"
-        kinds = self.kinds
-        if not kinds:  # before the first forward builds the projections: the file's quantised projection tensors
-            kinds = {}
-            for name, tensor in self.tensors.items():
-                if name != "token_embd.weight" or self.tied:
-                    kinds[tensor.kind] = kinds.get(tensor.kind, 0) + 1
-        return "gguf (" + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + f" projections; {kernel})"
-
-
-class Int8Formats:
-    """Every projection int8 weight-only, one scale per output channel, quantised from the float weights."""
-
-    def describe(self) -> str:
-        return "int8 weight-only"
-
-    def linear(self, name: str, parts, weight: torch.Tensor, bias: torch.Tensor | None):
-        return Int8Linear.quantize(weight, bias)
-
-

@@ -23,7 +23,8 @@ import torch
 from transformers import PreTrainedModel
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.fast import FastModel, fast_disabled, float32_product, head_logits, paged_enabled, supports
+from draftwise.models.fast import FastModel, fast_disabled, paged_enabled, supports
+from draftwise.models.linear import float32_product, head_logits
 from draftwise.models.kvcache import PagedCache, PositionCache, check_supported, sliding_window
 
 # Families whose decoder layer is exactly pre-norm attention + MLP with rotary q/k (Llama's): the runner can
@@ -113,7 +114,7 @@ class ModelRunner:
         # A head kept in its GGUF codes or blocks (CodesProjection) keeps those rows' codes, byte for byte.
         self._out_ids = self._out_weight = self._out_bias = self._out_linear = None
         if output_ids is not None:
-            from draftwise.models.qkernel import BlockLinear, CodesLinear, CodesProjection
+            from draftwise.models.linear import BlockLinear, CodesLinear, CodesProjection
 
             head = model.get_output_embeddings()
             coded = isinstance(head, CodesProjection) and isinstance(head.linear, (BlockLinear, CodesLinear))
@@ -168,7 +169,7 @@ class ModelRunner:
         logits are wanted, default all `width`. Returns logits [rows, m, vocab] and, with
         `hidden`, the last-layer states of every fed position [rows, width, hidden].
         prompt: the tokens are prompt tokens (a prefill), which a quantised fast forward may run with its
-        wide-feed kernel (see `fast.Int4Linear`); every request's prompt is fed this way, alone or batched. An
+        wide-feed kernel (see `linear.Int4Linear`); every request's prompt is fed this way, alone or batched. An
         int n: the fed tokens after the first n (counted over rows, in order) are prompt tokens.
         tree: the fed tokens are token trees (`TreeMask`): their position ids and what each may see."""
         assert tokens.ndim == 2 and tokens.shape[0] == len(counts), (tokens.shape, len(counts))

@@ -34,7 +34,7 @@ from draftwise.errors import DraftwiseError
 from draftwise.atomic import write_text
 from draftwise.training.loop import cosine_lr, train_loop
 from draftwise.heads.eagle3 import eagle3_layers
-from draftwise.models.qkernel import out_rows, weight_rows
+from draftwise.models.linear import out_rows, weight_rows
 from draftwise.training.shards import ShardSequence, read_shards
 
 
