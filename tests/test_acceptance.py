@@ -371,3 +371,17 @@ def test_lossy_greedy_with_alpha_zero_is_greedy_decoding():
             agree += 1
         assert out.num_accepted == agree
         assert out.next_token == argmax[agree]
+
+
+def test_a_rule_declares_whether_it_is_exact():
+    """The engine reads `rule.exact` (the Gumbel coupling, argmax acceptance, trees), never the rule's type: only the
+    exact rule declares it, under either coupling, and every method declared exact runs a rule that is."""
+    from draftwise.methods import METHODS
+
+    assert ExactRule().exact and ExactRule(coupling="rejection").exact
+    assert not LossyRule().exact and not LossyGreedyRule().exact
+    for name, method in METHODS.items():
+        rule = method.make_rule({o.name: o.default for o in method.options})
+        assert rule.exact == (type(rule) is ExactRule), name
+        if method.exact:
+            assert rule.exact, name

@@ -36,7 +36,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from draftwise.rules.acceptance import ExactRule
 from draftwise.engine.keyed import COUPLINGS, fresh_seed, row_draws
 from draftwise.engine.sampler import (RowsAcceptance, accept_greedy, accept_own_draws, speculative_sample_rows,
                                       warp_rows)
@@ -96,7 +95,7 @@ class Engine:
         self.kv_budget_tokens = kv_budget_tokens  # None: no limit beyond the batch size
         self.method = method
         self.selector = selector or VerifyAll()
-        self.exact = type(rule) is ExactRule  # pi = target: deterministic drafts may take the target's own draws
+        self.exact = rule.exact  # pi = target: deterministic drafts may take the target's own draws
         # the exact rule's coupling (keyed.py): "gumbel" (the default) commits the target's own Gumbel-max draw at
         # every position, so an answer is `ar`'s for the same seed whatever was drafted; "rejection" is Algorithm 4
         # with keyed uniforms. Other rules are defined by rejection sampling.
@@ -111,7 +110,7 @@ class Engine:
         # verification cost at the batch size (tree.TreeBudget; not adaptive: always the best tree_nodes); 0: the
         # drafter's drafts are chains
         self.tree_budget = TreeBudget(tree_nodes, adaptive=tree_adaptive) if tree_nodes else None
-        if tree_nodes and (self.selector.discards or not isinstance(rule, ExactRule)):
+        if tree_nodes and (self.selector.discards or not self.exact):
             raise DraftwiseError("token trees are verified with exact multi-candidate sampling: they need the exact "
                                  "rule and no select phase")
         self.draft_width = max(gamma, tree_nodes)  # drafted tokens a step may feed per row

@@ -91,9 +91,11 @@ class StepDistributions:
 
 
 class TargetRule(Protocol):
-    """What the engine calls on a rule, and what a rule declares it needs (defaults in `Rule`)."""
+    """What the engine calls on a rule, and what a rule declares (defaults in `rules.acceptance.Rule`)."""
 
     name: str
+    exact: bool  # pi = target (Algorithm 1): deterministic drafts may take the target's own draws, trees are allowed
+    coupling: str  # how draft and target randomness are coupled (keyed.COUPLINGS), read for an exact rule only
     bonus_from_pi: bool  # Algorithm 4's bonus: pi = T(q, p) after the last drafted token (the drafter's
     #                      `next_distribution` gives q there) and `bonus(q, q_warped, p, p_warped, greedy)` mixes them
     needs_draft_raw: bool  # reads the draft's unwarped distributions (StepDistributions.draft_raw)

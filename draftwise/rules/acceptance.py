@@ -49,6 +49,7 @@ class Rule:
     """The defaults every rule inherits: the bonus from the target, no unwarped draft, every drafted token judged."""
 
     name = "rule"
+    exact = False
     bonus_from_pi = False
     needs_draft_raw = False
     cuts_draft = False
@@ -70,6 +71,7 @@ class ExactRule(Rule):
 
     name: str = "exact"
     coupling: str = "gumbel"
+    exact = True  # a declaration, not a field
 
     def __call__(self, step: StepDistributions) -> torch.Tensor:
         return step.target_probs[..., :-1, :]
