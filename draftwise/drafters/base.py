@@ -14,14 +14,11 @@ from draftwise.engine.grammar import mask_rows, push_rows
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
 from draftwise.drafters.policies import FixedLength, LengthPolicy
 from draftwise.engine.sampling import SamplingConfig, argmax_last, unwarped
-from draftwise.engine.protocols import RowsDraft, empty_draft, one_hot_draft, pad_rows
+from draftwise.engine.protocols import PREFILL_CHUNK, PREFILL_TOKENS, RowsDraft, empty_draft, one_hot_draft, pad_rows
 from draftwise.engine.rows import Row, cut_at_eos
 
 
 CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
-PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time, which a request arriving
-# meanwhile waits for, at a small cost to the long prompt (benchmarks/long_prompt.py measures both)
-PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
 
 
 class NoRowsDrafter:

@@ -44,9 +44,8 @@ from draftwise.engine.grammar import compiler_for, mask_logits
 from draftwise.models.kvcache import release_heap
 from draftwise.models.runner import ModelRunner, RowsOutput, fast_model
 from draftwise.engine.sampling import make_generator
-from draftwise.drafters.base import PREFILL_CHUNK, PREFILL_TOKENS
-from draftwise.engine.protocols import (RowsDraft, RowsDrafter, StepDistributions, TargetRule, VerifyAll, VerifySelector,
-                                        pad_rows)
+from draftwise.engine.protocols import (PREFILL_CHUNK, PREFILL_TOKENS, RowsDraft, RowsDrafter, StepDistributions, TargetRule,
+                                        VerifyAll, VerifySelector, pad_rows)
 from draftwise.engine.rows import Detokenizer, Event, Request, Result, Row, RowCounters, cut_at_eos, token_logprobs
 from draftwise.engine.tree import TreeBudget, accept_tree, depths, verify_mask
 from draftwise.models.linear import out_rows

@@ -11,6 +11,11 @@ import torch
 
 from draftwise.engine.rows import Row
 
+# How prompts are fed, by the engine's scheduler and by a drafter into its own cache (drafters.base.prefill_rows).
+PREFILL_CHUNK = 128  # prompt tokens per row and prefill forward: bounds a forward's time, which a request arriving
+# meanwhile waits for, at a small cost to the long prompt (benchmarks/long_prompt.py measures both)
+PREFILL_TOKENS = 4096  # prompt tokens per prefill forward over several rows (each row gets at least 64)
+
 
 @dataclass(frozen=True)
 class RowsDraft:
