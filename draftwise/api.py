@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from draftwise.errors import DraftwiseError, DraftwiseWarning
-from draftwise.engine.core import kv_bytes_per_token
+from draftwise.models.runner import kv_bytes_per_token
 from draftwise.engine.rows import Result, TokenLogprob
 from draftwise.methods import METHODS, Method
 from draftwise.engine.grammar import grammar_from

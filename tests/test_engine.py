@@ -663,7 +663,7 @@ def test_eagle_row_drafter_equals_a_cache_free_rollout_under_forced_acceptance()
 
 
 def test_a_kv_budget_limits_the_live_rows_without_changing_outputs(llama_pair):
-    from draftwise.engine.core import kv_bytes_per_token
+    from draftwise.models.runner import kv_bytes_per_token
 
     target, _ = llama_pair
     t = load_model(target)

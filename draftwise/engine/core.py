@@ -42,7 +42,7 @@ from draftwise.engine.sampler import (RowsAcceptance, accept_greedy, accept_own_
 from draftwise.errors import DraftwiseError
 from draftwise.engine.grammar import compiler_for, mask_logits
 from draftwise.models.kvcache import release_heap
-from draftwise.models.runner import ModelRunner, RowsOutput, fast_model
+from draftwise.models.runner import ModelRunner, RowsOutput
 from draftwise.engine.sampling import make_generator
 from draftwise.engine.protocols import (PREFILL_CHUNK, PREFILL_TOKENS, RowsDraft, RowsDrafter, StepDistributions, TargetRule,
                                         VerifyAll, VerifySelector, pad_rows)
@@ -825,18 +825,6 @@ def _slot_histories(draft: RowsDraft, b: int, tokens: list[int]) -> list[list[in
 def _renormalised(probs: torch.Tensor) -> torch.Tensor:
     total = probs.sum(-1, keepdim=True)
     return torch.where(total > 0, probs / total.clamp_min(1e-30), probs)
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of keys and values one token takes in a model's cache (all layers)."""
-    config = model.config
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    fast = fast_model(model)  # the fast forward's cache type (models/fast.py cache_dtype), not the weights'
-    dtype = fast.cache_dtype if fast is not None else next(model.parameters()).dtype
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

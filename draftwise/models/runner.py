@@ -381,6 +381,18 @@ def fast_model(model: PreTrainedModel) -> FastModel | None:
     return built[1]
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token takes in a model's cache (all layers)."""
+    config = model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    fast = fast_model(model)  # the fast forward's cache type (models/fast.py cache_dtype), not the weights'
+    dtype = fast.cache_dtype if fast is not None else next(model.parameters()).dtype
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def _unpack(packed: torch.Tensor, at_row: torch.Tensor, at_col: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """[total, heads, d] packed tokens -> [rows, heads, width, d], zeros at padding."""
     out = packed.new_zeros(rows, width, packed.shape[1], packed.shape[2])
