@@ -18,7 +18,8 @@ import draftwise.engine.core as engine_module
 import draftwise.engine.tree as tree_module
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
-from draftwise.engine.tree import (TreeBudget, accept_tree, depths, grow_trees, merge_trees, slot_structure, verify_mask)
+from draftwise.drafters.tree_growth import grow_trees, merge_trees
+from draftwise.engine.tree import TreeBudget, accept_tree, depths, slot_structure, verify_mask
 
 from conftest import sweep, near_copy, tiny_llama
 from test_exactness import (ALPHA, WARPED, _feature_head, exact_joint, pooled_chisquare, sample_joint,

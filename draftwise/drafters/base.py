@@ -158,9 +158,9 @@ class ModelRowsDrafter:
                             policy=self.policy, keep_raw=self.keep_raw)
 
     def _propose_trees(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
-        """EAGLE-2's dynamic tree from the draft model's log-probabilities (tree.grow_on), depth at most each
+        """EAGLE-2's dynamic tree from the draft model's log-probabilities (tree_growth.grow_on), depth at most each
         row's limit; deterministic candidates, so exact at any temperature."""
-        from draftwise.engine.tree import grow_on, tree_draft
+        from draftwise.drafters.tree_growth import grow_on, tree_draft
 
         feed, counts, limits = self.pending_feed(rows, limits)
         at = torch.tensor(counts, device=self.runner.device)[:, None] - 1

@@ -193,10 +193,10 @@ class EagleRowsDrafter:
                             ids=self.usable_ids)
 
     def _propose_trees(self, predicted: torch.Tensor, limits: Sequence[int]) -> "RowsDraft":
-        """EAGLE-2's dynamic tree (tree.grow_on): a node's head input is its parent's predicted state and its own
+        """EAGLE-2's dynamic tree (tree_growth.grow_on): a node's head input is its parent's predicted state and its own
         token; deterministic candidates, so exact at any temperature. The tree grows over the draft vocabulary
         (the head gives nothing else any probability); its token ids map to the target's at the end."""
-        from draftwise.engine.tree import grow_on, tree_draft
+        from draftwise.drafters.tree_growth import grow_on, tree_draft
 
         dtype = self.head.fc.weight.dtype
         n = predicted.shape[0]

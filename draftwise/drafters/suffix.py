@@ -27,7 +27,7 @@ import torch
 
 from draftwise.drafters.base import RetiringRows
 from draftwise.engine.protocols import one_hot_draft
-from draftwise.engine.tree import tree_draft
+from draftwise.drafters.tree_growth import tree_draft
 from draftwise.errors import DraftwiseError
 
 
@@ -298,7 +298,7 @@ class SuffixRowsDrafter(RetiringRows):
 def _hybrid_trees(hybrid: "HybridRowsDrafter", rows, limits):
     """Per row the suffix tree (where it expects at least the threshold) and the head's tree, merged best first:
     (tokens, parents, path scores)."""
-    from draftwise.engine.tree import merge_trees
+    from draftwise.drafters.tree_growth import merge_trees
 
     nodes = hybrid.tree_nodes
     suffix_tokens, suffix_parents, expected, suffix_scores = hybrid.suffix.speculate_trees(
