@@ -248,14 +248,14 @@ def default_draft(target: Any, method: str, temperature: float = 0.0) -> str | N
 
 def default_method(target: Any, draft: Any, temperature: Any = 0.0, device: Any = None) -> str:
     """The method when none is asked for: the exact method `draftwise bench` recorded as the fastest for this
-    target, its draft (given, or the registry's) and this machine (`bench.advice`, one line the first time);
+    target, its draft (given, or the registry's) and this machine (`advice_record`, one line the first time);
     without a record, 'sd' where there is a draft; else 'suffix', which needs none, with a one-line warning that
     says so. A target whose path is missing keeps 'sd', so its error names the path."""
     t = temperature if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) else 0.0
     if _missing_path(target):
         return "sd"
     pair_draft = draft if draft is not None else default_draft(target, "sd", t)
-    from draftwise.bench.advice import recorded_method
+    from draftwise.advice_record import recorded_method
 
     where = getattr(target, "device", None) or device or "cpu"
     recorded = recorded_method(target, pair_draft, t, device=where)

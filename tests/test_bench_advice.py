@@ -13,6 +13,7 @@ import warnings
 import pytest
 
 import draftwise
+from draftwise import advice_record as record
 from draftwise.bench import advice
 from draftwise.errors import DraftwiseWarning
 from draftwise.cli import main
@@ -30,8 +31,8 @@ def root(tmp_path_factory):
 
 @pytest.fixture
 def dirs(root, monkeypatch, tmp_path):
-    monkeypatch.setattr(advice, "advice_dir", lambda: tmp_path / "advice")
-    monkeypatch.setattr(advice, "_announced", set())
+    monkeypatch.setattr(record, "advice_dir", lambda: tmp_path / "advice")
+    monkeypatch.setattr(record, "_announced", set())
     monkeypatch.delenv("DRAFTWISE_ADVICE", raising=False)
     return register(root, monkeypatch.setitem)
 
@@ -49,7 +50,7 @@ COSTS = {"k": 5, "verify_vs_k1": 1.9, "draft_vs_target": 0.42, "target_k1_ms": 8
 
 
 def _record(results: dict, machine: dict | None = None):
-    found = advice.advise(results, COSTS, machine or advice.machine_signature())
+    found = advice.advise(results, COSTS, machine or record.machine_signature())
     return advice.write_record(results, found)
 
 
@@ -110,7 +111,7 @@ def test_a_record_makes_the_default_follow_it(dirs):
         again = draftwise.generate(TARGET, "the cat", **GREEDY)
     assert g.stats["method"] == "prompt-lookup" and again.stats["method"] == "prompt-lookup"
     assert g.token_ids == ar.token_ids
-    notices = [w for w in seen if issubclass(w.category, advice.AdviceNotice)]
+    notices = [w for w in seen if issubclass(w.category, record.AdviceNotice)]
     assert len(notices) == 1, [str(w.message) for w in seen]  # said the first time only
     assert "using 'prompt-lookup', the fastest exact method measured on this machine" in str(notices[0].message)
     assert draftwise.generate(TARGET, "the cat", method="sd", **GREEDY).stats["method"] == "sd"  # asked by name
@@ -119,10 +120,10 @@ def test_a_record_makes_the_default_follow_it(dirs):
 def test_a_record_of_another_machine_or_pair_is_ignored(dirs):
     from draftwise.plan import default_method
 
-    other = {**advice.machine_signature(), "cpu": "Another CPU", "flags": ["avx2"]}
+    other = {**record.machine_signature(), "cpu": "Another CPU", "flags": ["avx2"]}
     path = _record(_results({"ar": 1.0, "sd": 0.8, "suffix": 1.2}), machine=other)
     assert path.is_file() and default_method(TARGET, None) == "sd"
-    fewer = {**advice.machine_signature(), "threads": advice.machine_signature()["threads"] + 1}
+    fewer = {**record.machine_signature(), "threads": record.machine_signature()["threads"] + 1}
     _record(_results({"ar": 1.0, "sd": 0.8, "suffix": 1.2}), machine=fewer)
     assert default_method(TARGET, None) == "sd"
     # a record of the pair (target, the independent draft) does not speak for (target, the head)
@@ -130,8 +131,8 @@ def test_a_record_of_another_machine_or_pair_is_ignored(dirs):
     assert default_method(TARGET, None) == "sd"
     assert default_method(TARGET, DRAFT) == "suffix"  # that pair, asked with its draft: followed
     # another machine's record copied under this machine's name (a shared cache) is not followed either
-    mine = advice.record_path({"target": advice.model_identity(TARGET), "draft": advice.model_identity(EAGLE),
-                               "machine": advice.machine_signature(), "regime": "greedy"})
+    mine = record.record_path({"target": record.model_identity(TARGET), "draft": record.model_identity(EAGLE),
+                               "machine": record.machine_signature(), "regime": "greedy"})
     mine.write_text(path.read_text())
     assert default_method(TARGET, None) == "sd"
     # a greedy bench does not decide for sampling
@@ -228,9 +229,9 @@ def test_bench_ends_with_the_advice_and_records_it(dirs, capsys, tmp_path):
     advice_line = next(i for i, line in enumerate(lines) if line.startswith("fastest exact method here: "))
     assert f"a 5-token verification costs {costs['verify_vs_k1']:.2f}x one token" in lines[advice_line]
     assert lines[advice_line + 1].startswith("recorded in ")
-    assert found["record"] == str(advice.record_path({
-        "target": advice.model_identity(TARGET), "draft": advice.model_identity(EAGLE),
-        "machine": advice.machine_signature(), "regime": "greedy"}))
+    assert found["record"] == str(record.record_path({
+        "target": record.model_identity(TARGET), "draft": record.model_identity(EAGLE),
+        "machine": record.machine_signature(), "regime": "greedy"}))
     assert default_method(TARGET, None) == found["method"]
 
 

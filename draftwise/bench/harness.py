@@ -288,7 +288,8 @@ def _advice(results: dict[str, Any], config: BenchConfig, target: LoadedModel,
             draft_of: dict[str, Any]) -> dict[str, Any] | None:
     """The fastest exact method of the run and why (`bench.advice`): the target's forward of gamma + 1 tokens
     against one, and one token of the draft model the run used (sd's where it ran), timed after the runs."""
-    from draftwise.bench.advice import advise, machine_signature
+    from draftwise.advice_record import machine_signature
+    from draftwise.bench.advice import advise
     from draftwise.bench.verify import verify_costs
 
     used = draft_of["sd"] if "sd" in draft_of else next((d for d in draft_of.values() if d is not None), None)

@@ -176,7 +176,7 @@ _showwarning = warnings.showwarning
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """draftwise's own warnings as one line, like its errors; others as Python shows them."""
     if issubclass(category, DraftwiseWarning):
-        from draftwise.bench.advice import AdviceNotice
+        from draftwise.advice_record import AdviceNotice
 
         kind = "" if issubclass(category, AdviceNotice) else "warning: "  # a notice is no warning
         print(f"draftwise: {kind}{message}", file=sys.stderr)
