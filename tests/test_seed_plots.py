@@ -1,4 +1,5 @@
-"""benchmarks/seed_plots.py on small synthetic seed-table JSON: a PNG per seed, the frontier, one-line errors."""
+"""draftwise/bench/seed_plots.py (benchmarks/seed_plots.py) on small synthetic seed-table JSON: a PNG per seed, the
+frontier, one-line errors."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import seed_plots  # noqa: E402
+from draftwise.bench import seed_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "seed_plots.py"
