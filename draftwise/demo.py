@@ -46,7 +46,7 @@ def main() -> int:
     clock = time.perf_counter()
     from draftwise.models import qkernel
     from draftwise.models.loading import load_draft, load_model
-    from draftwise.progress import timed_load
+    from draftwise.models.load_times import timed_load
 
     target = timed_load(TARGET, lambda: load_model(TARGET, dtype="auto"), dtype="auto", device="cpu", role="target")
     draft = timed_load(DRAFT, lambda: load_draft(DRAFT, target, dtype="auto"), dtype="auto", device="cpu",

@@ -1,6 +1,6 @@
-"""Feedback on long work (draftwise/progress.py): bars for the chunk downloads and the assembly (bytes, an ETA),
-"loading X" with the time of the last load, all on stderr, shown on a terminal or when DRAFTWISE_PROGRESS=1 asks,
-never on stdout. pip is the fake of test_chunks.py (nothing is downloaded)."""
+"""Feedback on long work (draftwise/progress.py, models/load_times.py): bars for the chunk downloads and the
+assembly (bytes, an ETA), "loading X" with the time of the last load, all on stderr, shown on a terminal or when
+DRAFTWISE_PROGRESS=1 asks, never on stdout. pip is the fake of test_chunks.py (nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 import draftwise.models.chunks as chunks
 from draftwise import progress
+from draftwise.models.load_times import timed_load
 from draftwise.models.chunks import assemble
 from test_chunks import PIECES, _spec
 
@@ -78,19 +79,19 @@ def test_loading_says_how_long_the_last_load_took(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("DRAFTWISE_PROGRESS", "1")
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(3 * 2**20))
-    assert progress.timed_load(str(model), lambda: "loaded", role="target") == "loaded"
+    assert timed_load(str(model), lambda: "loaded", role="target") == "loaded"
     err = capfd.readouterr().err
     assert err == f"draftwise: loading target {model} (0.00 GiB; no earlier load timed here)\n"
     times = json.loads((tmp_path / "cache" / "load-times.json").read_text())
     key = f"{model}|auto|cpu"
     times[key] = 42.0  # as if the last load took 42 s
     (tmp_path / "cache" / "load-times.json").write_text(json.dumps(times))
-    progress.timed_load(str(model), lambda: None, role="target")
+    timed_load(str(model), lambda: None, role="target")
     assert capfd.readouterr().err == f"draftwise: loading target {model} (about 42 s, as the last time)\n"
     monkeypatch.setenv("DRAFTWISE_PROGRESS", "0")
-    progress.timed_load(str(model), lambda: None)
+    timed_load(str(model), lambda: None)
     assert capfd.readouterr() == ("", "")
     (tmp_path / "cache" / "load-times.json").write_text("{broken")  # a damaged record: no estimate, no error
     monkeypatch.setenv("DRAFTWISE_PROGRESS", "1")
-    progress.timed_load(str(model), lambda: None)
+    timed_load(str(model), lambda: None)
     assert "no earlier load timed here" in capfd.readouterr().err

@@ -323,7 +323,7 @@ def run_bench(config: BenchConfig, *, progress: Callable[[int], Any] | None = No
     if config.threads:
         torch.set_num_threads(config.threads)
 
-    from draftwise.progress import timed_load
+    from draftwise.models.load_times import timed_load
 
     given = dict(loaded or {})
     target = given.get(config.target) or timed_load(
