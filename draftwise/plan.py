@@ -21,7 +21,7 @@ from draftwise.heads.eagle import DraftHead
 from draftwise.engine.grammar import Grammar, compiler_for
 from draftwise.models import registry
 from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
-from draftwise.engine.sampling import SamplingConfig
+from draftwise.engine.sampling import SamplingConfig, is_greedy
 from draftwise.prompts import check_messages, check_prompt, check_text, encode_prompt
 
 
@@ -243,7 +243,7 @@ def default_draft(target: Any, method: str, temperature: float = 0.0) -> str | N
     name = _registry_name(target)
     spec = METHODS.get(method)
     eagle_ok = method in EAGLE_METHODS and not (spec is not None and spec.independent_by_default)
-    return registry.default_draft_for(name, eagle_ok=eagle_ok, temperature=temperature) if name else None
+    return registry.default_draft_for(name, eagle_ok=eagle_ok, sampled=not is_greedy(temperature)) if name else None
 
 
 def default_method(target: Any, draft: Any, temperature: Any = 0.0, device: Any = None) -> str:

@@ -77,7 +77,8 @@ def test_temperatures_from_1e_5_sample(temperature):
 
 
 def test_the_registry_picks_the_greedy_head_below_1e_5(monkeypatch):
-    """The registry's choice of draft (the sampled-answer head at T > 0) follows the same threshold."""
+    """The plan's choice of the registry's draft (the sampled-answer head at T > 0) follows the same threshold."""
+    from draftwise import plan
     from draftwise.models import registry
 
     class Ready:
@@ -90,7 +91,8 @@ def test_the_registry_picks_the_greedy_head_below_1e_5(monkeypatch):
     monkeypatch.setitem(registry._ENTRIES, "sampled-head", Ready())
     monkeypatch.setitem(registry._DEFAULT_DRAFTS, "some-target", ("greedy-head",))
     monkeypatch.setitem(registry._SAMPLED_HEADS, "some-target", "sampled-head")
-    pick = lambda t: registry.default_draft_for("some-target", eagle_ok=True, temperature=t)  # noqa: E731
+    monkeypatch.setattr(registry, "names", lambda: ["some-target"])
+    pick = lambda t: plan.default_draft("some-target", "sd", t)  # noqa: E731
     assert [pick(t) for t in (0.0, 1e-300, 9e-6, 1e-5, 1.0)] == ["greedy-head"] * 3 + ["sampled-head"] * 2
 
 

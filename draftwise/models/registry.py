@@ -76,16 +76,14 @@ def default_independent_draft(target: str) -> str | None:
     return None
 
 
-def default_draft_for(target: str, *, eagle_ok: bool, temperature: float = 0.0) -> str | None:
+def default_draft_for(target: str, *, eagle_ok: bool, sampled: bool = False) -> str | None:
     """The registry's best ready draft for a registry target and a method: the EAGLE head where the
     method can draft with one (`eagle_ok`), else the independent draft model. None if there is none.
-    At a temperature that is not greedy (`is_greedy`: 1e-5 and above), the head trained on sampled answers comes
-    first where the registry has one ready."""
-    from draftwise.engine.sampling import is_greedy
-
-    sampled = _SAMPLED_HEADS.get(target)
-    if eagle_ok and not is_greedy(temperature) and sampled and _ENTRIES[sampled].cached() == "ready":
-        return sampled
+    For sampled decoding (`sampled`: a temperature that is not greedy, `sampling.is_greedy`), the head trained on
+    sampled answers comes first where the registry has one ready."""
+    sampled_head = _SAMPLED_HEADS.get(target)
+    if eagle_ok and sampled and sampled_head and _ENTRIES[sampled_head].cached() == "ready":
+        return sampled_head
     for name in _DEFAULT_DRAFTS.get(target, ()):
         if (eagle_ok or _ENTRIES[name].role != "eagle") and _ENTRIES[name].cached() == "ready":
             return name
