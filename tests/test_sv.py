@@ -51,7 +51,7 @@ import draftwise
 import draftwise.atomic as atomic
 from conftest import near_copy, tiny_llama
 from draftwise.selectors import sv
-from draftwise.selectors import sv_profile
+from draftwise.bench import sv_profile
 from draftwise.rules.acceptance import ExactRule
 from draftwise.drafters.base import ModelRowsDrafter
 from draftwise.engine.core import Engine

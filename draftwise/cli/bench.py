@@ -310,7 +310,7 @@ def run_profile_sv(args: argparse.Namespace) -> int:
     from draftwise.bench.datasets import load_prompts
     from draftwise.bench.harness import encode_bench_prompt
     from draftwise.models import registry
-    from draftwise.selectors.sv_profile import build_profile, collect_samples, measure_latency
+    from draftwise.bench.sv_profile import build_profile, collect_samples, measure_latency
 
     if args.threads:
         torch.set_num_threads(args.threads)
