@@ -1,15 +1,13 @@
-"""benchmarks/llama_bench.py's parsers of llama.cpp's tools, on sample output written here (nothing is built, no
-model is loaded): llama-bench's JSON and llama-speculative-simple's summary."""
+"""The parsers of llama.cpp's tools (draftwise/bench/peers/llama_tools.py), on sample output written here (nothing is
+built, no model is loaded): llama-bench's JSON and llama-speculative-simple's summary."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import llama_bench  # noqa: E402
+from draftwise.bench.peers import llama_tools
 
 
 def _entry(n_prompt: int, n_gen: int, avg_ts: float, stddev_ts: float, samples: list[float], depth: int = 0) -> str:
@@ -81,7 +79,7 @@ SPEC_STDERR = "\n".join(f"0.15.{327 + i:03d}.{(17 * i) % 1000:03d} I {line}" for
 
 def test_llama_bench_json_gives_tokens_per_second_per_test():
     text = "build: 7001 (abc1234) with cc\n" + BENCH_STDOUT  # a log line before the array is ignored
-    tests = llama_bench.parse_bench_json(text)
+    tests = llama_tools.parse_bench_json(text)
     assert [t["test"] for t in tests] == ["pp1", "pp16", "pp512", "tg128"]
     by = {t["test"]: t for t in tests}
     assert by["pp512"]["tokens_per_s"] == pytest.approx(176.0)
@@ -91,17 +89,17 @@ def test_llama_bench_json_gives_tokens_per_second_per_test():
     assert by["pp1"]["repetitions"] == 3
     assert (by["pp16"]["n_prompt"], by["pp16"]["n_gen"]) == (16, 0)
     assert by["tg128"]["ms_per_pass"] == pytest.approx(1e3 * 128 / 37.9, rel=1e-6)
-    context = llama_bench.bench_context(text)
+    context = llama_tools.bench_context(text)
     assert context["build_number"] == 7001 and context["n_threads"] == 2 and context["repack"] is True
 
 
 def test_llama_bench_test_names():
-    assert llama_bench.bench_test_name(512, 0) == "pp512"
-    assert llama_bench.bench_test_name(0, 128) == "tg128"
-    assert llama_bench.bench_test_name(512, 128) == "pp512+tg128"
-    assert llama_bench.bench_test_name(0, 128, 300) == "tg128 @ d300"
+    assert llama_tools.bench_test_name(512, 0) == "pp512"
+    assert llama_tools.bench_test_name(0, 128) == "tg128"
+    assert llama_tools.bench_test_name(512, 128) == "pp512+tg128"
+    assert llama_tools.bench_test_name(0, 128, 300) == "tg128 @ d300"
     text = "[\n" + _entry(0, 64, 30.0, 0.1, [30.0], depth=300) + "\n]"
-    assert llama_bench.parse_bench_json(text)[0]["test"] == "tg64 @ d300"
+    assert llama_tools.parse_bench_json(text)[0]["test"] == "tg64 @ d300"
 
 
 @pytest.mark.parametrize("text", [
@@ -112,12 +110,12 @@ def test_llama_bench_test_names():
 ])
 def test_llama_bench_output_without_rates_is_an_error(text):
     with pytest.raises(ValueError):
-        llama_bench.parse_bench_json(text)
+        llama_tools.parse_bench_json(text)
 
 
 @pytest.mark.parametrize("text", [SPEC_STDERR, SPEC_SUMMARY])
 def test_speculative_summary(text):
-    out = llama_bench.parse_speculative(text)
+    out = llama_tools.parse_speculative(text)
     assert out["new_tokens"] == 130 and out["decode_s"] == pytest.approx(3.127)
     assert out["tokens_per_s"] == pytest.approx(130 / 3.127)
     assert out["prompt_tokens"] == 24 and out["prompt_s"] == pytest.approx(0.411)
@@ -136,19 +134,19 @@ def test_speculative_summary(text):
 ])
 def test_speculative_summary_that_does_not_add_up_is_an_error(edit):
     with pytest.raises(ValueError):
-        llama_bench.parse_speculative(edit(SPEC_STDERR))
+        llama_tools.parse_speculative(edit(SPEC_STDERR))
 
 
 def test_commands_and_table():
-    cmd = llama_bench.bench_command(Path("m.gguf"), threads=2, repeats=3)
+    cmd = llama_tools.bench_command(Path("m.gguf"), threads=2, repeats=3)
     assert cmd[0].endswith("llama-bench")
     args = dict(zip(cmd[1::2], cmd[2::2]))
     assert args == {"-m": "m.gguf", "-p": "1,2,4,8,16,512", "-n": "128", "-r": "3", "-t": "2", "-o": "json"}
-    spec = llama_bench.speculative_command(Path("t.gguf"), Path("d.gguf"), Path("p.txt"), 8, 2, 128)
+    spec = llama_tools.speculative_command(Path("t.gguf"), Path("d.gguf"), Path("p.txt"), 8, 2, 128)
     assert spec[spec.index("-md") + 1] == "d.gguf" and spec[spec.index("--spec-draft-n-max") + 1] == "8"
     assert spec[spec.index("--temp") + 1] == "0" and spec[spec.index("-td") + 1] == "2"
-    tests = {t["test"]: t for t in llama_bench.parse_bench_json(BENCH_STDOUT)}
-    table = llama_bench.bench_table([{"label": "1.5B", "model": "m.gguf", "tests": tests},
+    tests = {t["test"]: t for t in llama_tools.parse_bench_json(BENCH_STDOUT)}
+    table = llama_tools.bench_table([{"label": "1.5B", "model": "m.gguf", "tests": tests},
                                      {"label": "0.5B", "model": "d.gguf", "error": "no such file"}])
     lines = table.splitlines()
     assert lines[0] == "| model | pp1 | pp16 | pp512 | tg128 | note |"
@@ -157,10 +155,10 @@ def test_commands_and_table():
 
 
 def test_setup_without_cmake_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.setattr(llama_bench, "TOOLS_DIR", tmp_path / "llama-tools")
-    real_which = llama_bench.shutil.which
-    monkeypatch.setattr(llama_bench.shutil, "which", lambda name: None if name == "cmake" else real_which(name))
+    monkeypatch.setattr(llama_tools, "TOOLS_DIR", tmp_path / "llama-tools")
+    real_which = llama_tools.shutil.which
+    monkeypatch.setattr(llama_tools.shutil, "which", lambda name: None if name == "cmake" else real_which(name))
     with pytest.raises(RuntimeError) as error:
-        llama_bench.setup_tools(tmp_path / "build.log")
+        llama_tools.setup_tools(tmp_path / "build.log")
     assert "cmake" in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "llama-tools").exists()

@@ -2,7 +2,7 @@
 
 Fast: the proposers are checked directly against draftwise's own drafters on vLLM's call shape (rows of a
 token array, a new request taking a row). Slow (opt-in, `make test-slow`): vLLM's CPU build decodes with
-them and its acceptance is compared with draftwise's on the same prompts (benchmarks/vllm_plugin.py).
+them and its acceptance is compared with draftwise's on the same prompts (draftwise/bench/peers/plugin.py).
 """
 
 from __future__ import annotations
@@ -76,11 +76,7 @@ def test_suffix_proposer_equals_the_rows_drafter_as_tokens_commit_and_rows_chang
 
 @pytest.mark.slow
 def test_vllm_decodes_with_the_proposers_and_accepts_as_draftwise_does():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from vllm_plugin import compare
+    from draftwise.bench.peers.plugin import compare
 
     report = compare(max_new_tokens=64, gamma=4, num_prompts=4)
     for method in ("prompt-lookup", "suffix"):

@@ -73,7 +73,12 @@ def check_methods(methods: tuple[str, ...]) -> None:
         raise DraftwiseError(f"a method is listed twice in {', '.join(methods)}")
 
 
-def machine_description(device: torch.device) -> dict[str, Any]:
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_description(device: torch.device, *, detail: bool = False) -> dict[str, Any]:
+    """Platform, CPU, library versions and threads of this run; with `detail`, also what `lscpu` says of the CPU
+    (vendor, family, hypervisor, L3 cache, the instruction sets in CPU_FLAGS), the memory and the load average."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -90,6 +95,31 @@ def machine_description(device: torch.device) -> dict[str, Any]:
     info["transformers"] = transformers.__version__
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    return info | cpu_details() if detail else info
+
+
+def cpu_details() -> dict[str, Any]:
+    """lscpu's view of the CPU, the memory in GiB and the load average now (Linux; what cannot be read is left out,
+    or named in `lscpu_error`)."""
+    import subprocess
+
+    info: dict[str, Any] = {"load_average_at_start": list(os.getloadavg())}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+        fields = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in lscpu.splitlines())}
+        flags = set(fields.get("Flags", "").split())
+        if fields.get("Model name"):
+            info["cpu"] = fields["Model name"]
+        info.update(cpu_vendor=fields.get("Vendor ID"), cpu_family=fields.get("CPU family"),
+                    hypervisor=fields.get("Hypervisor vendor"), flags={f: f in flags for f in CPU_FLAGS},
+                    l3_cache=fields.get("L3 cache"))
+    except (OSError, subprocess.TimeoutExpired) as error:
+        info["lscpu_error"] = f"{type(error).__name__}: {error}"[:400]
+    try:
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
     return info
 
 
