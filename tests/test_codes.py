@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftwise.models import linear as linears, qkernel
+from draftwise.models import formats, linear as linears, qkernel
 from draftwise.models.quant import _OFFSET, _decode
 
 from test_kquants import random_blocks
@@ -344,7 +344,7 @@ def test_the_shipped_file_in_its_codes_is_the_dequantised_model(smollm2_both):
     import draftwise
 
     codes, dequantized = smollm2_both
-    assert codes.model.__dict__.get("draftwise_codes") and "gguf codes" in codes.weights
+    assert formats.of(codes.model).codes and "gguf codes" in codes.weights
     assert not any(isinstance(m, torch.nn.Linear) for m in codes.model.modules())  # no float projection kept
     ids = codes.tokenizer("def add(a, b):\n    return")["input_ids"]
     a, b = _logits(codes, ids), _logits(dequantized, ids)
@@ -377,7 +377,7 @@ def test_a_gguf_draft_of_a_target_in_codes_loads_in_codes_without_a_float_copy(s
     monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path))
     monkeypatch.setattr(registry, "convert_gguf", lambda *a, **k: pytest.fail("a float copy was made"))
     draft = load_draft("smollm2-135m", codes)
-    assert draft.model.__dict__.get("draftwise_codes") and draft.dtype == codes.dtype
+    assert formats.of(draft.model).codes and draft.dtype == codes.dtype
 
 
 @pytest.mark.slow

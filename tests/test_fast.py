@@ -437,7 +437,6 @@ def _int8_dequantized_copy(model):
                 w = module.weight
                 s = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
                 w.copy_(torch.round(w / s).clamp(-128, 127) * s)
-    reference.__dict__.pop("_draftwise_fast", None)
     return reference
 
 

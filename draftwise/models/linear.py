@@ -16,6 +16,7 @@ which format a model runs is `models.formats`'.
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -549,4 +550,14 @@ def codes_linear(tensors: list[GGUFTensor], bias: torch.Tensor | None):
     return pieces[0] if len(pieces) == 1 else JoinedLinear(pieces)
 
 
-Linear = FloatLinear | Int8Linear | Int4Linear | CodesLinear | JoinedLinear
+class Linear(Protocol):
+    """What the fast forward asks of a projection, in whatever format: y = x W^T (+ b) for activations x
+    [..., in_features] (`wide`: a prompt feed, or the packed index from which the tokens are prompt tokens;
+    `logits`: the LM head's product, float32 out), and the float weights it stands for."""
+
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor: ...
+
+    def dequantized(self) -> torch.Tensor: ...

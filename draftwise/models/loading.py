@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftwise.errors import DraftwiseError, ModelNotAvailableError, did_you_mean
-from draftwise.models import qkernel, registry
+from draftwise.models import formats, qkernel, registry
 
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -81,13 +81,13 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
-# Weight formats beyond a float dtype (the activations then run in the 'auto' float type):
-# gguf: a GGUF file's own quantisation kept (Q4_0 / Q4_1 as int4 groups, Q8_0 as int8 groups);
-# int8: int8 weight-only per output channel, quantised at load; dequantize: float weights (auto type).
-WEIGHT_FORMATS = ("gguf", "int8", "dequantize")
-DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", *WEIGHT_FORMATS)
+# Beside the float types, every weight format of the registry (`formats.FORMATS`: gguf, a GGUF file's own
+# quantisation kept; int8, weight-only per output channel, quantised at load; dequantize, float weights); the
+# activations then run in the 'auto' float type. The help names the formats registered when it is imported.
+FLOAT_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DTYPE_HELP = ("auto (default): a GGUF's own quantisation on CPU, else bf16 where the CPU or GPU runs it natively, "
-              "else fp32; or bf16, fp16, fp32, int8 (weight-only), gguf (the file's quantisation), dequantize")
+              "else fp32; or bf16, fp16, fp32, "
+              + ", ".join(f"{e.name} ({e.help})" if e.help else e.name for e in formats.FORMATS.values()))
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None = None) -> torch.dtype | None:
@@ -95,42 +95,44 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | 
     CUDA and on CPUs with native bf16, fp32 elsewhere."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if str(dtype).lower() in ("auto", *WEIGHT_FORMATS):
+    if str(dtype).lower() == "auto" or formats.entry(dtype) is not None:
         on_cuda = device is not None and torch.device(device).type == "cuda"
         return torch.bfloat16 if on_cuda or cpu_has_native_bf16() else torch.float32
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
-        raise DraftwiseError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}") from None
+        raise DraftwiseError(f"unknown dtype {dtype!r}; choose one of "
+                             f"{', '.join((*FLOAT_CHOICES, *formats.FORMATS))}") from None
 
 
 def weight_format(dtype: str | torch.dtype | None, *, gguf: bool, device: torch.device) -> str | None:
-    """What `dtype` asks of the weights: 'gguf', 'int8' or None (float). 'auto' keeps a GGUF file's own
-    quantisation on a CPU where draftwise's codes kernel is built (models/qkernel.py), or failing that where the
-    CPU has native bf16 (PyTorch's int4 CPU kernel is fast with bf16 activations only); an explicit float type or
-    'dequantize' never does."""
+    """What `dtype` asks of the weights: a registered format's name (`formats.FORMATS`), or None (float weights),
+    refused in one line where the format cannot serve the model. 'auto' keeps a GGUF file's own quantisation on a
+    CPU where draftwise's codes kernel is built (models/qkernel.py), or failing that where the CPU has native bf16
+    (PyTorch's int4 CPU kernel is fast with bf16 activations only); an explicit float type or 'dequantize' never
+    does."""
+    chosen = formats.entry(dtype)
+    if chosen is not None:
+        if chosen.format is None:
+            return None
+        why = chosen.format.refuse(gguf=gguf, device=device)
+        if why is not None:
+            raise DraftwiseError(why)
+        return chosen.name
     name = str(dtype).lower() if isinstance(dtype, str) else None
-    if name == "gguf" and not gguf:
-        raise DraftwiseError("dtype 'gguf' keeps a GGUF file's quantisation, but this model was not loaded from "
-                             "a .gguf file; choose auto, bf16, fp16, fp32 or int8")
-    if name == "gguf" and device.type != "cpu":
-        raise DraftwiseError("dtype 'gguf' runs PyTorch's int4 CPU kernel; on a GPU choose auto, bf16, fp16 or int8")
-    if name == "gguf" or (name in ("auto", None) and gguf and device.type == "cpu"
-                          and (cpu_has_native_bf16() or qkernel.available())):
+    if name in ("auto", None) and gguf and device.type == "cpu" and (cpu_has_native_bf16() or qkernel.available()):
         return "gguf"
-    return "int8" if name == "int8" else None
+    return None
 
 
 def weights_description(model) -> str:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.").replace("bfloat16", "bf16") \
         .replace("float32", "fp32").replace("float16", "fp16")
-    formats = getattr(model, "draftwise_formats", None)
-    if formats is None:
+    attached = formats.of(model)
+    if attached is None:
         return dtype
-    text = f"{formats.describe()} with {dtype} activations"
-    if getattr(formats, "blocks", False) and dtype == "bf16":
-        from draftwise.models import qkernel
-
+    text = f"{attached.format.describe()} with {dtype} activations"
+    if getattr(attached.format, "blocks", False) and dtype == "bf16":
         if qkernel.prompt_bf16():
             text += "; prompts run the weights rounded to bf16 (bmm16)"
     return text
@@ -179,10 +181,10 @@ def load_model(
         if torch_dtype is None:
             torch_dtype = resolve_dtype("auto", target_device)
         _not_a_model(str(spec))
-        formats = weight_format(dtype, gguf=loaded_gguf(str(spec)) is not None, device=target_device)
-        if formats == "gguf" and not qkernel.available():  # PyTorch's int4 kernel is fast with bf16 activations
+        chosen = weight_format(dtype, gguf=loaded_gguf(str(spec)) is not None, device=target_device)
+        if chosen == "gguf" and not qkernel.available():  # PyTorch's int4 kernel is fast with bf16 activations
             torch_dtype = torch.bfloat16  # only (fp32 runs 40x slower); draftwise's kernel takes either
-        loaded = _load_codes(str(spec), torch_dtype) if formats == "gguf" else None
+        loaded = _load_codes(str(spec), torch_dtype) if chosen == "gguf" else None
         if loaded is None:
             with _progress_bars(progress):
                 loaded = _load_from_string(str(spec), torch_dtype)
@@ -198,9 +200,10 @@ def load_model(
     if torch_dtype is not None and loaded.dtype != torch_dtype:
         loaded.model.to(torch_dtype)
     loaded.model.eval()
+    asked = formats.entry(dtype)
     if isinstance(spec, (str, os.PathLike)):
-        _attach_formats(loaded, formats, loaded_gguf(str(spec)), explicit=str(dtype).lower() in WEIGHT_FORMATS)
-    elif str(dtype).lower() in ("int8", "gguf"):
+        _attach_formats(loaded, chosen, loaded_gguf(str(spec)), explicit=asked is not None)
+    elif asked is not None and asked.format is not None:
         _attach_formats(loaded, weight_format(dtype, gguf=False, device=loaded.device), None, explicit=True)
     loaded.eos_token_ids = frozenset(loaded.eos_token_ids) | _eos_ids(loaded)  # keep ids a caller set
     return loaded
@@ -237,44 +240,37 @@ def _load_codes(spec: str, dtype: torch.dtype) -> LoadedModel | None:
             model, tokenizer = gguf_codes.load(path, dtype, name=name)
     except gguf_codes.Unsupported:
         return None
-    model.__dict__["draftwise_codes"] = True
+    formats.attach(model, formats.ModelFormat("gguf", formats.CodesFormats(model), codes=True))
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 
-def _attach_formats(loaded: LoadedModel, formats: str | None, gguf: Path | None, *, explicit: bool) -> None:
-    """Give the model the weight format its fast forward runs (see `models.quant`). Where 'auto' chose a GGUF's
-    quantisation and the fast forward cannot run the model, or the file holds no Q4_0 / Q4_1 / Q8_0 tensor, the
-    model runs its float weights; an explicit 'gguf' or 'int8' says why it cannot."""
+def _attach_formats(loaded: LoadedModel, name: str | None, gguf: Path | None, *, explicit: bool) -> None:
+    """Give the model the weight format `name` (a `formats.FORMATS` entry; None: float weights) its fast forward
+    runs. Where 'auto' chose a GGUF's quantisation and the fast forward cannot run the model, or the file holds no
+    Q4_0 / Q4_1 / Q8_0 tensor, the model runs its float weights; an explicit format says why it cannot."""
     from draftwise.models.fast import supports
-    from draftwise.models.formats import GGUFFormats, Int8Formats, NoQuantisedTensors
 
     model = loaded.model
-    model.__dict__.pop("draftwise_formats", None)
-    model.__dict__.pop("_draftwise_fast", None)
-    if model.__dict__.get("draftwise_codes"):  # loaded in its codes: nothing to build
-        from draftwise.models.formats import CodesFormats
-
-        model.__dict__["draftwise_formats"] = CodesFormats(model)
-        model.__dict__["draftwise_weights"] = "gguf"
+    attached = formats.of(model)
+    formats.attach(model, None)
+    if attached is not None and attached.codes:  # loaded in its codes: nothing to build
+        formats.attach(model, formats.ModelFormat(attached.name, formats.CodesFormats(model), codes=True))
         return
-    if formats is None:
+    if name is None:
         return
     why = supports(model)
     if why is not None:
         if not explicit:
             return
-        raise DraftwiseError(f"weight format {formats!r} runs on the fast forward, which cannot run this model "
+        raise DraftwiseError(f"weight format {name!r} runs on the fast forward, which cannot run this model "
                              f"({why}); choose a float dtype")
-    if formats == "int8":
-        model.__dict__["draftwise_formats"] = Int8Formats()
-    else:
-        try:
-            model.__dict__["draftwise_formats"] = GGUFFormats(gguf, model, loaded.dtype)
-        except NoQuantisedTensors:
-            if explicit:
-                raise
-            return
-    model.__dict__["draftwise_weights"] = formats
+    try:
+        state = formats.FORMATS[name].format.build(model, gguf=gguf, dtype=loaded.dtype)
+    except formats.NotApplicable:
+        if explicit:
+            raise
+        return
+    formats.attach(model, formats.ModelFormat(name, state))
 
 
 def load_draft(
@@ -290,9 +286,10 @@ def load_draft(
     from draftwise.heads.eagle import DraftHead
     from draftwise.heads.export import is_eagle_dir, load_head
 
-    if isinstance(dtype, str) and dtype.lower() in ("auto", *WEIGHT_FORMATS):
+    if isinstance(dtype, str) and (dtype.lower() == "auto" or formats.entry(dtype) is not None):
         dtype = None  # a draft runs in its target's float type
-    if dtype is None and target.model.__dict__.get("draftwise_codes") and isinstance(spec, (str, os.PathLike)) \
+    target_format = formats.of(target.model)
+    if dtype is None and target_format is not None and target_format.codes and isinstance(spec, (str, os.PathLike)) \
             and loaded_gguf(str(spec)) is not None:
         dtype = "auto"  # a target in its GGUF codes: a GGUF draft in its own codes too, same activations
     if isinstance(spec, DraftHead):

@@ -1,10 +1,5 @@
-"""Weight formats for the fast forward: float, int8 weight-only, and a GGUF file's own quantisation.
-
-A format is chosen at load time (`load_model(dtype=...)`) and attached to the transformers model as
-`model.draftwise_formats`; the runner's `FastModel` asks it for each projection (`linear(name, parts,
-weight, bias)`). The transformers model itself keeps float weights (its dequantised copy, for the
-generic path and the tests' reference); decoding and verification both run the format, so a lossless
-method is exact towards the target as it runs.
+"""The GGUF codec: a file's quantised tensors decoded into codes, scales and zeros (and Q4_0 / Q4_1 / Q8_0 back into
+bytes). Which kernel runs them is the `gguf` weight format's choice (`formats.GGUFFormats`, `linear`'s classes).
 
 GGUF blocks (ggml's layout, along the input dimension), each decoded into codes, a scale and an additive
 term per group (`GGUFTensor`):
@@ -20,16 +15,6 @@ Nibble j of a 32-weight block's byte i is weight i (low) or i + 16 (high); the K
 spells out. Decoding keeps the codes exactly, and each group's scale and additive term are computed in float32 from
 the file's fp16 and 6/8-bit fields as ggml does (exact products), so `dequantized()` equals gguf's reference
 dequantisation value for value (tests/test_kquants.py checks each format block by block).
-
-How each runs (`GGUFFormats.linear`): 4-bit codes (Q4_0, Q4_1, Q4_K) run as int4 groups of 32 (`linear.Int4Linear`:
-w = (q - 8) * scale + zero) with bf16 activations, so the kernel holds scale and zero in bf16: they are rounded by
-up to 2^-9 of their value (the 4-bit codes are kept exactly). PyTorch's int4 CPU kernel has no fast fp32 path.
-Prompt feeds run the dequantised weights (see
-`linear.Int4Linear`). Q5_0, Q6_K and Q8_0 blocks are dequantised exactly (in fp32) and run as float in the
-activations' type: no PyTorch CPU kernel takes 5-, 6- or 8-bit codes with a scale per group of 16 or 32, and the
-alternatives (per-group `_weight_int8pack_mm` calls) are slower than oneDNN's prepacked bf16 product. Other GGUF
-types (F32, F16, BF16)
-run as float.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -23,6 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from draftwise.errors import DraftwiseError
+from draftwise.models import formats
 from draftwise.models.fast import FastModel, fast_disabled, paged_enabled, supports
 from draftwise.models.linear import float32_product, head_logits
 from draftwise.models.kvcache import PagedCache, PositionCache, check_supported, sliding_window
@@ -366,18 +368,23 @@ class ModelRunner:
         self.cache.trim(row, keep)
 
 
+_FAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its key, its FastModel)
+
+
 def fast_model(model: PreTrainedModel) -> FastModel | None:
-    """The model's fast forward (built once per model, dtype, device and DRAFTWISE_KV_DTYPE, and shared by its
-    runners), or None
-    where the generic path runs it: another family, or `DRAFTWISE_FAST=0`."""
+    """The model's fast forward (built once per model, dtype, device, attached weight format and DRAFTWISE_KV_DTYPE,
+    and shared by its runners), or None where the generic path runs it: another family, or `DRAFTWISE_FAST=0`. Each
+    load attaches a new format (`formats.ModelFormat`, compared by identity), so a model loaded again is built
+    again."""
     if fast_disabled() or supports(model) is not None:
         return None
-    key = (next(model.parameters()).dtype, next(model.parameters()).device, getattr(model, "draftwise_weights", None),
+    attached = formats.of(model)
+    key = (next(model.parameters()).dtype, next(model.parameters()).device, attached,
            os.environ.get("DRAFTWISE_KV_DTYPE", "auto"))
-    built = model.__dict__.get("_draftwise_fast")
+    built = _FAST.get(model)
     if built is None or built[0] != key:
-        built = (key, FastModel(model, formats=getattr(model, "draftwise_formats", None)))
-        model.__dict__["_draftwise_fast"] = built
+        built = (key, FastModel(model, formats=attached.format if attached is not None else None))
+        _FAST[model] = built
     return built[1]
 
 
