@@ -26,15 +26,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from draftwise.atomic import write_json  # noqa: E402
 
+KEY, MODEL = "soak-key-0123456789", "tiny"  # the served model's API key and name
+
 
 def main() -> int:
-    from conftest import save_pair
-    from test_server import _prompt
-    from test_server_faults import KEY, MODEL, _socket_request
+    from draftwise.models.tiny import save_pair, word_prompt
+    from draftwise.server.loadtest import raw_post
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10, help="rounds of 200 requests")
@@ -59,9 +59,9 @@ def main() -> int:
     long_prompt = " ".join(["the cat sat on the mat and the dog sat on the log"] * 5)
 
     def one(i: int) -> bytes:
-        body = {"model": MODEL, "prompt": long_prompt if i % 10 == 0 else _prompt(i), "max_tokens": 8,
+        body = {"model": MODEL, "prompt": long_prompt if i % 10 == 0 else word_prompt(i), "max_tokens": 8,
                 "temperature": 1.0, "seed": i, "stream": i % 2 == 0}
-        return _socket_request(url, json.dumps(body).encode(), read=None if i % 7 else rng.randint(1, 200))
+        return raw_post(url, json.dumps(body).encode(), api_key=KEY, read=None if i % 7 else rng.randint(1, 200))
 
     def rss_kib() -> int:
         with open(f"/proc/{process.pid}/status") as status:

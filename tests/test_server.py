@@ -20,12 +20,12 @@ import draftwise
 from conftest import save_pair
 from draftwise.cli import main
 from draftwise.models.loading import load_draft, load_model
+from draftwise.models.tiny import word_prompt
 from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 
 KEY = "test-key-0123456789"
 MODEL = "tiny"
 # words from the tiny tokenizer's corpus, so every prompt is a few tokens
-WORDS = "the cat sat on mat and dog log a small draft model proposes large target accepts tiny fast".split()
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} said {{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}the model said{% endif %}")
 
@@ -72,10 +72,6 @@ def _client(url, key=KEY):
 @pytest.fixture(scope="module")
 def client(served):
     return _client(served["url"])
-
-
-def _prompt(i: int) -> str:
-    return " ".join(WORDS[(i * 7 + j * (i % 5 + 1)) % len(WORDS)] for j in range(3 + i % 4))
 
 
 def _raw(url, path, body=None, *, headers=None, method=None):
@@ -408,7 +404,7 @@ OVERRIDES = [{}, {"method": "ar"}, {"method": "prompt-lookup"}, {"method": "casc
 def test_concurrent_load_no_request_lost_duplicated_or_mixed_and_metrics_add_up(models, served, client):
     """64 requests from 16 clients, over four engines at once: each answer equals its prompt decoded alone."""
     n, tokens = 64, 12
-    prompts = [_prompt(i) for i in range(n)]
+    prompts = [word_prompt(i) for i in range(n)]
     overrides = [OVERRIDES[i % len(OVERRIDES)] for i in range(n)]
     before = _metrics(served["url"])
 
@@ -507,7 +503,7 @@ def test_shutdown_past_its_grace_period_cancels_in_flight_requests(models, monke
 
 def test_loadtest_command_against_a_running_server(served, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(_prompt(i) for i in range(4)))
+    prompts.write_text("\n".join(word_prompt(i) for i in range(4)))
     out = tmp_path / "out" / "load.json"
     code = main(["loadtest", "--url", served["url"], "--concurrency", "1,3", "--num-requests", "4", "--no-chat",
                  "--prompts-file", str(prompts), "--max-tokens", "8", "--api-key", KEY, "--method", "prompt-lookup",
@@ -668,7 +664,7 @@ def test_the_warm_up_runs_the_default_engine_once_and_leaves_nothing_behind(mode
     assert engine.prefixes is None or engine.prefixes.lookup(list(range(1, 300))) == []
     assert engine._decode_s is not None  # the engine's timings are measured already
     cold, _ = start(False)
-    body = {"model": MODEL, "prompt": _prompt(3), "max_tokens": 12, "temperature": 0}
+    body = {"model": MODEL, "prompt": word_prompt(3), "max_tokens": 12, "temperature": 0}
     answers = []
     for service in (warmed, cold):
         server = ThreadedServer(create_app(service)).start()

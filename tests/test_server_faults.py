@@ -3,6 +3,7 @@ never 500 and never with unbounded work; connections that misbehave; shutdown pa
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import time
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from draftwise.server import ThreadedServer, bind, create_app
+from draftwise.server.loadtest import raw_post
 from test_server import (AUTH, KEY, MODEL, _assert_error, _client, _metrics, _raw, _rows, _start,  # noqa: F401
                          _total, _wait, models, served)
 
@@ -294,22 +296,7 @@ def test_generate_json_takes_a_path_like_bench(models, capsys, tmp_path):
 
 # ---- the fault suite: misbehaving clients mixed with good ones
 
-def _socket_request(url, body: bytes, *, read: int | None, wait: float = 0.0) -> bytes:
-    """A raw HTTP/1.1 POST: read everything (read=None), the first `read` bytes then close, or nothing."""
-    host, port = url.split("//")[1].split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                       .encode() + body)
-        if wait:
-            time.sleep(wait)
-        got = b""
-        while read is None or len(got) < read:
-            piece = sock.recv(65536 if read is None else max(1, read - len(got)))
-            if not piece:
-                break
-            got += piece
-        return got
+_socket_request = functools.partial(raw_post, api_key=KEY)  # a raw POST: read all, some bytes, or nothing
 
 
 def test_fault_suite_loses_mixes_and_leaks_nothing(models, served):
@@ -320,7 +307,7 @@ def test_fault_suite_loses_mixes_and_leaks_nothing(models, served):
     from concurrent.futures import ThreadPoolExecutor
 
     import draftwise
-    from test_server import _prompt
+    from draftwise.models.tiny import word_prompt
 
     service = served["service"]
     rng = random.Random(0)
@@ -330,7 +317,7 @@ def test_fault_suite_loses_mixes_and_leaks_nothing(models, served):
 
     def client(i):
         kind = kinds[i]
-        body = {"model": MODEL, "prompt": _prompt(i), "max_tokens": 12, "temperature": 0,
+        body = {"model": MODEL, "prompt": word_prompt(i), "max_tokens": 12, "temperature": 0,
                 "stream": kind != "good"}
         data = json.dumps(body).encode()
         if kind == "malformed":
@@ -356,7 +343,7 @@ def test_fault_suite_loses_mixes_and_leaks_nothing(models, served):
             else:
                 chunks = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
                 text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-            alone = draftwise.generate(models["target"], _prompt(i), draft=models["draft"], method="sd",
+            alone = draftwise.generate(models["target"], word_prompt(i), draft=models["draft"], method="sd",
                                        temperature=0, max_new_tokens=12)
             assert text == alone.text, (i, kind)
     assert _wait(lambda: service.in_flight == 0 and _rows(service) == 0, timeout=20)

@@ -134,6 +134,26 @@ def _message(body: bytes) -> str:
         return body[:200].decode(errors="replace")
 
 
+def raw_post(url: str, body: bytes, *, api_key: str, read: int | None, wait: float = 0.0,
+             path: str = "/v1/completions") -> bytes:
+    """One HTTP/1.1 POST over a plain socket, for clients that misbehave on purpose: read everything (read=None),
+    the first `read` bytes then close, or nothing (read=0, after `wait` seconds)."""
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                     + f"Authorization: Bearer {api_key}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                       .encode() + body)
+        if wait:
+            time.sleep(wait)
+        got = b""
+        while read is None or len(got) < read:
+            piece = sock.recv(65536 if read is None else max(1, read - len(got)))
+            if not piece:
+                break
+            got += piece
+        return got
+
+
 def percentiles(values: Sequence[float], points: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
     """Linear-interpolated percentiles (numpy's default) and the mean; None when there is no value."""
     present = [v for v in values if v is not None]
