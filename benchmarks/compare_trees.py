@@ -80,7 +80,8 @@ def worker(tree: str, job: dict) -> dict:
     from draftwise.errors import DraftwiseError
     from draftwise.methods import METHODS
     from draftwise.models import registry
-    from draftwise.models.loading import load_draft, load_model
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import load_model
 
     package = Path(draftwise.__file__).resolve().parent
     if package != (Path(tree) / "draftwise").resolve():

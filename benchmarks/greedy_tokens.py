@@ -40,7 +40,7 @@ def generate(args) -> None:
     from draftwise.bench.harness import encode_bench_prompt
     from draftwise.atomic import write_json
     from draftwise.models import registry
-    from draftwise.models.loading import load_draft
+    from draftwise.heads.loading import load_draft
 
     torch.set_num_threads(args.threads)
     target = draftwise.load_model(args.target, dtype=args.dtype)

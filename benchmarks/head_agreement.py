@@ -25,7 +25,8 @@ import draftwise  # noqa: E402
 from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.bench.harness import machine_description  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
-from draftwise.models.loading import load_draft, load_model  # noqa: E402
+from draftwise.heads.loading import load_draft  # noqa: E402
+from draftwise.models.loading import load_model  # noqa: E402
 from draftwise.training.answers import Answer, features_from_answers  # noqa: E402
 from draftwise.training.eagle3_train import Eagle3TrainConfig, evaluate, load_examples  # noqa: E402
 from draftwise.training.shards import encode_chat  # noqa: E402

@@ -67,7 +67,7 @@ def main() -> None:
     from draftwise.bench.harness import BenchConfig
 
     drafts = plan_drafts(BenchConfig(target=args.target, methods=tuple(methods), temperature=0.0))
-    from draftwise.models.loading import load_draft
+    from draftwise.heads.loading import load_draft
 
     loaded = {spec: load_draft(spec, target) for spec in set(drafts.values()) if spec}
     prompts = [encode_bench_prompt(target, p) for p in load_prompts(num_prompts=args.num_prompts)]

@@ -65,7 +65,7 @@ def main() -> None:
     from draftwise.atomic import write_json
     from draftwise.bench.datasets import load_prompts
     from draftwise.bench.harness import encode_bench_prompt, machine_description
-    from draftwise.models.loading import load_draft
+    from draftwise.heads.loading import load_draft
     from draftwise.plan import make_plan
 
     torch.set_num_threads(args.threads)

@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftwise.atomic import write_json  # noqa: E402
-from draftwise.models.loading import load_draft, load_model  # noqa: E402
+from draftwise.heads.loading import load_draft  # noqa: E402
+from draftwise.models.loading import load_model  # noqa: E402
 from draftwise.server import ServerConfig, Service, ThreadedServer, create_app  # noqa: E402
 
 SHORT = {"messages": [{"role": "user", "content": "What is the capital of Germany?"}], "max_tokens": 32,

@@ -32,7 +32,8 @@ from draftwise.bench.timing import interleaved, medians  # noqa: E402
 from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.bench.harness import machine_description  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
-from draftwise.models.loading import load_draft, load_model  # noqa: E402
+from draftwise.heads.loading import load_draft  # noqa: E402
+from draftwise.models.loading import load_model  # noqa: E402
 from draftwise.models.runner import ModelRunner  # noqa: E402
 from draftwise.training.eagle3_train import frequency_vocabulary  # noqa: E402
 from draftwise.training.shards import read_shards  # noqa: E402

@@ -45,7 +45,8 @@ from draftwise import plan as plan_module
 from draftwise.bench.harness import machine_description
 from draftwise.cli.generate import read_prompts_file
 from draftwise.server import loadtest
-from draftwise.models.loading import load_draft, load_model
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import load_model
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import draftwise  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
 from draftwise.bench.timing import once  # noqa: E402
-from draftwise.models.loading import load_draft, load_model  # noqa: E402
+from draftwise.heads.loading import load_draft  # noqa: E402
+from draftwise.models.loading import load_model  # noqa: E402
 
 SCHEMA = {
     "type": "object",

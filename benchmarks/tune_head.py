@@ -27,7 +27,8 @@ from draftwise.bench.datasets import load_prompts  # noqa: E402
 from draftwise.atomic import write_json  # noqa: E402
 from draftwise.bench.timing import once  # noqa: E402
 from draftwise.heads.export import load_head  # noqa: E402
-from draftwise.models.loading import load_draft, load_model, resolve_path  # noqa: E402
+from draftwise.heads.loading import load_draft  # noqa: E402
+from draftwise.models.loading import load_model, resolve_path  # noqa: E402
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ import draftwise
 from draftwise.bench.harness import machine_description
 from draftwise.bench.verify import time_forwards
 from draftwise.atomic import write_json
-from draftwise.models.loading import load_draft
+from draftwise.heads.loading import load_draft
 
 
 def curve(target, batch: int, context: int, max_k: int, repeats: int, of=None) -> dict[str, float]:

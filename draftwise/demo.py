@@ -45,7 +45,8 @@ def main() -> int:
 
     clock = time.perf_counter()
     from draftwise.models import qkernel
-    from draftwise.models.loading import load_draft, load_model
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import load_model
     from draftwise.models.load_times import timed_load
 
     target = timed_load(TARGET, lambda: load_model(TARGET, dtype="auto"), dtype="auto", device="cpu", role="target")

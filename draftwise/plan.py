@@ -20,7 +20,8 @@ from draftwise.methods import MAX_GAMMA, METHODS, Method, get_method
 from draftwise.heads.eagle import DraftHead
 from draftwise.engine.grammar import Grammar, compiler_for
 from draftwise.models import registry
-from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
+from draftwise.heads.loading import is_eagle_spec, load_draft
+from draftwise.models.loading import LoadedModel, load_model
 from draftwise.engine.sampling import SamplingConfig, is_greedy
 from draftwise.prompts import check_messages, check_prompt, check_text, encode_prompt
 

@@ -370,7 +370,7 @@ def test_a_gguf_draft_of_a_target_in_codes_loads_in_codes_without_a_float_copy(s
     """In a cache where no float copy exists, the draft is resolved and loaded without making one."""
     from draftwise.models import registry
     from draftwise.models import loading
-    from draftwise.models.loading import load_draft
+    from draftwise.heads.loading import load_draft
 
     codes, _ = smollm2_both
     monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)  # the activations the fixture's target has
@@ -386,7 +386,8 @@ def test_the_pair_runs_from_its_blocks_with_no_cache_entry_and_sd_writes_ars_tok
     with the 0.5B, alone and beside a one-token prompt, writes `ar`'s tokens."""
     import draftwise
     from draftwise.models.cache import cache_root
-    from draftwise.models.loading import load_draft, load_model
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import load_model
 
     entries = lambda: sorted((cache_root() / "models").glob("qwen2.5-coder-*-codes-*"))  # noqa: E731
     before = entries()

@@ -125,7 +125,8 @@ def test_distill_from_feature_shards_with_an_output_vocabulary(tmp_path):
     restricted vocabulary (the data's frequent tokens, special tokens in), which load_draft then uses."""
     from types import SimpleNamespace
 
-    from draftwise.models.loading import LoadedModel, load_draft
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import LoadedModel
     from draftwise.training.shards import generate_shards
 
     target = LoadedModel(tiny_llama(0), name="tiny", eos_token_ids=frozenset({0}))

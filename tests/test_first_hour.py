@@ -83,7 +83,7 @@ def test_load_model_on_an_eagle_head_says_what_it_is(dirs):
     for spec in (EAGLE, dirs["eagle"]):
         with pytest.raises(DraftwiseError, match="EAGLE draft head, not a model.*draft="):
             draftwise.load_model(spec)
-    head = draftwise.models.loading.load_draft(EAGLE, draftwise.load_model(TARGET))
+    head = draftwise.heads.loading.load_draft(EAGLE, draftwise.load_model(TARGET))
     assert type(head).__name__ == "EagleHead"
 
 
@@ -665,7 +665,8 @@ def test_bench_plans_sprinter_with_the_registry_files(dirs, shipped_verifiers):
 def test_draft_directory_with_an_output_vocabulary(capsys, root, tmp_path):
     import shutil
 
-    from draftwise.models.loading import load_draft, write_output_vocabulary
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import write_output_vocabulary
 
     draft_dir = tmp_path / "draft"
     shutil.copytree(root / "draft", draft_dir)

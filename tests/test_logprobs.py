@@ -98,7 +98,7 @@ def test_bad_values_and_methods_off_the_engine_are_refused(models):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from conftest import save_pair
-    from draftwise.models.loading import load_draft
+    from draftwise.heads.loading import load_draft
     from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 
     target_dir, draft_dir = save_pair(tmp_path_factory.mktemp("logprob-models"))

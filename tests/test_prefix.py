@@ -123,7 +123,8 @@ def test_negative_control_a_store_holding_another_prompts_keys_is_caught():
 
 def test_server_reports_cached_tokens_and_counts_them(tmp_path):
     from conftest import save_pair
-    from draftwise.models.loading import load_draft, load_model
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import load_model
     from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 
     target_dir, draft_dir = save_pair(tmp_path)

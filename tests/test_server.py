@@ -19,7 +19,8 @@ import pytest
 import draftwise
 from conftest import save_pair
 from draftwise.cli import main
-from draftwise.models.loading import load_draft, load_model
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import load_model
 from draftwise.models.tiny import word_prompt
 from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 

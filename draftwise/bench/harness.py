@@ -22,7 +22,8 @@ from draftwise.api import generate
 from draftwise.errors import DraftwiseError, did_you_mean
 from draftwise.methods import METHODS
 from draftwise.heads.eagle import DraftHead
-from draftwise.models.loading import LoadedModel, is_eagle_spec, load_draft, load_model
+from draftwise.heads.loading import is_eagle_spec, load_draft
+from draftwise.models.loading import LoadedModel, load_model
 from draftwise.engine.sampling import SamplingConfig
 from draftwise.bench.datasets import Prompt, load_prompts
 from draftwise.bench.labels import DRAFT_ONLY, HF_METHODS, parse_label, run_options

@@ -7,7 +7,8 @@ import json
 import sys
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.loading import DTYPE_HELP, load_draft, load_model
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import DTYPE_HELP, load_model
 from draftwise.engine.sampling import SamplingConfig
 from draftwise.cli.common import DEFAULT_TARGET, floats, parse_option_values, plot_safely, warn_if_fewer
 

@@ -12,7 +12,8 @@ from draftwise.api import generate, stream
 from draftwise.plan import check_options, default_draft, default_method
 from draftwise.errors import DraftwiseError
 from draftwise.methods import METHODS
-from draftwise.models.loading import DTYPE_HELP, load_draft, load_model
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import DTYPE_HELP, load_model
 from draftwise.models.load_times import timed_load
 from draftwise.cli.common import API_DEFAULTS, DEFAULT_TARGET, json_out, method_options, option_help
 

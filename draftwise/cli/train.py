@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from draftwise.errors import DraftwiseError
-from draftwise.models.loading import DTYPE_HELP, LoadedModel, load_draft, load_model, resolve_device
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import DTYPE_HELP, LoadedModel, load_model, resolve_device
 from draftwise.engine.sampling import SamplingConfig
 from draftwise.cli.common import floats
 
@@ -391,7 +392,8 @@ def add_export_eagle(sub: argparse._SubParsersAction) -> None:
 def run_export_eagle(args: argparse.Namespace) -> int:
     import torch
 
-    from draftwise.heads.export import is_eagle_dir, load_head
+    from draftwise.heads.export import load_head
+    from draftwise.models.head_files import is_eagle_dir
     from draftwise.heads.eagle3 import Eagle3Head
     from draftwise.heads.export import export_eagle3
     from draftwise.models.loading import resolve_path

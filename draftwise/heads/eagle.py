@@ -24,9 +24,9 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
 from draftwise.errors import DraftwiseError
+from draftwise.models.head_files import EAGLE_CONFIG as CONFIG_FILE
 from draftwise.models.linear import FloatLinear, float32_product, out_rows, weight_rows
 
-CONFIG_FILE = "eagle.json"
 WEIGHTS_FILE = "eagle.safetensors"
 
 

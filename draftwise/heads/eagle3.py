@@ -35,9 +35,9 @@ from torch import nn
 
 from draftwise.heads.eagle import DraftHead
 from draftwise.errors import DraftwiseError
+from draftwise.models.head_files import EAGLE3_CONFIG as CONFIG_FILE
 from draftwise.models.linear import float32_product, out_rows, weight_rows
 
-CONFIG_FILE = "eagle3.json"
 WEIGHTS_FILE = "eagle3.safetensors"
 
 
@@ -475,8 +475,3 @@ class Eagle3Head(DraftHead):
 
 
 Q8_0_SUFFIX = ".q8_0"  # a stored weight in GGUF Q8_0 blocks
-
-
-def is_eagle3_dir(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_FILE).is_file()
-

@@ -26,22 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftwise.heads.eagle import CONFIG_FILE as EAGLE_CONFIG, DraftHead, EagleHead
-from draftwise.heads.eagle3 import Eagle3Config, Eagle3Head, is_eagle3_dir
+from draftwise.heads.eagle import DraftHead, EagleHead
+from draftwise.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftwise.errors import DraftwiseError
+from draftwise.models.head_files import EAGLE3_ARCHITECTURE as ARCHITECTURE, is_eagle3_checkpoint, is_eagle3_dir
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 _RENAMES = (("body.midlayer.", "midlayer."),)
-
-
-def is_eagle3_checkpoint(path: str | Path) -> bool:
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return ARCHITECTURE in (json.loads(config.read_text()).get("architectures") or [])
-    except (OSError, ValueError):
-        return False
 
 
 def export_eagle3(head: Eagle3Head, out: str | Path, *, dtype: torch.dtype = torch.float16,
@@ -146,11 +136,6 @@ def import_eagle3(path: str | Path) -> Eagle3Head:
         wanted[name] = state[source].float()
     head.load_state_dict({**wanted, "vocab_ids": vocab_ids, "feature_scale": torch.ones(3 * hidden)})
     return head.eval()
-
-
-def is_eagle_dir(path: str | Path) -> bool:
-    """A directory holding a draft head: EAGLE-1 (eagle.json) or EAGLE-3 (eagle3.json)."""
-    return (Path(path) / EAGLE_CONFIG).is_file() or is_eagle3_dir(path) or is_eagle3_checkpoint(path)
 
 
 def load_head(path: str | Path) -> DraftHead:

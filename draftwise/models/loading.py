@@ -9,7 +9,6 @@ reachable; offline they fail fast, naming the offline alternatives.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import socket
@@ -165,7 +164,7 @@ def load_model(
     file's quantisation; 'dequantize' is the float type 'auto' would pick, from dequantised weights.
     None keeps an in-memory model as it is. Weight formats run on the fast forward (Llama, Mistral, Qwen2).
     progress: show transformers' weight-loading bars (off by default).
-    An EAGLE draft head is not a model: give it as `draft=` (see `load_draft`).
+    An EAGLE draft head is not a model: give it as `draft=` (see `heads.loading.load_draft`).
     """
     if not isinstance(spec, (str, os.PathLike)) and isinstance(dtype, str) and dtype.lower() == "auto":
         dtype = None  # a model built in memory keeps the type it was built in
@@ -273,52 +272,6 @@ def _attach_formats(loaded: LoadedModel, name: str | None, gguf: Path | None, *,
     formats.attach(model, formats.ModelFormat(name, state))
 
 
-def load_draft(
-    spec: Any, target: LoadedModel, *, device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None, progress: bool = False,
-) -> Any:
-    """The one resolver for a draft, used by the API, the CLI and the benchmark.
-
-    Returns a `LoadedModel` (an independent draft) or an `EagleHead` attached to `target`
-    (a directory with eagle.json, or a registry name of one). Files load on the target's
-    device and in its dtype unless `device` / `dtype` say otherwise.
-    """
-    from draftwise.heads.eagle import DraftHead
-    from draftwise.heads.export import is_eagle_dir, load_head
-
-    if isinstance(dtype, str) and (dtype.lower() == "auto" or formats.entry(dtype) is not None):
-        dtype = None  # a draft runs in its target's float type
-    target_format = formats.of(target.model)
-    if dtype is None and target_format is not None and target_format.codes and isinstance(spec, (str, os.PathLike)) \
-            and loaded_gguf(str(spec)) is not None:
-        dtype = "auto"  # a target in its GGUF codes: a GGUF draft in its own codes too, same activations
-    if isinstance(spec, DraftHead):
-        head = spec
-    else:
-        path = resolve_path(spec) if isinstance(spec, (str, os.PathLike)) else None
-        if path is None or not is_eagle_dir(path):
-            if isinstance(spec, (str, os.PathLike)):
-                loaded = load_model(spec, device=device or target.device, dtype=dtype or target.dtype,
-                                    progress=progress)
-                vocabulary = registry.draft_vocabulary(str(spec))  # a registry draft's shipped cut, if any
-                if vocabulary is None and path is not None and (Path(path) / OUTPUT_VOCAB_FILE).is_file():
-                    vocabulary = Path(path) / OUTPUT_VOCAB_FILE
-                if vocabulary is not None:
-                    loaded = dataclasses.replace(loaded, output_ids=read_output_vocabulary(vocabulary,
-                                                                                           loaded.vocab_size))
-                return loaded
-            return load_model(spec, device=device, dtype=dtype)
-        try:
-            head = load_head(path)
-        except DraftwiseError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a damaged head file is bad input, reported in one line
-            raise DraftwiseError(f"{spec}: cannot read the EAGLE head ({_one_line(error)})") from None
-    head.attach(target.model)
-    weight = head.fc.weight
-    return head if (weight.device, weight.dtype) == (target.device, target.dtype) else head.to(target.device, target.dtype)
-
-
 OUTPUT_VOCAB_FILE = "output-vocab.json"  # next to a draft's config.json: its restricted output vocabulary
 
 
@@ -342,22 +295,6 @@ def write_output_vocabulary(directory: Path, ids: torch.Tensor, **meta: Any) -> 
     path = Path(directory) / OUTPUT_VOCAB_FILE
     write_json({**meta, "ids": sorted(int(i) for i in ids)}, path)
     return path
-
-
-def is_eagle_spec(spec: Any) -> bool:
-    """Whether `spec` names an EAGLE draft head, decided without loading or converting anything."""
-    from draftwise.heads.eagle import DraftHead
-    from draftwise.heads.export import is_eagle_dir
-
-    if isinstance(spec, DraftHead):
-        return True
-    if not isinstance(spec, (str, os.PathLike)):
-        return False
-    entry = registry.entry(str(spec))
-    if entry is not None:
-        return entry.role == "eagle"
-    path = Path(spec).expanduser()
-    return path.is_dir() and is_eagle_dir(path)
 
 
 def resolve_path(spec: str | os.PathLike) -> Path | None:
@@ -410,7 +347,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _not_a_model(spec: str) -> None:
-    from draftwise.heads.export import is_eagle_dir
+    from draftwise.models.head_files import is_eagle_dir
 
     entry = registry.entry(spec)
     path = Path(spec).expanduser()

@@ -97,7 +97,8 @@ def _positive(name: str, value: float) -> None:
 def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
     from draftwise import plan
     from draftwise.models import registry
-    from draftwise.models.loading import load_draft, load_model
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import load_model
     from draftwise.server import ServerConfig, Service, bind, create_app, serve
 
     model = getattr(args, "model", None)

@@ -55,7 +55,8 @@ def run_pair(args: argparse.Namespace) -> int:
     from draftwise.api import generate
     from draftwise.methods import get_method
     from draftwise.models import registry
-    from draftwise.models.loading import load_draft, weights_description
+    from draftwise.heads.loading import load_draft
+    from draftwise.models.loading import weights_description
 
     logs = PEERS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
