@@ -12,28 +12,25 @@ with `write_output_vocabulary` (sorted, atomically), for the 0.5B draft's LM hea
 
 from __future__ import annotations
 
-import argparse
 import collections
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from draftwise.models.loading import write_output_vocabulary  # noqa: E402
-from draftwise.training.answers import read_answers  # noqa: E402
+from draftwise.bench import scripts
+from draftwise.models.loading import write_output_vocabulary
+from draftwise.training.answers import read_answers
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = scripts.parser(__doc__, threads=None, json=None)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--answers", default="data/answers/qwen2.5-coder-1.5b")
     parser.add_argument("--size", type=int, default=32768)
     parser.add_argument("--answer-weight", type=int, default=20, help="a target answer token counts this many times")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = scripts.parse(parser)
     import draftwise
     from draftwise.training.sharegpt import evaluation_exclusion, load_conversations, ordered
 

@@ -8,9 +8,10 @@ whether two such files (say, before and after a refactor) hold the same tokens, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+
+from draftwise.bench import scripts
 
 # method label -> (method, draft: "head" | "model" | None, extra generate options)
 CASES = {
@@ -33,21 +34,16 @@ CASES = {
 
 
 def generate(args) -> None:
-    import torch
-
     import draftwise
-    from draftwise.bench.datasets import load_prompts
-    from draftwise.bench.harness import encode_bench_prompt
     from draftwise.atomic import write_json
     from draftwise.models import registry
     from draftwise.heads.loading import load_draft
 
-    torch.set_num_threads(args.threads)
     target = draftwise.load_model(args.target, dtype=args.dtype)
     drafts = {"head": load_draft(registry.default_draft(args.target), target, dtype=args.dtype),
               "model": load_draft(registry.default_independent_draft(args.target), target,
                                             dtype=args.dtype)}
-    prompts = [encode_bench_prompt(target, p) for p in load_prompts(num_prompts=args.num_prompts)]
+    prompts = scripts.encoded_prompts(target, args.num_prompts)
     out: dict[str, dict[str, list[list[int]]]] = {}
     for label, (method, draft, extra) in CASES.items():
         kwargs = dict(method=method, temperature=0, max_new_tokens=args.max_new_tokens, gamma=4,
@@ -81,16 +77,15 @@ def compare(a_path: str, b_path: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = scripts.parser(__doc__, json=None)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default="greedy-tokens.json")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"))
-    args = parser.parse_args()
+    args = scripts.parse(parser)
     if args.compare:
         sys.exit(compare(*args.compare))
     generate(args)

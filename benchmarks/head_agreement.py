@@ -12,40 +12,32 @@ decoding path (the engine's step-1 acceptance at T=0 tracks this number).
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
-from pathlib import Path
 
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import draftwise  # noqa: E402
-from draftwise.bench.datasets import load_prompts  # noqa: E402
-from draftwise.bench.harness import machine_description  # noqa: E402
-from draftwise.atomic import write_json  # noqa: E402
-from draftwise.heads.loading import load_draft  # noqa: E402
-from draftwise.models.loading import load_model  # noqa: E402
-from draftwise.training.answers import Answer, features_from_answers  # noqa: E402
-from draftwise.training.eagle3_train import Eagle3TrainConfig, evaluate, load_examples  # noqa: E402
-from draftwise.training.shards import encode_chat  # noqa: E402
+import draftwise
+from draftwise.bench import scripts
+from draftwise.bench.datasets import load_prompts
+from draftwise.bench.harness import machine_description
+from draftwise.atomic import write_json
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import load_model
+from draftwise.training.answers import Answer, features_from_answers
+from draftwise.training.eagle3_train import Eagle3TrainConfig, evaluate, load_examples
+from draftwise.training.shards import encode_chat
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = scripts.parser(__doc__, json=True)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--heads", required=True, help="comma-separated head directories or registry names")
     p.add_argument("--splits", default="eval,train")
     p.add_argument("--num-prompts", type=int, default=24, help="per split, spread over its categories")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="auto", help="the target's format for the answers and features")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-len", type=int, default=2048,
                    help="positions per answer read (prompt included): Spec-Bench's RAG prompts run past 640")
-    p.add_argument("--json", required=True)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(p)
     target = load_model(args.target, dtype=args.dtype)
     reference = load_model(args.target, dtype="fp32")  # the LM-head rows, as training reads them
     heads = {name: load_draft(name, reference) for name in args.heads.split(",") if name}

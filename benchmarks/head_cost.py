@@ -13,13 +13,12 @@ LM-head rows the target's own blocks, through the block kernel).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 import draftwise
-from draftwise.atomic import write_json
+from draftwise.bench import scripts
 from draftwise.bench.harness import machine_description
 from draftwise.bench.timing import interleaved, medians
 from draftwise.bench.verify import filled_runner
@@ -43,17 +42,14 @@ def drafting_step(head, target, context: int, generator: torch.Generator):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = scripts.parser(__doc__)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--head", required=True, help="an EAGLE-3 head directory or registry name")
     parser.add_argument("--dtype", default="auto", help="the target's format (default: auto, as it serves)")
     parser.add_argument("--packing", default="float,q8_0", help="comma-separated: float, q8_0")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(parser)
     packings = [p for p in args.packing.split(",") if p]
     if not packings or set(packings) - {"float", "q8_0"}:
         raise DraftwiseError(f"--packing takes float and q8_0, got {args.packing!r}")
@@ -80,8 +76,7 @@ def main() -> int:
         out["heads"][packing] = {"ms": 1000 * t, "head_vs_target": t / one, "weight_bytes": head.inference_bytes()}
         print(f"head {packing:6s}: {1000 * t:.2f} ms a drafted token = {t / one:.3f} of a target token "
               f"({head.inference_bytes() / 2**20:.1f} MiB of weights read)")
-    if args.json:
-        write_json(out, args.json)
+    scripts.finish(out, args.json)
     return 0
 
 

@@ -9,16 +9,13 @@ loaded model, the two interleaved repeat by repeat after a warm-up; and whether 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-import torch
 
 import draftwise
-from draftwise.bench.datasets import load_prompts
-from draftwise.bench.harness import encode_bench_prompt, machine_description, plan_drafts
-from draftwise.atomic import write_json
+from draftwise.bench import scripts
+from draftwise.bench.harness import machine_description, plan_drafts
 from draftwise.models.linear import FloatLinear
 from draftwise.models.runner import fast_model
 
@@ -47,7 +44,7 @@ def _linears(fast):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = scripts.parser(__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--methods", default="ar,sd")
@@ -55,10 +52,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(parser)
     target = draftwise.load_model(args.target, dtype=args.dtype)
     if fast_model(target.model) is not None and fast_model(target.model)._attend is None:
         raise SystemExit("draftwise's kernel is not built here (or DRAFTWISE_INVARIANT=0): nothing to compare")
@@ -70,7 +64,7 @@ def main() -> None:
     from draftwise.heads.loading import load_draft
 
     loaded = {spec: load_draft(spec, target) for spec in set(drafts.values()) if spec}
-    prompts = [encode_bench_prompt(target, p) for p in load_prompts(num_prompts=args.num_prompts)]
+    prompts = scripts.encoded_prompts(target, args.num_prompts)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
 
     def run(method: str, batch: int) -> tuple[float, list[list[int]]]:
@@ -132,8 +126,7 @@ def main() -> None:
           f"tokens)", flush=True)
     out = {"config": vars(args), "machine": machine_description(target.device), "drafts": drafts,
            "results": results}
-    if args.json:
-        write_json(out, args.json)
+    scripts.finish(out, args.json)
 
 
 if __name__ == "__main__":

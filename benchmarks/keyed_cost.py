@@ -8,14 +8,15 @@ several batch sizes and vocabularies, interleaved repeat by repeat in one proces
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
-import time
 import types
 
 import torch
+
+from draftwise.bench import scripts
+from draftwise.bench.timing import interleaved
 
 
 def old_sampler(commit: str) -> types.ModuleType:
@@ -28,16 +29,13 @@ def old_sampler(commit: str) -> types.ModuleType:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = scripts.parser(__doc__, threads=1)
     parser.add_argument("--before", default="06ec951", help="the commit whose sampler is 'before'")
     parser.add_argument("--vocabs", default="49152,151936")
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(parser)
 
     from draftwise.engine import sampler as new
     from draftwise.engine.keyed import Draws
@@ -68,25 +66,14 @@ def main() -> None:
                 "draft sample: keyed rejection": lambda: new.sample_rows(draft[:, 0], keyed_rs, 0, greedy),
                 "draft sample: keyed Gumbel": lambda: new.sample_rows(draft[:, 0], keyed_gumbel, 0, greedy),
             }
-            times: dict[str, list[float]] = {name: [] for name in cases}
-            for fn in cases.values():  # warm-up
-                fn()
-            for _ in range(args.repeats):  # interleaved
-                for name, fn in cases.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-            for name, values in times.items():
+            for name, values in interleaved(cases, rounds=args.repeats, warmup=1).items():
                 row = {"vocab": vocab, "rows": rows, "k": k, "case": name,
                        "median_ms": round(1000 * statistics.median(values), 3)}
                 print(row, flush=True)
                 results.append(row)
-    if args.json:
-        from draftwise.atomic import write_json
-
-        write_json({"command": "python benchmarks/keyed_cost.py " + " ".join(
-            f"--{a.replace('_', '-')} {v}" for a, v in vars(args).items() if v is not None),
-            "threads": args.threads, "results": results}, args.json)
+    scripts.finish({"command": "python benchmarks/keyed_cost.py " + " ".join(
+        f"--{a.replace('_', '-')} {v}" for a, v in vars(args).items() if v is not None),
+        "threads": args.threads, "results": results}, args.json)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@
 
 from __future__ import annotations
 
-import argparse
 import time
+
+from draftwise.bench import scripts
 
 LOAD_METHODS = {
     "sd": ("sd", True, {}),
@@ -43,7 +44,7 @@ def closed_loop(plan, concurrency: int, requests: int) -> list[list[int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = scripts.parser(__doc__)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--requests", type=int, default=16)
@@ -54,24 +55,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--accept-prompts", type=int, default=4)
     parser.add_argument("--accept-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-load", action="store_true")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = scripts.parse(parser)
 
     import torch
 
     import draftwise
     from draftwise.atomic import write_json
-    from draftwise.bench.datasets import load_prompts
-    from draftwise.bench.harness import encode_bench_prompt, machine_description
+    from draftwise.bench.harness import machine_description
     from draftwise.heads.loading import load_draft
     from draftwise.plan import make_plan
 
-    torch.set_num_threads(args.threads)
     target = draftwise.load_model(args.target)
     draft = load_draft(args.draft, target)
-    prompts = [encode_bench_prompt(target, p) for p in load_prompts(num_prompts=max(args.accept_prompts, 1))]
+    prompts = scripts.encoded_prompts(target, max(args.accept_prompts, 1))
     out = {"command": "python benchmarks/keyed_pair.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False, True)),
            "machine": machine_description(torch.device("cpu")), "target": args.target, "draft": args.draft, "load": [], "couplings": {}}
@@ -95,7 +92,7 @@ def main() -> None:
         if args.json:
             write_json(out, args.json)
     if not args.skip_load:
-        short = min((encode_bench_prompt(target, p) for p in load_prompts(num_prompts=40)), key=len)
+        short = min(scripts.encoded_prompts(target, 40), key=len)
         out["load_prompt_tokens"] = len(short)
         levels = [int(c) for c in args.concurrency.split(",")]
         for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -118,8 +115,7 @@ def main() -> None:
                     write_json(out, args.json)
 
     out["seconds"] = round(time.perf_counter() - started, 1)
-    if args.json:
-        write_json(out, args.json)
+    scripts.finish(out, args.json)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,15 @@ writes JSON:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from draftwise.atomic import write_json  # noqa: E402
-from draftwise.heads.loading import load_draft  # noqa: E402
-from draftwise.models.loading import load_model  # noqa: E402
-from draftwise.server import ServerConfig, Service, ThreadedServer, create_app  # noqa: E402
+from draftwise.bench import scripts
+from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 
 SHORT = {"messages": [{"role": "user", "content": "What is the capital of Germany?"}], "max_tokens": 32,
          "temperature": 0}
@@ -45,7 +39,7 @@ def cached_tokens(answer: dict) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = scripts.parser(__doc__, threads=None)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--method", default="sd")
     parser.add_argument("--long-tokens", type=int, default=7000)
@@ -58,8 +52,7 @@ def main() -> int:
     parser.add_argument("--prefill-share", type=float, default=None,
                         help="what prompt tokens beside decoding rows may cost, as a share of a decoding step "
                         "(default: the engine's PREFILL_SHARE)")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = scripts.parse(parser)
     from draftwise.drafters import base as drafters
     from draftwise.engine import core as engine
     if args.chunk:  # the engine's chunk and the prefill helper's
@@ -67,11 +60,7 @@ def main() -> int:
     if args.prefill_share:
         engine.PREFILL_SHARE = args.prefill_share
 
-    target = load_model(args.target)
-    from draftwise import plan as plan_module
-
-    draft_spec = plan_module.default_draft(target, args.method)
-    draft = load_draft(draft_spec, target) if draft_spec else None
+    target, draft = scripts.target_and_draft(args.target, args.method)
     service = Service(ServerConfig(model_name="m", method=args.method), target, draft)
     vocab = target.tokenizer.get_vocab()
     words = [i for t, i in sorted(vocab.items()) if t.isalpha() and len(t) > 3][:2000]  # token ids of words
@@ -113,8 +102,7 @@ def main() -> int:
               "median_beside_long_s": statistics.median(r["beside_long_s"] for r in runs),
               "median_long_s": statistics.median(r["long_s"] for r in runs)}
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
-    if args.json:
-        write_json(report, args.json)
+    scripts.finish(report, args.json)
     return 0
 
 

@@ -11,7 +11,6 @@ token is measured on the stream (the first chunk with content). Writes JSON:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,12 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from draftwise.atomic import write_json  # noqa: E402
-from draftwise.heads.loading import load_draft  # noqa: E402
-from draftwise.models.loading import load_model  # noqa: E402
-from draftwise.server import ServerConfig, Service, ThreadedServer, create_app  # noqa: E402
+from draftwise.bench import scripts
+from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "draftwise" / "data" / "spec_bench" / "question.jsonl"
 
@@ -76,21 +71,16 @@ def conversation(url: str, document: str, max_tokens: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = scripts.parser(__doc__, threads=None)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--method", default="sd")
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--document-words", type=int, default=1200)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prefix-cache-mb", type=float, default=256.0)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = scripts.parse(parser)
 
-    from draftwise import plan as plan_module
-
-    target = load_model(args.target)
-    spec = plan_module.default_draft(target, args.method)
-    draft = load_draft(spec, target) if spec else None
+    target, draft = scripts.target_and_draft(args.target, args.method)
     servers = {on: ThreadedServer(create_app(Service(ServerConfig(
         model_name="m", method=args.method, prefix_cache_mb=args.prefix_cache_mb if on else 0.0), target, draft)))
         for on in (True, False)}
@@ -121,8 +111,7 @@ def main() -> int:
         "runs": {"with": runs[True], "without": runs[False]},
     }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
-    if args.json:
-        write_json(report, args.json)
+    scripts.finish(report, args.json)
     return 0
 
 

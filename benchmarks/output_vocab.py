@@ -16,27 +16,21 @@ use it; the cut is applied by draftwise at load time. Measured in one run, on Sp
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import draftwise  # noqa: E402
-from draftwise.bench.timing import interleaved, medians  # noqa: E402
-from draftwise.bench.datasets import load_prompts  # noqa: E402
-from draftwise.bench.harness import machine_description  # noqa: E402
-from draftwise.atomic import write_json  # noqa: E402
-from draftwise.heads.loading import load_draft  # noqa: E402
-from draftwise.models.loading import load_model  # noqa: E402
-from draftwise.models.runner import ModelRunner  # noqa: E402
-from draftwise.training.eagle3_train import frequency_vocabulary  # noqa: E402
-from draftwise.training.shards import read_shards  # noqa: E402
+import draftwise
+from draftwise.bench import scripts
+from draftwise.bench.timing import interleaved, medians
+from draftwise.bench.datasets import load_prompts
+from draftwise.bench.harness import machine_description
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import load_model
+from draftwise.models.runner import ModelRunner
+from draftwise.training.eagle3_train import frequency_vocabulary
+from draftwise.training.shards import read_shards
 
 
 def vocabularies(data: str, sizes: list[int], target) -> dict[int, torch.Tensor]:
@@ -61,7 +55,7 @@ def draft_step_ms(variants: dict, vocab_size: int, repeats: int, context: int = 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = scripts.parser(__doc__, json=True)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="smollm2-135m-draft", help="one draft, or several (comma-separated)")
     p.add_argument("--data", required=True, help="shard directory the vocabularies are counted on (training data)")
@@ -70,11 +64,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="fp32")
-    p.add_argument("--json", required=True)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(p)
     sizes = [int(s) for s in args.sizes.split(",")]
     target = load_model(args.target, dtype=args.dtype)
     cuts = vocabularies(args.data, sizes, target)
@@ -112,16 +103,8 @@ def main() -> int:
                 identical[name] += out.token_ids == ar.token_ids
         rows = {}
         for name in variants:
-            st = stats[name]
-            steps, accepted, drafted = (sum(s[k] for s in st) for k in ("steps", "accepted", "drafted"))
-            first = sum(s["accepted_per_position"][0] for s in st if s["accepted_per_position"])
-            first_drafted = sum(s["drafted_per_position"][0] for s in st if s["drafted_per_position"])
-            rows[name] = {
-                "speedup_vs_ar_median": statistics.median(a / b for a, b in zip(per_token["ar"], per_token[name])),
-                "mean_accepted_length": (accepted + steps) / max(steps, 1),
-                "acceptance_rate": accepted / max(drafted, 1), "step1_acceptance": first / max(first_drafted, 1),
-                "target_calls_per_token": sum(s["target_calls"] for s in st) / max(1, sum(s["new_tokens"] for s in st)),
-            }
+            rows[name] = {"speedup_vs_ar_median": scripts.speedups(per_token["ar"], per_token[name]),
+                          **scripts.speculation(stats[name])}
             if temperature == 0:
                 rows[name]["identical_to_ar"] = f"{identical[name]}/{len(prompts)}"
         results[f"t{temperature:g}"] = rows
@@ -133,8 +116,7 @@ def main() -> int:
         results["coverage_of_target_answers"] = {
             f"cut{n}": float(torch.isin(answers, ids).float().mean()) for n, ids in cuts.items()}
         print("coverage:", results["coverage_of_target_answers"])
-    write_json(results, args.json)
-    print(f"wrote {args.json}")
+    scripts.finish(results, args.json)
     return 0
 
 

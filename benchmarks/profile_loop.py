@@ -13,16 +13,13 @@ size) run in turn, round by round (`draftwise.bench.timing`); each reports the m
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-import torch
 
 import draftwise
-from draftwise.bench.datasets import load_prompts
-from draftwise.bench.harness import BenchConfig, _load_bench_draft, encode_bench_prompt, machine_description, resolve_drafts
-from draftwise.atomic import write_json
+from draftwise.bench import scripts
+from draftwise.bench.harness import BenchConfig, _load_bench_draft, machine_description, resolve_drafts
 from draftwise.bench.timing import interleaved
 from draftwise.heads.eagle import DraftHead
 from draftwise.models import runner as runner_module
@@ -53,7 +50,7 @@ class Timer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = scripts.parser(__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--draft", default=None)
     parser.add_argument("--methods", default="ar,sd,suffix")
@@ -62,16 +59,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; every case runs once a round, in turn")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(parser)
 
     config = resolve_drafts(BenchConfig(target=args.target, draft=args.draft, dtype=args.dtype))
     target = draftwise.load_model(config.target, dtype=args.dtype)
     draft = _load_bench_draft(config.draft, target, config) if config.draft else None
-    prompts = [encode_bench_prompt(target, p) for p in load_prompts(num_prompts=args.num_prompts)]
+    prompts = scripts.encoded_prompts(target, args.num_prompts)
 
     timer = Timer()
     for name in ("forward_rows", "forward_states"):
@@ -118,8 +112,7 @@ def main() -> None:
               f"{len(runs)}: " + ", ".join(f"{100 * r['loop_overhead']:.1f}" for r in runs) + ")", flush=True)
     out = {"machine": machine_description(target.device) | {"weights": target.weights},
            "config": vars(args), "draft": str(config.draft), "results": results}
-    if args.json:
-        write_json(out, args.json)
+    scripts.finish(out, args.json)
 
 
 if __name__ == "__main__":

@@ -12,23 +12,19 @@ path's top token is the reference's:
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from draftwise.atomic import write_json  # noqa: E402
-from draftwise.bench.datasets import load_prompts  # noqa: E402
-from draftwise.bench.harness import encode_bench_prompt  # noqa: E402
-from draftwise.models import registry  # noqa: E402
-from draftwise.models.loading import load_model  # noqa: E402
-from draftwise.models.runner import ModelRunner  # noqa: E402
+from draftwise.bench import scripts
+from draftwise.bench.datasets import load_prompts
+from draftwise.bench.harness import encode_bench_prompt
+from draftwise.models import registry
+from draftwise.models.loading import load_model
+from draftwise.models.runner import ModelRunner
 
 
 def last_logits(model, ids: list[int], prompt_bf16: str) -> torch.Tensor:
@@ -38,15 +34,14 @@ def last_logits(model, ids: list[int], prompt_bf16: str) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = scripts.parser(__doc__, threads=None, json=True)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="a registry name of a K-quant GGUF target")
     parser.add_argument("--reference", default=None,
                         help="its weights dequantised, as a Hugging Face directory (default: the one `make pair` "
                              "converts for vLLM, <cache>/models/<target>)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=512, help="prompts cut to this many tokens")
-    parser.add_argument("--json", required=True)
-    args = parser.parse_args()
+    args = scripts.parse(parser)
     if args.reference is None and registry.entry(args.target) is None:
         parser.error(f"{args.target}: not a registry name; pass --reference")
     reference_dir = Path(args.reference) if args.reference else registry.resolve(args.target)
@@ -70,7 +65,7 @@ def main() -> None:
                       "top1_agree": sum(r[f"top1_{name}"] for r in rows)} for name in ("blocks", "bf16")}
     result = {"target": args.target, "weights": target.weights, "reference": str(reference_dir),
               "prompts": len(rows), "summary": summary, "rows": rows}
-    write_json(result, args.json)
+    scripts.finish(result, args.json)
     for name, s in summary.items():
         print(f"{name}: KL median {s['kl_median']:.2e}, max {s['kl_max']:.2e}, top-1 as the reference "
               f"{s['top1_agree']}/{len(rows)}")

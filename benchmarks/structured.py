@@ -13,20 +13,16 @@ Writes JSON:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import draftwise  # noqa: E402
-from draftwise.atomic import write_json  # noqa: E402
-from draftwise.bench.timing import once  # noqa: E402
-from draftwise.heads.loading import load_draft  # noqa: E402
-from draftwise.models.loading import load_model  # noqa: E402
+import draftwise
+from draftwise.bench import scripts
+from draftwise.bench.timing import once
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import load_model
 
 SCHEMA = {
     "type": "object",
@@ -73,7 +69,7 @@ def run(target, draft, chats, *, method, seed, schema, max_new_tokens, batch) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = scripts.parser(__doc__, threads=None)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--draft", default=None, help="default: the registry's draft for the method")
     parser.add_argument("--method", default="sd")
@@ -81,8 +77,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=13, help="alternating rounds with and without the schema")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = scripts.parse(parser)
 
     target = load_model(args.target)
     draft = load_draft(args.draft, target) if args.draft else None
@@ -132,8 +127,7 @@ def main() -> int:
     report["decode_throughput_ratio"] = (report["with_schema"]["decode_tokens_per_s"]
                                          / report["without_schema"]["decode_tokens_per_s"])
     print(json.dumps({k: v for k, v in report.items() if k not in ("with_schema", "without_schema")}, indent=2))
-    if args.json:
-        write_json(report, args.json)
+    scripts.finish(report, args.json)
     return 0
 
 

@@ -11,28 +11,22 @@ and `hybrid` read when their `confidence` option is left at -1.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import draftwise  # noqa: E402
-from draftwise.bench.datasets import load_prompts  # noqa: E402
-from draftwise.atomic import write_json  # noqa: E402
-from draftwise.bench.timing import once  # noqa: E402
-from draftwise.heads.export import load_head  # noqa: E402
-from draftwise.heads.loading import load_draft  # noqa: E402
-from draftwise.models.loading import load_model, resolve_path  # noqa: E402
+import draftwise
+from draftwise.bench import scripts
+from draftwise.bench.datasets import load_prompts
+from draftwise.bench.timing import once
+from draftwise.heads.export import load_head
+from draftwise.heads.loading import load_draft
+from draftwise.models.loading import load_model, resolve_path
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = scripts.parser(__doc__, json=True)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--head", required=True)
     p.add_argument("--gammas", default="3,4,5,6")
@@ -40,11 +34,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", required=True)
     p.add_argument("--write", action="store_true", help="store the best confidence in the head's config")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(p)
     target = load_model(args.target, dtype="fp32")
     head = load_draft(args.head, target)
     texts = [q.text for q in load_prompts(split="train")][:: max(1, 384 // args.num_prompts)][: args.num_prompts]
@@ -67,20 +58,11 @@ def main() -> int:
     for key, per_token in times.items():
         if key == "ar":
             continue
-        ratios = [a / s for a, s in zip(times["ar"], per_token)]
-        st = stats[key]
-        drafted = sum(s["drafted"] for s in st)
-        accepted = sum(s["accepted"] for s in st)
-        steps = sum(s["steps"] for s in st)
-        first_acc = sum(s["accepted_per_position"][0] for s in st if s["accepted_per_position"])
-        first_drafted = sum(s["drafted_per_position"][0] for s in st if s["drafted_per_position"])
-        rows[key] = {"speedup_vs_ar_median": statistics.median(ratios), "mean_accepted_length": (accepted + steps) / max(steps, 1),
-                     "acceptance_rate": accepted / max(drafted, 1), "drafted": drafted, "accepted": accepted,
-                     "steps": steps, "step1_acceptance": first_acc / max(first_drafted, 1)}
+        rows[key] = {"speedup_vs_ar_median": scripts.speedups(times["ar"], per_token), **scripts.speculation(stats[key])}
     best = max(rows, key=lambda k: rows[k]["speedup_vs_ar_median"])
     result = {"config": vars(args), "machine": {"threads": torch.get_num_threads()}, "prompts": len(prompts),
               "pairs": rows, "best": best}
-    write_json(result, args.json)
+    scripts.finish(result, args.json)
     for key, row in sorted(rows.items(), key=lambda kv: -kv[1]["speedup_vs_ar_median"]):
         print(f"{key:<10} {row['speedup_vs_ar_median']:.3f}x  MAL {row['mean_accepted_length']:.2f}  "
               f"acc {row['acceptance_rate']:.3f}  step-1 {row['step1_acceptance']:.3f}")

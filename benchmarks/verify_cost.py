@@ -19,14 +19,11 @@ timed in the same rounds: `draft_vs_target` is what one drafted token costs in t
 
 from __future__ import annotations
 
-import argparse
-
-import torch
 
 import draftwise
+from draftwise.bench import scripts
 from draftwise.bench.harness import machine_description
 from draftwise.bench.verify import time_forwards
-from draftwise.atomic import write_json
 from draftwise.heads.loading import load_draft
 
 
@@ -44,19 +41,16 @@ def curve(target, batch: int, context: int, max_k: int, repeats: int, of=None) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = scripts.parser(__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--formats", default="gguf,bf16,fp32,int8")
     parser.add_argument("--batch-sizes", default="1,16,32")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-of", default=None, help="load --target as this target's draft, and time the "
                         "target's one-token forward beside it")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = scripts.parse(parser)
     out = {"config": vars(args), "formats": {}}
     for fmt in args.formats.split(","):
         of = draftwise.load_model(args.draft_of, dtype=fmt) if args.draft_of else None
@@ -72,8 +66,7 @@ def main() -> None:
                 f"{row['draft_vs_target']:.2f} of a target token" if of is not None else ""), flush=True)
         out["formats"][fmt] = {"weights": target.weights, "batches": by_batch}
         del target, of
-    if args.json:
-        write_json(out, args.json)
+    scripts.finish(out, args.json)
 
 
 if __name__ == "__main__":
