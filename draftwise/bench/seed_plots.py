@@ -22,7 +22,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SEEDS = ("cascades", "sprinter", "mtad", "sv")
 LOWER_IS_BETTER = {"perplexity"}
@@ -89,11 +89,20 @@ def _title(data: dict[str, Any]) -> str:
     return "\n" + " ".join(p for p in parts if p.strip("+ |"))
 
 
-def _save(fig, path: Path) -> Path:
+def _panels(items: list, width: float, draw: Callable[[Any, Any], list[str]], title: str, png: Path) -> list[str]:
+    """One panel per item, side by side, `width` inches each: `draw(ax, item)` fills a panel and returns its note
+    lines; every panel gets a grid, the figure `title`, and it is written to `png`. Returns the notes."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(items), figsize=(width * len(items), 4.2), squeeze=False)
+    notes = []
+    for ax, item in zip(axes[0], items):
+        notes += draw(ax, item)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-    return path
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return notes
 
 
 # --- cascades ------------------------------------------------------------------------------------------------------
@@ -116,10 +125,9 @@ def plot_cascades(data: dict[str, Any], path: Path, png: Path) -> list[str]:
     temps = need(data, path, "temperatures")
     if not isinstance(temps, dict) or not temps:
         raise PlotError(f"{path}: no temperatures in the sweep")
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(temps), figsize=(5.2 * len(temps), 4.2), squeeze=False)
-    notes = []
-    for ax, (t, summary) in zip(axes[0], temps.items()):
+
+    def draw(ax, item: tuple[str, Any]) -> list[str]:
+        t, summary = item
         target = need(summary, path, "target")
         curves = need(summary, path, "curves")
         metric = "pass_at_1" if target.get("pass_at_1") is not None else next(
@@ -150,12 +158,10 @@ def plot_cascades(data: dict[str, Any], path: Path, png: Path) -> list[str]:
         if lower:
             ax.set_yscale("log")
         ax.set_title(f"T = {t}", fontsize=9)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-        notes.append(f"T={t}: frontier ({metric}) " + ", ".join(f"{lab} ({x:.2f}, {y:.3g})" for x, y, lab in front))
-    fig.suptitle("Speculative cascades: quality against latency" + _title(data), fontsize=9)
-    _save(fig, png)
-    return notes
+        return [f"T={t}: frontier ({metric}) " + ", ".join(f"{lab} ({x:.2f}, {y:.3g})" for x, y, lab in front)]
+
+    return _panels(list(temps.items()), 5.2, draw, "Speculative cascades: quality against latency" + _title(data), png)
 
 
 # --- bench tables (sprinter, mtad) ---------------------------------------------------------------------------------
@@ -178,13 +184,8 @@ def _vs_sd(methods: dict[str, dict], path: Path) -> dict[str, float]:
 
 
 def plot_sprinter(files: list[Path], png: Path) -> list[str]:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(files), figsize=(5.2 * len(files), 4.2), squeeze=False)
-    notes, first = [], None
-    for ax, path in zip(axes[0], files):
-        data = load(path)
-        first = first or data
-        methods = _methods(data, path)
+    def draw(ax, path: Path) -> list[str]:
+        methods = _methods(load(path), path)
         speed = _vs_sd(methods, path)
         metric = "pass_at_1" if all(m.get("pass_at_1") is not None for m in methods.values()) else "perplexity"
         if any(m.get(metric) is None for m in methods.values()):
@@ -198,24 +199,18 @@ def plot_sprinter(files: list[Path], png: Path) -> list[str]:
         ax.set_xlabel("tokens/s relative to sd (same run)")
         ax.set_ylabel(QUALITY_NAMES.get(metric, metric))
         ax.set_title(f"T = {_temperature(path)}", fontsize=9)
-        ax.grid(alpha=0.3)
         best = max((lab for lab in methods if lab.startswith("sprinter")), key=lambda lab: speed[lab], default=None)
-        if best:
-            notes.append(f"T={_temperature(path)}: fastest SPRINTER {best} {speed[best]:.2f}x sd, {metric} "
-                         f"{methods[best][metric]:.3g} (sd {methods['sd'][metric]:.3g})")
-    fig.suptitle("SPRINTER: speed against quality" + _title(first), fontsize=9)
-    _save(fig, png)
-    return notes
+        if best is None:
+            return []
+        return [f"T={_temperature(path)}: fastest SPRINTER {best} {speed[best]:.2f}x sd, {metric} "
+                f"{methods[best][metric]:.3g} (sd {methods['sd'][metric]:.3g})"]
+
+    return _panels(files, 5.2, draw, "SPRINTER: speed against quality" + _title(load(files[0])), png)
 
 
 def plot_mtad(files: list[Path], png: Path) -> list[str]:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(files), figsize=(5.6 * len(files), 4.2), squeeze=False)
-    notes, first = [], None
-    for ax, path in zip(axes[0], files):
-        data = load(path)
-        first = first or data
-        methods = _methods(data, path)
+    def draw(ax, path: Path) -> list[str]:
+        methods = _methods(load(path), path)
         speed = _vs_sd(methods, path)
         for label, m in methods.items():
             if m.get("perplexity") is None:
@@ -229,26 +224,20 @@ def plot_mtad(files: list[Path], png: Path) -> list[str]:
         ax.set_xlabel("tokens/s relative to sd (same run)")
         ax.set_ylabel("target perplexity (lower is better)")
         ax.set_title(path.stem, fontsize=9)
-        ax.grid(alpha=0.3)
-        if "mtad" in methods:
-            m = methods["mtad"]
-            notes.append(f"{path.name}: mtad {speed['mtad']:.2f}x sd, perplexity {m['perplexity']:.3f} "
-                         f"(sd {methods['sd']['perplexity']:.3f})" + (
-                             f", pass@1 {m['pass_at_1']:.2f} (sd {methods['sd']['pass_at_1']:.2f})"
-                             if m.get("pass_at_1") is not None and methods["sd"].get("pass_at_1") is not None else ""))
-    fig.suptitle("MTAD: target perplexity against speed" + _title(first), fontsize=9)
-    _save(fig, png)
-    return notes
+        if "mtad" not in methods:
+            return []
+        m, sd = methods["mtad"], methods["sd"]
+        return [f"{path.name}: mtad {speed['mtad']:.2f}x sd, perplexity {m['perplexity']:.3f} "
+                f"(sd {sd['perplexity']:.3f})" + (f", pass@1 {m['pass_at_1']:.2f} (sd {sd['pass_at_1']:.2f})"
+                                                  if m.get("pass_at_1") is not None
+                                                  and sd.get("pass_at_1") is not None else "")]
+
+    return _panels(files, 5.6, draw, "MTAD: target perplexity against speed" + _title(load(files[0])), png)
 
 
 def plot_sv(files: list[Path], png: Path) -> list[str]:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(files), figsize=(5.2 * len(files), 4.2), squeeze=False)
-    notes, first = [], None
-    for ax, path in zip(axes[0], files):
-        data = load(path)
-        first = first or data
-        methods = need(data, path, "batched", "methods")
+    def draw(ax, path: Path) -> list[str]:
+        methods = need(load(path), path, "batched", "methods")
         if not isinstance(methods, dict) or not methods:
             raise PlotError(f"{path}: no batched methods")
         for label, by_batch in methods.items():
@@ -262,15 +251,14 @@ def plot_sv(files: list[Path], png: Path) -> list[str]:
         ax.set_xlabel("batch size")
         ax.set_ylabel("goodput (committed tokens/s)")
         ax.set_title(f"T = {_temperature(path)}", fontsize=9)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-        if "sv" in methods and "sd" in methods:
-            ratios = ", ".join(f"B={b} {m['throughput_tok_s'] / methods['sd'][b]['throughput_tok_s']:.2f}x"
-                               for b, m in methods["sv"].items() if b in methods["sd"])
-            notes.append(f"T={_temperature(path)}: sv against sd: {ratios}")
-    fig.suptitle("Speculative Verification: goodput by batch size" + _title(first), fontsize=9)
-    _save(fig, png)
-    return notes
+        if "sv" not in methods or "sd" not in methods:
+            return []
+        ratios = ", ".join(f"B={b} {m['throughput_tok_s'] / methods['sd'][b]['throughput_tok_s']:.2f}x"
+                           for b, m in methods["sv"].items() if b in methods["sd"])
+        return [f"T={_temperature(path)}: sv against sd: {ratios}"]
+
+    return _panels(files, 5.2, draw, "Speculative Verification: goodput by batch size" + _title(load(files[0])), png)
 
 
 def plot_seed(seed: str, out: Path) -> tuple[Path | None, list[str]]:
