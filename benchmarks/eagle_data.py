@@ -26,38 +26,16 @@ import sys
 import time
 from pathlib import Path
 
+# The recipe runs this file from the committed tree it exports (out/eagle-data-src), whose draftwise/ must be the one
+# imported, not the shared working tree's that the editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from draftwise.atomic import write_json  # noqa: E402
 from draftwise.errors import DraftwiseError  # noqa: E402
 from draftwise.training import sharegpt  # noqa: E402
 from draftwise.training.answers import Answer, chunk_paths, features_from_answers, read_answers  # noqa: E402
-from draftwise.training.shards import shard_paths  # noqa: E402
-
-
-def shard_totals(out: Path) -> tuple[set[tuple[str, str]], int, int]:
-    """(done (uid, tag) keys, answer tokens, all tokens) of the shards in `out` (metadata and offsets only)."""
-    from safetensors import safe_open
-
-    done: set[tuple[str, str]] = set()
-    answer_tokens = tokens = 0
-    for path in shard_paths(out):
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads(f.metadata()["draftwise"])
-            offsets = f.get_tensor("offsets").tolist()
-            prompt_lens = f.get_tensor("prompt_lens").tolist()
-        done.update(zip(meta["uids"], meta["tags"]))
-        for i, cut in enumerate(prompt_lens):
-            length = offsets[i + 1] - offsets[i]
-            tokens += length
-            answer_tokens += length - cut
-    return done, answer_tokens, tokens
-
-
-def clean_temporaries(out: Path) -> None:
-    """Temporary shard files a killed run left (atomic_path's `.shard-*`): never read, only in the way."""
-    for path in out.glob(".shard-*.safetensors*"):
-        path.unlink(missing_ok=True)
+from draftwise.training.shards import clean_temporaries, shard_paths, shard_totals  # noqa: E402
+from draftwise.training.threads import Threads  # noqa: E402
 
 
 def spec_bench_eval_ids() -> frozenset[int]:
@@ -81,43 +59,6 @@ def target_answers(directory: Path, tokenizer, exclusion: sharegpt.Exclusion) ->
         else:
             kept.append(a)
     return kept, dropped
-
-
-class Threads:
-    """Both cores while the machine is otherwise idle, one while other work keeps a core busy. Measured over the
-    last forward: the CPU time the whole machine spent (/proc/stat) less this process's own. With a core taken by
-    other work, a second thread waits a scheduler tick at every parallel region (a forward slows several times);
-    one thread then runs at a core's speed. The features are the same bits either way (the kernels' rows never
-    depend on the thread that computes them)."""
-
-    def __init__(self, most: int) -> None:
-        self.most = most
-        self.last = self._sample()
-        self.count = most
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        with open("/proc/stat") as f:
-            fields = [float(v) for v in f.readline().split()[1:]]
-        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # less idle and iowait (ticks)
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-        mine = float(own[11]) + float(own[12])  # utime + stime of every thread (ticks)
-        return busy, mine, time.monotonic()
-
-    def __call__(self) -> None:
-        import os
-
-        import torch
-
-        busy, mine, now = self._sample()
-        ticks = os.sysconf("SC_CLK_TCK")
-        elapsed = now - self.last[2]
-        if elapsed > 1.0:
-            others = max(0.0, (busy - self.last[0]) - (mine - self.last[1])) / ticks / elapsed  # cores in use
-            self.count = 1 if self.most > 1 and others > 0.4 else self.most
-            torch.set_num_threads(self.count)
-        self.last = (busy, mine, now)
 
 
 def main() -> int:
@@ -146,6 +87,8 @@ def main() -> int:
     def interrupted(signum, frame):  # `kill`: the shard being written is removed whole, like Ctrl-C
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupted)
+
+    import torch
 
     from draftwise.models import qkernel
     from draftwise.models.loading import load_model
@@ -189,10 +132,10 @@ def main() -> int:
     done, answer_done, tokens_done = shard_totals(out)
     log({"event": "start", **setup, "shards": len(shard_paths(out)), "answer_tokens": answer_done,
          "tokens": tokens_done, "budget": args.budget, "target": args.target, "dtype": args.dtype,
-         "threads": __import__("torch").get_num_threads(), "code": str(Path(sharegpt.__file__).parents[1]),
+         "threads": torch.get_num_threads(), "code": str(Path(sharegpt.__file__).parents[1]),
          "kernel": qkernel.problem() or "draftwise's"})
     run_started, run_tokens = time.perf_counter(), 0
-    threads = Threads(__import__("torch").get_num_threads())
+    threads = Threads(torch.get_num_threads())
 
     def write(chunk: list[Answer], stage: str) -> None:
         nonlocal answer_done, tokens_done, run_tokens

@@ -1,24 +1,19 @@
-"""The data job's thread choice (benchmarks/eagle_data.py, `Threads`): both cores while the rest of the machine is
+"""The data job's thread choice (draftwise/training/threads.py, `Threads`): both cores while the rest of the machine is
 idle, one while other work keeps a core busy, judged over the last forward from /proc/stat less the job's own time.
 Control: the job's own busy threads alone never make it drop to one."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import eagle_data  # noqa: E402
+from draftwise.training.threads import Threads
 
 
 @pytest.fixture
 def samples(monkeypatch):
     feed: list[tuple[float, float, float]] = []
-    monkeypatch.setattr(eagle_data.Threads, "_sample", staticmethod(lambda: feed.pop(0)))
+    monkeypatch.setattr(Threads, "_sample", staticmethod(lambda: feed.pop(0)))
     monkeypatch.setattr("os.sysconf", lambda name: 100)  # 100 ticks a second
     before = torch.get_num_threads()
     yield feed
@@ -27,7 +22,7 @@ def samples(monkeypatch):
 
 def test_one_thread_while_another_process_keeps_a_core_busy(samples):
     samples.append((0.0, 0.0, 0.0))  # at start: machine busy ticks, own ticks, seconds
-    threads = eagle_data.Threads(2)
+    threads = Threads(2)
     samples.append((2000.0, 1000.0, 10.0))  # 10 s: the machine 20 core-s busy, the job 10: another core taken
     threads()
     assert threads.count == 1 and torch.get_num_threads() == 1
@@ -38,7 +33,7 @@ def test_one_thread_while_another_process_keeps_a_core_busy(samples):
 
 def test_the_jobs_own_two_busy_threads_keep_both(samples):
     samples.append((0.0, 0.0, 0.0))
-    threads = eagle_data.Threads(2)
+    threads = Threads(2)
     samples.append((2000.0, 1950.0, 10.0))  # the job itself used both cores
     threads()
     assert threads.count == 2

@@ -132,6 +132,29 @@ def done_keys(directory: Path) -> set[tuple[str, str]]:
     return keys
 
 
+def shard_totals(out: Path) -> tuple[set[tuple[str, str]], int, int]:
+    """(done (uid, tag) keys, answer tokens, all tokens) of the shards in `out` (metadata and offsets only)."""
+    done: set[tuple[str, str]] = set()
+    answer_tokens = tokens = 0
+    for path in shard_paths(out):
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["draftwise"])
+            offsets = f.get_tensor("offsets").tolist()
+            prompt_lens = f.get_tensor("prompt_lens").tolist()
+        done.update(zip(meta["uids"], meta["tags"]))
+        for i, cut in enumerate(prompt_lens):
+            length = offsets[i + 1] - offsets[i]
+            tokens += length
+            answer_tokens += length - cut
+    return done, answer_tokens, tokens
+
+
+def clean_temporaries(out: Path) -> None:
+    """Temporary shard files a killed run left (atomic_path's `.shard-*`): never read, only in the way."""
+    for path in out.glob(".shard-*.safetensors*"):
+        path.unlink(missing_ok=True)
+
+
 @dataclass
 class ShardSequence:
     """One sequence read back: tokens [T] int64, features [T, F] fp16 (None when read without them, or read lazily:
