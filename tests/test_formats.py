@@ -86,6 +86,9 @@ def test_a_registered_name_is_a_dtype_and_bad_ones_fail_in_one_line(eighths, mon
     assert loading.resolve_dtype("eighths") == torch.float32
     with pytest.raises(DraftwiseError, match=r"unknown dtype 'eights'; choose one of auto, .*, eighths"):
         loading.resolve_dtype("eights")
+    with pytest.raises(ValueError, match="lower case"):  # dtypes are matched in lower case
+        formats.register(formats.WeightFormat("Eighths", Eighths))
+    assert "Eighths" not in formats.FORMATS
     monkeypatch.setitem(formats.FORMATS, "gguf-only", formats.WeightFormat("gguf-only", GGUFOnly))
     with pytest.raises(DraftwiseError, match=r"^dtype 'gguf-only' needs a \.gguf file$"):
         loading.load_model(tiny_llama(7), dtype="gguf-only")

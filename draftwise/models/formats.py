@@ -67,9 +67,12 @@ class WeightFormat:
 FORMATS: dict[str, WeightFormat] = {}
 
 
-def register(entry: WeightFormat) -> WeightFormat:
-    FORMATS[entry.name] = entry
-    return entry
+def register(new: WeightFormat) -> WeightFormat:
+    """Make `new.name` (lower case: dtypes are matched in lower case) a weight format."""
+    if new.name != new.name.lower():
+        raise ValueError(f"weight format names are lower case, not {new.name!r}")
+    FORMATS[new.name] = new
+    return new
 
 
 def entry(name: object) -> WeightFormat | None:
