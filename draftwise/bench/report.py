@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,68 @@ def plot_batched(results: dict[str, Any], path: str | os.PathLike) -> None:
             fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".").lower() or None)
     finally:
         plt.close(fig)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def baseline_table(results: dict, labels: list[str] | None = None, baseline: str = "sd") -> str:
+    """The MTAD paper's Table 4 columns from bench JSON: tokens/s, speed against `baseline` (same run) and `ar`,
+    block efficiency, acceptance, target perplexity (and against the baseline's), ROUGE-L, energy per token (or
+    why there is none). Nothing is recomputed."""
+    methods = results["methods"]
+    base = methods.get(baseline, {}).get("tokens_per_s")
+    rows = [("method", "tok/s", f"vs {baseline}", "vs ar", "block eff.", "accept", "ppl", "ppl vs sd", "ROUGE-L ref",
+             "J/token")]
+    sd_ppl = methods.get(baseline, {}).get("perplexity")
+    for name in labels or list(methods):
+        m = methods[name]
+        rows.append((
+            name, _fmt(m["tokens_per_s"], ".2f"), _fmt(m["tokens_per_s"] / base if base else None, ".2f"),
+            _fmt(m.get("speedup_vs_ar"), ".2f"), _fmt(m.get("block_efficiency", m["mean_accepted_length"]), ".3f"),
+            _fmt(m["acceptance_rate"] if m["drafted"] else None, ".3f"), _fmt(m.get("perplexity"), ".3f"),
+            _fmt(m["perplexity"] / sd_ppl - 1 if sd_ppl and m.get("perplexity") else None, "+.1%"),
+            _fmt(m.get("rougeL_ref"), ".2f"), _fmt(m.get("energy_j_per_token"), ".3g"),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    energy = results.get("energy", {})
+    if not energy.get("available", False):
+        lines.append(f"energy: unavailable ({energy.get('reason', 'not measured')})")
+    return "\n".join(lines)
+
+
+def setting(label: str, key: str) -> float | None:
+    match = re.search(rf"/{key}=([0-9.]+)", label)
+    return float(match.group(1)) if match else None
+
+
+def plot_mtad_ablation(results: dict, path: str) -> None:
+    """Block efficiency and target perplexity against the beams (`mtad/num_beams=W` columns) and against tau
+    (`mtad/tau=T`), beside `sd`'s perplexity (the MTAD paper Table 7, Figure 3)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = results["methods"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, xlabel in [(axes[0], "num_beams", "beams W (tau 0.5)"), (axes[1], "tau", "tau (4 beams)")]:
+        points = sorted((setting(n, key), m) for n, m in methods.items() if setting(n, key) is not None)
+        xs = [x for x, _ in points]
+        ax.plot(xs, [m["block_efficiency"] for _, m in points], "o-", label="block efficiency")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("tokens per target call")
+        twin = ax.twinx()
+        twin.plot(xs, [m["perplexity"] for _, m in points], "s--", color="tab:red", label="target perplexity")
+        if "sd" in methods:
+            twin.axhline(methods["sd"]["perplexity"], color="tab:red", linewidth=0.8, linestyle=":", label="sd ppl")
+        twin.set_ylabel("target perplexity")
+        ax.legend(loc="upper left", fontsize=8)
+        twin.legend(loc="upper right", fontsize=8)
+    fig.suptitle("MTAD ablations (the MTAD paper Table 7, Figure 3)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
