@@ -8,7 +8,8 @@ A *package* here is a subpackage of draftwise (engine, rules, drafters, models, 
 top-level modules (api, plan, methods, ...); `draftwise/__init__.py` and `__main__.py`, which re-export
 and start the command line, are the root and stand outside the graph.
 
-Run it as a script to print the graph's loops and each package's edges:
+Run it as a script to print the graph's loops and the package layers (`--edges`: each package edge and the imports
+that make it):
 
     .venv/bin/python tests/test_layering.py
 """
@@ -21,11 +22,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "draftwise"
 ROOT_MODULES = {"draftwise", "draftwise.__main__"}
-
-# The one import left that closes a loop: models/loading.py imports heads/ for `load_draft` (heads -> models ->
-# heads). Issue 56's models work moves load_draft to heads/ and empties this set; until then these module edges are
-# left out of both graphs (and `test_the_allowed_edges_still_exist` fails once one is gone, so the set shrinks).
-ALLOWED_UNTIL_LOAD_DRAFT_MOVES: set[tuple[str, str]] = set()  # load_draft moved to heads/loading.py
 
 
 def module_name(path: Path) -> str:
@@ -75,11 +71,11 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-def module_graph(allowed: set[tuple[str, str]] = frozenset()) -> dict[str, set[str]]:
-    """Each module's imports of other draftwise modules, less the root and the `allowed` edges."""
+def module_graph() -> dict[str, set[str]]:
+    """Each module's imports of other draftwise modules (the root left out)."""
     known = modules()
     return {
-        name: {t for t in imports(name, path, known) if t not in ROOT_MODULES and (name, t) not in allowed}
+        name: {t for t in imports(name, path, known) if t not in ROOT_MODULES}
         for name, path in known.items() if name not in ROOT_MODULES
     }
 
@@ -189,14 +185,8 @@ def test_the_reader_sees_imports_in_functions_and_relative_imports(tmp_path, mon
     assert cycles(package_graph(graph)) == {("alpha", "beta")}
 
 
-def test_the_allowed_edges_still_exist():
-    """Each allowed edge is still in the code: once the models work removes one, it must leave the set too."""
-    graph = module_graph()
-    assert {(a, b) for a, b in ALLOWED_UNTIL_LOAD_DRAFT_MOVES if b in graph.get(a, ())} == ALLOWED_UNTIL_LOAD_DRAFT_MOVES
-
-
 def test_packages_form_a_dag():
-    graph = module_graph(ALLOWED_UNTIL_LOAD_DRAFT_MOVES)
+    graph = module_graph()
     edges = package_edges(graph)
     loops = sorted(cycles(package_graph(graph)))
     described = [" -> ".join(loop + (loop[0],)) + "  via "
@@ -206,7 +196,7 @@ def test_packages_form_a_dag():
 
 
 def test_modules_form_a_dag():
-    loops = sorted(cycles(module_graph(ALLOWED_UNTIL_LOAD_DRAFT_MOVES)))
+    loops = sorted(cycles(module_graph()))
     assert not loops, "module loops:\n" + "\n".join(" -> ".join(loop + (loop[0],)) for loop in loops)
 
 
@@ -239,10 +229,9 @@ def main() -> None:
                 print(f"    {a} -> {b}")
     for loop in sorted(cycles(graph), key=len):
         print("module loop:", " -> ".join(loop + (loop[0],)))
-    allowed = package_graph(module_graph(ALLOWED_UNTIL_LOAD_DRAFT_MOVES))
-    if not cycles(allowed):
-        print("package layers (each imports only packages below it; models -> heads allowed until load_draft moves):")
-        for k, level in enumerate(layers(allowed)):
+    if not cycles(packages):
+        print("package layers (each imports only packages below it):")
+        for k, level in enumerate(layers(packages)):
             print(f"  {k}: {' '.join(level)}")
     if "--edges" in sys.argv:
         for (a, b), via in sorted(edges.items()):
