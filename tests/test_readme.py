@@ -1,11 +1,15 @@
 """The README a newcomer reads: short, free of the project's bookkeeping, and every command in it parses as the
-command line and the API understand it (no model runs here: the parse and the names are what drift)."""
+command line and the API understand it; the commands that run on the default model (SmolLM2, the tests' own) run as
+written."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +55,28 @@ def test_every_draftwise_command_in_the_readme_parses():
     for argv in commands:
         args = parser.parse_args([str(Path(a).expanduser()) if a.startswith("~") else a for a in argv])
         assert args.command, argv
+
+
+def _fast_commands() -> list[list[str]]:
+    """The README's `draftwise models` and `draftwise generate` lines on the default model: no --target (the pair
+    is a 1.6 GB download and minutes of decoding), so a test can run them as a user types them."""
+    return [c for c in _commands(README) if c[0] == "draftwise" and c[1] in ("models", "generate") and "--target" not in c]
+
+
+def test_the_readme_has_fast_commands_to_run():
+    assert len(_fast_commands()) >= 3, _fast_commands()
+
+
+@pytest.mark.parametrize("argv", _fast_commands(), ids=" ".join)
+def test_the_fast_readme_commands_run_as_written(argv):
+    env = dict(os.environ, DRAFTWISE_PROGRESS="0", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "draftwise", *argv[1:]], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip(), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    if "capital of Germany" in " ".join(argv):  # the first answer a newcomer sees is right (T=0 by default)
+        assert "Berlin" in done.stdout, done.stdout
 
 
 def test_every_make_target_in_the_readme_exists():
