@@ -37,10 +37,7 @@ from draftwise.engine.keyed import Draws, as_draws
 from draftwise.engine.sampler import RowsAcceptance, accept_own_draws
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import TreeMask
-from draftwise.engine.protocols import RowsDraft
 from draftwise.engine.sampling import argmax_last
-
-DEFAULT_TREE_NODES = 16  # a row's node budget when the engine has no cost measurements yet
 
 
 def depths(parents: Sequence[int]) -> list[int]:
@@ -51,10 +48,6 @@ def depths(parents: Sequence[int]) -> list[int]:
             raise DraftwiseError(f"tree node {i} has parent {p}: parents must come before their children")
         out.append(1 if p < 0 else out[p] + 1)
     return out
-
-
-def chain_parents(n: int) -> tuple[int, ...]:
-    return tuple(range(-1, n - 1))
 
 
 def slot_structure(parents: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
