@@ -200,6 +200,38 @@ def test_modules_form_a_dag():
     assert not loops, "module loops:\n" + "\n".join(" -> ".join(loop + (loop[0],)) for loop in loops)
 
 
+def code_map() -> dict[str, str]:
+    """docs/architecture.md's code map (section 6) as text per package: "" for the top-level modules."""
+    import re
+
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## 6. Where the pieces live", 1)[1].split("```", 2)[1]
+    sections: dict[str, str] = {}
+    current: list[str] = []
+    for line in block.splitlines()[2:]:  # after "draftwise/"
+        entry = re.match(r"^  (\S.*?)(?:\s{2,}|$)", line)
+        if entry:
+            names = re.findall(r"(\w+)/", entry.group(1))
+            current = names if names else [""]
+        for name in current:
+            sections[name] = sections.get(name, "") + line + "\n"
+    return sections
+
+
+def test_the_code_map_names_every_module():
+    """Every module of every package, and every folder inside one, is named in its package's part of the map."""
+    sections = code_map()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        if path.name in ("__init__.py", "__main__.py") or "csrc" in parts:
+            continue
+        section, name = ("", parts[0]) if len(parts) == 1 else (parts[0], parts[1] if len(parts) == 2 else parts[1] + "/")
+        if name not in sections.get(section, ""):
+            missing.append("/".join(parts[:2]))
+    assert not missing, f"docs/architecture.md's code map does not name: {', '.join(sorted(set(missing)))}"
+
+
 def layers(graph: dict[str, set[str]]) -> list[list[str]]:
     """The nodes of a DAG by level: each node one above the highest node it imports (level 0 imports none)."""
     level: dict[str, int] = {}
