@@ -208,6 +208,19 @@ class SuffixOptions:
             raise DraftwiseError(f"suffix min_match must be in [1, depth), got {self.min_match}")
 
 
+def best_speculation(tries: Sequence[SuffixTrie], context: Sequence[int], limit: int, options: SuffixOptions
+                     ) -> tuple[list[int], float]:
+    """The speculation of the trie that scores best on `context` (the first on a tie; ([], 0.0) when none scores
+    above 0): the matching shared by the engine's drafter and the vLLM proposer."""
+    best: tuple[list[int], float] = ([], 0.0)
+    for trie in tries:
+        tokens, score, _ = trie.speculate(context, limit, factor=options.factor, min_prob=options.min_prob,
+                                          min_match=options.min_match)
+        if score > best[1]:
+            best = (tokens, score)
+    return best
+
+
 class SuffixRowsDrafter(RetiringRows):
     """Suffix drafting for the engine's rows; one-hot draft distributions (exact)."""
 
@@ -232,24 +245,17 @@ class SuffixRowsDrafter(RetiringRows):
         self.put(row, state)
 
     def speculate(self, rows, limits) -> tuple[list[list[int]], list[float]]:
-        o = self.options
         found, scores = [], []
         for b, (row, limit) in enumerate(zip(rows, limits)):
             state = self.rows[b]
             state.extend(row.sequence[len(state.tokens) :])  # the tokens committed since the last step
-            best: tuple[list[int], float, int] = ([], 0.0, 0)
-            for trie in (state.trie, self.store.trie):
-                tokens, score, length = trie.speculate(row.sequence, limit, factor=o.factor, min_prob=o.min_prob,
-                                                       min_match=o.min_match)
-                if score > best[1]:
-                    best = (tokens, score, length)
-            tokens = best[0]
+            tokens, score = best_speculation((state.trie, self.store.trie), row.sequence, limit, self.options)
             for i, token in enumerate(tokens):  # nothing is drafted past an end-of-sequence token
                 if token in self.eos:
                     tokens = tokens[: i + 1]
                     break
             found.append(tokens)
-            scores.append(best[1])
+            scores.append(score)
         self.last_scores = scores
         return found, scores
 

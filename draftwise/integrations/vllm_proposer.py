@@ -122,13 +122,7 @@ class SuffixProposer(_Proposer):
         return state
 
     def draft(self, row: int, tokens: np.ndarray, limit: int) -> list[int]:
-        o = self.suffix
+        from draftwise.drafters.suffix import best_speculation
+
         state = self._state(row, tokens)
-        context = state.tokens
-        best: tuple[list[int], float] = ([], 0.0)
-        for trie in (state.trie, self.store.trie):
-            found, score, _ = trie.speculate(context, limit, factor=o.factor, min_prob=o.min_prob,
-                                             min_match=o.min_match)
-            if score > best[1]:
-                best = (found, score)
-        return best[0]
+        return best_speculation((state.trie, self.store.trie), state.tokens, limit, self.suffix)[0]
