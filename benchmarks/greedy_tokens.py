@@ -8,7 +8,6 @@ whether two such files (say, before and after a refactor) hold the same tokens, 
 
 from __future__ import annotations
 
-import json
 import sys
 
 from draftwise.bench import scripts
@@ -60,22 +59,6 @@ def generate(args) -> None:
                 "max_new_tokens": args.max_new_tokens, "batch": args.batch, "tokens": out}, args.json)
 
 
-def compare(a_path: str, b_path: str) -> int:
-    a, b = (json.load(open(p))["tokens"] for p in (a_path, b_path))
-    differ = 0
-    for label in sorted(set(a) | set(b)):
-        if label not in a or label not in b:
-            print(f"{label}: only in {a_path if label in a else b_path}")
-            differ += 1
-            continue
-        for mode in ("alone", "batched"):
-            same = sum(x == y for x, y in zip(a[label][mode], b[label][mode]))
-            total = len(a[label][mode])
-            print(f"{label:14s} {mode:8s} identical {same}/{total}")
-            differ += same != total
-    return 1 if differ else 0
-
-
 def main() -> None:
     parser = scripts.parser(__doc__, json=None)
     parser.add_argument("--target", default="smollm2-135m")
@@ -87,7 +70,9 @@ def main() -> None:
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = scripts.parse(parser)
     if args.compare:
-        sys.exit(compare(*args.compare))
+        from draftwise.bench.report import compare_tokens
+
+        sys.exit(compare_tokens(*args.compare))
     generate(args)
 
 

@@ -11,22 +11,8 @@ import argparse
 import json
 
 from draftwise.atomic import write_json
-from draftwise.bench.sweep import format_sweep, plot_sweep
-
-
-def merge(results: list[dict]) -> dict:
-    base = results[0]
-    same = {k: v for k, v in base["config"].items() if k != "temperatures"}
-    for other in results[1:]:
-        theirs = {k: v for k, v in other["config"].items() if k != "temperatures"}
-        if theirs != same:
-            raise SystemExit("these sweeps differ in more than their temperatures; refusing to merge")
-    merged = {**base, "config": {**base["config"], "temperatures": []}, "temperatures": {}, "runs": {}}
-    for r in results:
-        merged["config"]["temperatures"] += r["config"]["temperatures"]
-        merged["temperatures"].update(r["temperatures"])
-        merged["runs"].update(r["runs"])
-    return merged
+from draftwise.errors import DraftwiseError
+from draftwise.bench.sweep import format_sweep, merge_sweeps, plot_sweep
 
 
 def main() -> None:
@@ -35,7 +21,10 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
-    merged = merge([json.load(open(path)) for path in args.inputs])
+    try:
+        merged = merge_sweeps([json.load(open(path)) for path in args.inputs])
+    except DraftwiseError as error:
+        raise SystemExit(str(error)) from None
     print(format_sweep(merged))
     write_json(merged, args.json)
     if args.plot:

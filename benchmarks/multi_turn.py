@@ -15,11 +15,10 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from draftwise.bench import scripts
-from draftwise.server import ServerConfig, Service, ThreadedServer, create_app
+from draftwise.server import ServerConfig, Service, ThreadedServer, create_app, loadtest
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "draftwise" / "data" / "spec_bench" / "question.jsonl"
 
@@ -37,26 +36,12 @@ def documents(count: int, words: int) -> list[str]:
 
 
 def stream(url: str, body: dict) -> tuple[float, str, dict]:
-    """(time to first content, full text, usage) of a streamed chat request."""
-    request = urllib.request.Request(url + "/v1/chat/completions",
-                                     data=json.dumps({**body, "stream": True,
-                                                      "stream_options": {"include_usage": True}}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    started = time.perf_counter()
-    first, text, usage = None, [], {}
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for line in response:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk["choices"]:
-                piece = choice["delta"].get("content")
-                if piece:
-                    first = first or time.perf_counter() - started
-                    text.append(piece)
-    return first or time.perf_counter() - started, "".join(text), usage
+    """(time to first content, full text, usage) of a streamed chat request (the load test's client)."""
+    path, request = "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    record = loadtest.Client(url).stream(path, request, time.perf_counter() + 600)
+    if not record["ok"]:
+        raise SystemExit(f"multi_turn: the request failed: {record.get('error') or record.get('status')}")
+    return record["ttft_s"] or record["e2e_s"], record["text"], record["usage"]
 
 
 def conversation(url: str, document: str, max_tokens: int) -> dict:

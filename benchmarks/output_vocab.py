@@ -23,12 +23,11 @@ import torch
 
 import draftwise
 from draftwise.bench import scripts
-from draftwise.bench.timing import interleaved, medians
+from draftwise.bench.verify import time_forwards
 from draftwise.bench.datasets import load_prompts
 from draftwise.bench.harness import machine_description
 from draftwise.heads.loading import load_draft
 from draftwise.models.loading import load_model
-from draftwise.models.runner import ModelRunner
 from draftwise.training.eagle3_train import frequency_vocabulary
 from draftwise.training.shards import read_shards
 
@@ -41,17 +40,11 @@ def vocabularies(data: str, sizes: list[int], target) -> dict[int, torch.Tensor]
 
 
 @torch.inference_mode()
-def draft_step_ms(variants: dict, vocab_size: int, repeats: int, context: int = 64) -> dict[str, float]:
-    """Median time of a cached one-token forward (one drafted token) per variant, interleaved."""
-    runners = {}
-    for name, loaded in variants.items():
-        runner = ModelRunner(loaded.model, vocab_size=vocab_size, rows=0, output_ids=loaded.output_ids)
-        runner.forward_rows(torch.arange(1, context + 1)[None], [context])
-        runners[name] = runner
-    token = torch.tensor([[42]])
-    seconds = interleaved({name: (lambda r=runner: r.forward_rows(token, [1])) for name, runner in runners.items()},
-                          rounds=repeats, warmup=5, after=lambda name: runners[name].trim_row(0, context))
-    return {name: 1000 * t for name, t in medians(seconds).items()}
+def draft_step_ms(variants: dict) -> dict[str, float]:
+    """Median ms of a one-token forward (one drafted token) per variant on a row holding 64 tokens, interleaved."""
+    seconds = time_forwards({name: (loaded, 1) for name, loaded in variants.items()}, context=64, repeats=200,
+                            warmup=5)
+    return {name: 1000 * t for name, t in seconds.items()}
 
 
 def main() -> int:
@@ -77,7 +70,7 @@ def main() -> int:
         variants[f"{prefix}full"] = dataclasses.replace(base, output_ids=None)
         variants |= {f"{prefix}cut{n}": dataclasses.replace(base, output_ids=ids) for n, ids in cuts.items()}
     results: dict = {"config": vars(args), "machine": machine_description(target.device),
-                     "draft_step_ms": draft_step_ms(variants, target.vocab_size, repeats=200)}
+                     "draft_step_ms": draft_step_ms(variants)}
     print("draft ms per drafted token:", {k: round(v, 3) for k, v in results["draft_step_ms"].items()})
     prompts = [[{"role": "user", "content": q.text}] for q in load_prompts(num_prompts=args.num_prompts)]
     answer_tokens: list[int] = []

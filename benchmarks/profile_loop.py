@@ -14,39 +14,14 @@ size) run in turn, round by round (`draftwise.bench.timing`); each reports the m
 from __future__ import annotations
 
 import statistics
-import time
 
 
 import draftwise
 from draftwise.bench import scripts
 from draftwise.bench.harness import BenchConfig, _load_bench_draft, machine_description, resolve_drafts
-from draftwise.bench.timing import interleaved
+from draftwise.bench.timing import CallTimer, interleaved
 from draftwise.heads.eagle import DraftHead
 from draftwise.models import runner as runner_module
-
-
-class Timer:
-    """Wall time inside the wrapped model calls (nested calls counted once)."""
-
-    def __init__(self) -> None:
-        self.spent = 0.0
-        self.depth = 0
-
-    def wrap(self, owner: type, name: str) -> None:
-        fn = getattr(owner, name)
-        timer = self
-
-        def wrapper(*args, **kwargs):
-            timer.depth += 1
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timer.depth -= 1
-                if timer.depth == 0:
-                    timer.spent += time.perf_counter() - start
-
-        setattr(owner, name, wrapper)
 
 
 def main() -> None:
@@ -67,7 +42,7 @@ def main() -> None:
     draft = _load_bench_draft(config.draft, target, config) if config.draft else None
     prompts = scripts.encoded_prompts(target, args.num_prompts)
 
-    timer = Timer()
+    timer = CallTimer()
     for name in ("forward_rows", "forward_states"):
         timer.wrap(runner_module.ModelRunner, name)
     for name in ("step_input", "logits"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -165,3 +166,21 @@ def plot_mtad_ablation(results: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def compare_tokens(a_path: str, b_path: str) -> int:
+    """Whether two `benchmarks/greedy_tokens.py` files hold the same tokens, a line per method and mode (alone,
+    batched); 1 when any differ or a method is in one file only, else 0."""
+    a, b = (json.load(open(p))["tokens"] for p in (a_path, b_path))
+    differ = 0
+    for label in sorted(set(a) | set(b)):
+        if label not in a or label not in b:
+            print(f"{label}: only in {a_path if label in a else b_path}")
+            differ += 1
+            continue
+        for mode in ("alone", "batched"):
+            same = sum(x == y for x, y in zip(a[label][mode], b[label][mode]))
+            total = len(a[label][mode])
+            print(f"{label:14s} {mode:8s} identical {same}/{total}")
+            differ += same != total
+    return 1 if differ else 0

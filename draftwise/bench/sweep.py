@@ -215,3 +215,20 @@ def plot_sweep(result: dict[str, Any], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def merge_sweeps(results: list[dict]) -> dict:
+    """Sweeps run separately per temperature (same config otherwise) as one result (`benchmarks/merge_sweeps.py`);
+    a DraftwiseError when they differ in more than their temperatures."""
+    base = results[0]
+    same = {k: v for k, v in base["config"].items() if k != "temperatures"}
+    for other in results[1:]:
+        theirs = {k: v for k, v in other["config"].items() if k != "temperatures"}
+        if theirs != same:
+            raise DraftwiseError("these sweeps differ in more than their temperatures; refusing to merge")
+    merged = {**base, "config": {**base["config"], "temperatures": []}, "temperatures": {}, "runs": {}}
+    for r in results:
+        merged["config"]["temperatures"] += r["config"]["temperatures"]
+        merged["temperatures"].update(r["temperatures"])
+        merged["runs"].update(r["runs"])
+    return merged

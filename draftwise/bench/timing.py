@@ -41,3 +41,28 @@ def once(cases: Mapping[Any, Callable[[], Any]]) -> dict[Any, tuple[float, Any]]
     walls = interleaved({name: (lambda name=name: results.__setitem__(name, cases[name]())) for name in cases},
                         rounds=1, warmup=0)
     return {name: (walls[name][0], results[name]) for name in cases}
+
+
+class CallTimer:
+    """Wall time spent inside the wrapped methods (`wrap`: a class's method, replaced in place; a call nested in
+    another wrapped call counted once), accumulated in `spent`."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.depth = 0
+
+    def wrap(self, owner: type, name: str) -> None:
+        fn = getattr(owner, name)
+        timer = self
+
+        def wrapper(*args, **kwargs):
+            timer.depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer.depth -= 1
+                if timer.depth == 0:
+                    timer.spent += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
