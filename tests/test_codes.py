@@ -402,3 +402,18 @@ def test_the_pair_runs_from_its_blocks_with_no_cache_entry_and_sd_writes_ars_tok
     assert draftwise.generate(target, ids, method="sd", draft=draft, **kwargs).token_ids == ar
     batch = draftwise.generate(target, [ids, ids[:1]], method="sd", draft=draft, **kwargs)
     assert batch[0].token_ids == ar
+
+
+def test_a_gguf_the_codes_path_cannot_serve_falls_back_to_the_dequantising_loader(smollm2_both, monkeypatch):
+    """The codes loader's Unsupported (here: the kernel not built) means "use the other loader", not a damaged
+    file: dtype="gguf" still loads, from the dequantised copy, and gives its logits."""
+    from draftwise.models import gguf_codes, loading
+
+    def unsupported(*args, **kwargs):
+        raise gguf_codes.Unsupported("the codes kernel is not built (test)")
+
+    monkeypatch.setattr(gguf_codes, "load", unsupported)
+    loaded = loading.load_model("smollm2-135m", dtype="gguf")
+    assert not formats.of(loaded.model).codes
+    ids = loaded.tokenizer("x = 1")["input_ids"]
+    assert _logits(loaded, ids).shape[-1] == _logits(smollm2_both[1], ids).shape[-1]

@@ -234,11 +234,11 @@ def _load_codes(spec: str, dtype: torch.dtype) -> LoadedModel | None:
     name = spec if registry.entry(spec) is not None else Path(spec).stem
     if registry.entry(spec) is None:  # a registry file's hash covers it (entry.gguf checked it)
         check_header_once(path)
-    try:
-        with _load_errors(path, "the GGUF file"):
+    with _load_errors(path, "the GGUF file"):
+        try:
             model, tokenizer = gguf_codes.load(path, dtype, name=name)
-    except gguf_codes.Unsupported:
-        return None
+        except gguf_codes.Unsupported:  # caught inside: _load_errors would make it a "damaged file" error
+            return None
     formats.attach(model, formats.ModelFormat("gguf", formats.CodesFormats(model), codes=True))
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
