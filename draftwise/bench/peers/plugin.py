@@ -15,6 +15,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from draftwise.errors import DraftwiseError
 from draftwise.bench.peers import PEERS, ROOT
 
 PROPOSERS = {"prompt-lookup": "draftwise.integrations.vllm_proposer.PromptLookupProposer",
@@ -61,6 +62,8 @@ def draftwise_side(target, prompts: list[list[int]], gamma: int, max_new_tokens:
 
 def vllm_side(hf_dir: Path, prompts: list[list[int]], gamma: int, max_new_tokens: int) -> dict:
     python = PEERS / "vllm" / "bin" / "python"
+    if not python.exists():
+        raise DraftwiseError(f"vLLM's CPU build is not installed ({python} is missing); `make bench-peers` installs it")
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="2")
     payload = json.dumps({"hf_dir": str(hf_dir), "prompts": prompts, "gamma": gamma,
                           "max_new_tokens": max_new_tokens, "proposers": PROPOSERS})
