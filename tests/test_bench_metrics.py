@@ -241,3 +241,22 @@ def test_once_calls_each_case_once_in_order_and_keeps_its_result():
     assert calls == ["b", "a"] and list(runs) == ["b", "a"]
     assert [result for _, result in runs.values()] == [2, 1]
     assert all(seconds >= 0 for seconds, _ in runs.values())
+
+
+def test_the_scripts_speculation_summary_reports_what_summarize_reports():
+    """bench.scripts.speculation (tune_head, output_vocab) and metrics.summarize define mean accepted length the same
+    way: new tokens over target calls. A SPRINTER-like run (steps without a target call) tells the two definitions
+    apart: (accepted + steps) / steps would give 2.5 here, against 10 / 5 = 2.0."""
+    from draftwise.bench import scripts
+
+    stats = [dict(steps=4, accepted=6, drafted=8, target_calls=3, new_tokens=6, accepted_per_position=[3, 2],
+                  drafted_per_position=[4, 4]),
+             dict(steps=0, accepted=0, drafted=0, target_calls=2, new_tokens=4, accepted_per_position=[],
+                  drafted_per_position=[])]
+    records = [RunRecord(method="m", repeat=0, question_id=i, category="c", new_tokens=s["new_tokens"], wall_time_s=1.0,
+                         target_calls=s["target_calls"], drafted=s["drafted"], accepted=s["accepted"])
+               for i, s in enumerate(stats)]
+    ours, theirs = scripts.speculation(stats), summarize(records)
+    assert ours["mean_accepted_length"] == theirs["mean_accepted_length"] == 2.0
+    assert ours["target_calls_per_token"] == theirs["target_calls_per_token"]
+    assert ours["acceptance_rate"] == theirs["acceptance_rate"]

@@ -53,13 +53,15 @@ def target_and_draft(target: str, method: str, draft: str | None = None, **load:
 
 def speculation(stats: Sequence[dict[str, Any]]) -> dict[str, float]:
     """The speculative counters of several generations' stats, summed: acceptance rate (accepted / drafted), mean
-    accepted length ((accepted + steps) / steps), the first drafted position's acceptance, target calls per token."""
+    accepted length (new tokens / target calls, as bench.metrics reports it), the first drafted position's
+    acceptance, target calls per token."""
     steps, accepted, drafted = (sum(s[k] for s in stats) for k in ("steps", "accepted", "drafted"))
+    calls, new_tokens = (sum(s[k] for s in stats) for k in ("target_calls", "new_tokens"))
     first = sum(s["accepted_per_position"][0] for s in stats if s["accepted_per_position"])
     first_drafted = sum(s["drafted_per_position"][0] for s in stats if s["drafted_per_position"])
-    return {"mean_accepted_length": (accepted + steps) / max(steps, 1), "acceptance_rate": accepted / max(drafted, 1),
+    return {"mean_accepted_length": new_tokens / calls if calls else 0.0, "acceptance_rate": accepted / max(drafted, 1),
             "step1_acceptance": first / max(first_drafted, 1), "drafted": drafted, "accepted": accepted, "steps": steps,
-            "target_calls_per_token": sum(s["target_calls"] for s in stats) / max(1, sum(s["new_tokens"] for s in stats))}
+            "target_calls_per_token": calls / max(1, new_tokens)}
 
 
 def speedups(baseline: Sequence[float], times: Sequence[float]) -> float:
