@@ -11,11 +11,10 @@ from typing import Any, Iterator, Sequence
 
 from draftwise.errors import DraftwiseError, DraftwiseWarning
 from draftwise.models.runner import kv_bytes_per_token
-from draftwise.engine.rows import Result, TokenLogprob
+from draftwise.engine.rows import ParamError, Result, TokenLogprob
 from draftwise.methods import METHODS, Method
-from draftwise.engine.grammar import grammar_from
 from draftwise.builder import build_engine
-from draftwise.plan import Plan, check_batch_size, check_processors, make_plan, request_for, with_processors
+from draftwise.plan import Plan, check_batch_size, make_plan, request_for, request_params, split_options, with_params
 from draftwise.prompts import check_prompt, encode_prompt, split_prompts
 
 
@@ -64,19 +63,11 @@ def generate(
     gamma: int = 4,
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
-    repetition_penalty: float = 1.0,
-    min_new_tokens: int = 0,
-    logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
-    grammar: Any = None,
     response_format: Any = None,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    logit_bias: dict[int, float] | None = None,
     max_batch_size: int = 16,
     kv_budget_mb: float | None = None,
     prefix_cache_mb: float = 0.0,
-    **method_options: Any,
+    **options: Any,
 ) -> Generation | list[Generation]:
     """Decode `prompt` with `method`; returns the new tokens, their text and the step counters.
 
@@ -94,6 +85,8 @@ def generate(
     positions were drafted, so on draft lengths, though not on the batch-mates' draws.
     `kv_budget_mb` bounds the target's KV cache: a request joins only when its prompt plus
     `max_new_tokens` fits beside the live ones (one request always runs, whatever its size).
+    `options` are the method's options (`draftwise methods`) and the request's (`engine.rows.RequestParams`: each
+    field is a keyword, e.g. `presence_penalty=0.5`); a bad value is a one-line DraftwiseError naming it.
     `logprobs=k` gives each new token's log-probability under the target and its k most likely tokens
     (`Generation.logprobs`), read from the verification forward; `prompt_logprobs=k` the same for the prompt.
     Both are the target's raw log-softmax (before temperature, top-k / top-p and penalties).
@@ -120,14 +113,12 @@ def generate(
         raise DraftwiseError(f"prefix_cache_mb must be a number >= 0 (megabytes; 0: off), got {prefix_cache_mb!r}")
     for other in prompts[1:]:
         check_prompt(other)
-    penalties = dict(frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logit_bias=logit_bias)
-    check_processors(repetition_penalty, min_new_tokens, logprobs, prompt_logprobs, **penalties)
-    constraint = grammar_from(grammar, response_format=response_format)
+    asked, method_options = split_options(options)
+    params = request_params(asked, response_format=response_format)
     plan = make_plan(target=target, prompt=prompts[0], draft=draft, method=method, max_new_tokens=max_new_tokens,
                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, gamma=gamma, stop=stop,
                  ignore_eos=ignore_eos, method_options=method_options)
-    plan = with_processors(plan, repetition_penalty, min_new_tokens, logprobs, prompt_logprobs, constraint,
-                           **penalties)
+    plan = with_params(plan, params)
     if not batch:
         run = _Run(plan, streaming=False)
         for _ in run.pieces():
@@ -169,16 +160,9 @@ def stream(
     gamma: int = 4,
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
-    repetition_penalty: float = 1.0,
-    min_new_tokens: int = 0,
-    logprobs: int | None = None,
-    grammar: Any = None,
     response_format: Any = None,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    logit_bias: dict[int, float] | None = None,
     events: bool = False,
-    **method_options: Any,
+    **options: Any,
 ) -> Iterator[str] | Iterator[StreamEvent]:
     """Like `generate`, but yields text pieces as tokens are committed; they join to `generate(...).text`.
 
@@ -189,14 +173,15 @@ def stream(
     """
     if prompt is not None and messages is not None:
         raise DraftwiseError("give a prompt or messages=..., not both")
-    penalties = dict(frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logit_bias=logit_bias)
-    check_processors(repetition_penalty, min_new_tokens, logprobs, **penalties)
-    constraint = grammar_from(grammar, response_format=response_format)
+    asked, method_options = split_options(options)
+    params = request_params(asked, response_format=response_format)
+    if params.prompt_logprobs is not None:
+        raise ParamError("prompt_logprobs", "stream does not return prompt_logprobs: use generate(..., "
+                         "prompt_logprobs=k)")
     plan = make_plan(target=target, prompt=prompt if messages is None else None, messages=messages, draft=draft,
                  method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  seed=seed, gamma=gamma, stop=stop, ignore_eos=ignore_eos, method_options=method_options)
-    run = _Run(with_processors(plan, repetition_penalty, min_new_tokens, logprobs, grammar=constraint, **penalties),
-               streaming=True)
+    run = _Run(with_params(plan, params), streaming=True)
     return _stream_events(run) if events else run.pieces()
 
 
@@ -216,7 +201,7 @@ def _stream_events(run: "_Run") -> Iterator[StreamEvent]:
     seen = 0
 
     def logprobs(end: int) -> list[TokenLogprob] | None:
-        return None if run.plan.logprobs is None else run.logprobs[seen:end]
+        return None if run.plan.params.logprobs is None else run.logprobs[seen:end]
 
     for piece in run.pieces():
         end = len(run.token_ids)

@@ -1,6 +1,6 @@
 """A request, checked and planned before any model runs: the method and its options, the models it needs
-(loaded, with the registry's defaults), sampling, limits and processors (`make_plan`, `with_processors`), and the
-engine request each prompt becomes (`request_for`)."""
+(loaded, with the registry's defaults), sampling, limits and the request's options (`make_plan`, `with_params`),
+and the engine request each prompt becomes (`request_for`)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from draftwise.errors import DraftwiseError, DraftwiseWarning, did_you_mean
-from draftwise.engine.rows import MAX_LOGPROBS, Request
+from draftwise.engine import rows
+from draftwise.engine.rows import ParamError, Request, RequestParams
 from draftwise.methods import MAX_GAMMA, METHODS, Method, get_method
 from draftwise.heads.eagle import DraftHead
-from draftwise.engine.grammar import Grammar, compiler_for
+from draftwise.engine.grammar import compiler_for, grammar_from
 from draftwise.models import registry
 from draftwise.heads.loading import is_eagle_spec, load_draft
 from draftwise.models.loading import LoadedModel, load_model
@@ -46,99 +47,55 @@ class Plan:
     context_limited: bool = False  # max_new_tokens was cut to fit the context window: finish_reason "context"
     window: int = 10**12  # the smallest context window of the models the plan runs
     requested_new_tokens: int = 0  # max_new_tokens as asked, before the window cut (other prompts of a batch)
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    grammar: Grammar | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, token ids ascending
+    params: RequestParams = RequestParams()  # penalties, bias, log-probabilities, grammar: see `with_params`
     companion: LoadedModel | None = None  # SV's companion / staged SD's intermediate model
     sv_profile: Any = None  # sv.SVProfile: P(accept | S, A) and the latency model of the select phase
 
 
-def check_logprobs(value: Any, name: str) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                              or not 0 <= value <= MAX_LOGPROBS):
-        raise DraftwiseError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (how many top alternatives "
-                             f"to return beside each token's own), got {value!r}")
+def request_params(options: dict[str, Any], *, response_format: Any = None) -> RequestParams:
+    """The request options among keyword arguments (`RequestParams`' names), checked before any model loads
+    (ParamError names a bad one); OpenAI's `response_format` is another way to give the grammar."""
+    values = {name: options[name] for name in rows.RequestParams.names() if name in options}
+    if response_format is not None or "grammar" in values:
+        try:
+            values["grammar"] = grammar_from(values.get("grammar"), response_format=response_format)
+        except DraftwiseError as error:
+            raise ParamError("grammar", str(error)) from None
+    return rows.RequestParams.from_options(values)
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Keyword arguments as (request options, method options)."""
+    names = rows.RequestParams.names()
+    return ({k: v for k, v in options.items() if k in names}, {k: v for k, v in options.items() if k not in names})
 
 
-def check_processors(repetition_penalty: Any, min_new_tokens: Any, logprobs: Any = None,
-                      prompt_logprobs: Any = None, *, frequency_penalty: Any = 0.0, presence_penalty: Any = 0.0,
-                      logit_bias: Any = None) -> None:
-    check_logprobs(logprobs, "logprobs")
-    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
-        if not _finite(value):
-            raise DraftwiseError(f"{name} must be a finite number (0 turns it off; OpenAI's range is [-2, 2]), got "
-                                 f"{value!r}")
-    bias_pairs(logit_bias)
-    check_logprobs(prompt_logprobs, "prompt_logprobs")
-    if (not isinstance(repetition_penalty, (int, float)) or isinstance(repetition_penalty, bool)
-            or not repetition_penalty > 0 or repetition_penalty == float("inf")):
-        raise DraftwiseError(f"repetition_penalty must be a number > 0 (1 turns it off), got {repetition_penalty!r}")
-    if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) or min_new_tokens < 0:
-        raise DraftwiseError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
-
-
-def bias_pairs(logit_bias: Any, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
-    """logit_bias ({token id: bias}; ids as integers or as OpenAI's strings) as sorted (id, bias) pairs, checked
-    (against the vocabulary when its size is given)."""
-    if logit_bias is None:
-        return ()
-    if not isinstance(logit_bias, dict):
-        raise DraftwiseError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
-    pairs = {}
-    for key, bias in logit_bias.items():
-        token = key if isinstance(key, int) and not isinstance(key, bool) else \
-            int(key) if isinstance(key, str) and key.strip().isdigit() else None
-        if token is None or token < 0 or (vocab_size is not None and token >= vocab_size):
-            where = f" in [0, {vocab_size})" if vocab_size is not None else " >= 0"
-            raise DraftwiseError(f"logit_bias: key {key!r} is not a token id{where}")
-        if not _finite(bias):
-            raise DraftwiseError(f"logit_bias[{key!r}] must be a finite number (OpenAI's range is [-100, 100]), got "
-                                 f"{bias!r}")
-        pairs[token] = float(bias)
-    return tuple(sorted(pairs.items()))
-
-
-def with_processors(plan: Plan, repetition_penalty: float, min_new_tokens: int, logprobs: int | None = None,
-                     prompt_logprobs: int | None = None, grammar: Grammar | None = None, *,
-                     frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: Any = None) -> Plan:
-    """The plan with its logits processors, log-probability requests and grammar, refused (with the reason)
+def with_params(plan: Plan, params: RequestParams) -> Plan:
+    """The plan with the request's options, checked against the vocabulary and refused (ParamError, with the reason)
     where the method cannot apply them."""
-    bias = bias_pairs(logit_bias, plan.vocab_size)
-    asked = [name for name, on in (("repetition_penalty", repetition_penalty != 1.0),
-                                   ("frequency_penalty", frequency_penalty != 0), ("presence_penalty",
-                                   presence_penalty != 0), ("logit_bias", bool(bias)),
-                                   ("min_new_tokens", min_new_tokens != 0), ("logprobs", logprobs is not None),
-                                   ("prompt_logprobs", prompt_logprobs is not None),
-                                   ("a grammar", grammar is not None)) if on]
+    params = params.checked(plan.vocab_size)
+    asked = params.asked()
     if not asked:
-        return plan
+        return dataclasses.replace(plan, params=params)
+    grammar = params.grammar
     if grammar is not None and plan.options.get("tree_nodes"):
-        raise DraftwiseError(f"{plan.method.name} with tree_nodes={plan.options['tree_nodes']} cannot apply a grammar: "
-                             "token trees are drafted without the grammar's masks (set tree_nodes=0)")
+        raise ParamError("grammar", f"{plan.method.name} with tree_nodes={plan.options['tree_nodes']} cannot apply a "
+                         "grammar: token trees are drafted without the grammar's masks (set tree_nodes=0)")
     if grammar is not None:
         if not plan.eos_token_ids:
-            raise DraftwiseError("a grammar ends its answer with an end-of-sequence token: drop ignore_eos (or give "
-                                 "the target an EOS token)")
+            raise ParamError("grammar", "a grammar ends its answer with an end-of-sequence token: drop ignore_eos (or "
+                             "give the target an EOS token)")
         if plan.target.tokenizer is None:
-            raise DraftwiseError("a grammar needs the target's tokenizer, and this target has none")
-        compiler_for(plan.target.tokenizer, plan.vocab_size, plan.eos_token_ids)  # a tokenizer it cannot wrap
-    for feature in asked:
+            raise ParamError("grammar", "a grammar needs the target's tokenizer, and this target has none")
+        try:
+            compiler_for(plan.target.tokenizer, plan.vocab_size, plan.eos_token_ids)  # a tokenizer it cannot wrap
+        except DraftwiseError as error:
+            raise ParamError("grammar", str(error)) from None
+    for name, feature in asked:
         refused = plan.method.refusal(feature)
         if refused:
-            raise DraftwiseError(f"{plan.method.name} cannot apply {feature}: {refused}")
-    return dataclasses.replace(plan, repetition_penalty=float(repetition_penalty), min_new_tokens=min_new_tokens,
-                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar,
-                               frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
-                               logit_bias=bias)
+            raise ParamError(name, f"{plan.method.name} cannot apply {feature}: {refused}")
+    return dataclasses.replace(plan, params=params)
 
 
 def check_batch_size(value: Any) -> None:
@@ -151,11 +108,7 @@ def request_for(plan: Plan, prompt_ids: list[int]) -> Request:
         raise DraftwiseError(f"prompt has {len(prompt_ids)} tokens but the context window is {plan.window}: shorten it")
     return Request(prompt_ids=tuple(prompt_ids), sampling=plan.sampling,
                    max_new_tokens=min(plan.requested_new_tokens, plan.window - len(prompt_ids)),
-                   eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed,
-                   repetition_penalty=plan.repetition_penalty, min_new_tokens=plan.min_new_tokens,
-                   frequency_penalty=plan.frequency_penalty, presence_penalty=plan.presence_penalty,
-                   logit_bias=plan.logit_bias,
-                   logprobs=plan.logprobs, prompt_logprobs=plan.prompt_logprobs, grammar=plan.grammar)
+                   eos_token_ids=plan.eos_token_ids, stop=plan.stop, seed=plan.seed, params=plan.params)
 
 
 # Methods an EAGLE head drafts for: every method with a draft whose declaration gives no reason a head cannot.

@@ -10,6 +10,7 @@ from typing import Any
 
 from draftwise.api import generate, stream
 from draftwise.plan import check_options, default_draft, default_method
+from draftwise.engine import rows
 from draftwise.errors import DraftwiseError
 from draftwise.methods import METHODS
 from draftwise.heads.loading import load_draft
@@ -57,8 +58,9 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     shape.add_argument("--regex", default=None, help="the output matches this regular expression")
     shape.add_argument("--lark", default=None, metavar="GRAMMAR", help="the output matches this Lark grammar (text "
                        "or a file)")
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="each new token's target log-probability and its K most likely alternatives (in --json)")
+    for name, _, spec in rows.RequestParams.specs():  # the request's options that have a flag
+        if spec.flag is not None:
+            p.add_argument(f"--{name.replace('_', '-')}", type=spec.flag, default=None, help=spec.doc)
     p.add_argument("--device", default=None, help="cpu (default), cuda, or auto")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -135,8 +137,8 @@ def as_chat(prompts: list[Any], target: Any, args: argparse.Namespace) -> list[A
 
 
 def structure(args: argparse.Namespace) -> dict[str, Any]:
-    """--json-schema / --regex / --lark and --logprobs as generate's arguments, checked now."""
-    from draftwise.plan import check_logprobs
+    """--json-schema / --regex / --lark and the request options' flags (--logprobs, the penalties) as generate's
+    arguments, checked now."""
     from draftwise.engine.grammar import grammar_from
 
     def text_or_file(value: str) -> str:
@@ -156,10 +158,15 @@ def structure(args: argparse.Namespace) -> dict[str, Any]:
         out["grammar"] = grammar_from({"regex": args.regex})
     elif args.lark is not None:
         out["grammar"] = grammar_from({"lark": text_or_file(args.lark)})
-    if args.logprobs is not None:
-        check_logprobs(args.logprobs, "--logprobs")
-        out["logprobs"] = args.logprobs
-    return out
+    flags = {name: getattr(args, name) for name, _, spec in rows.RequestParams.specs()
+             if spec.flag is not None and getattr(args, name, None) is not None}
+    try:
+        rows.RequestParams.from_options(flags)
+    except rows.ParamError as error:  # its message in the flag's words ("--logprobs must be ...")
+        flag, text = "--" + error.param.replace("_", "-"), str(error)
+        raise DraftwiseError(text.replace(error.param, flag, 1) if error.param in text else f"{flag}: {text}") \
+            from None
+    return {**out, **flags}
 
 
 def run_generate(args: argparse.Namespace) -> int:

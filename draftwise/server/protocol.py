@@ -14,16 +14,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftwise.engine import rows
 from draftwise.errors import short
 
 # What `finish_reason` the engine reports -> OpenAI's word for it.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
+# The request options (engine.rows.RequestParams) are parameters too, by name (see wire_options)
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options", "user",
            "draftwise",
            # vLLM's extensions that benchmark and evaluation clients send (guidellm, lm-eval)
-           "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "response_format", "prompt_logprobs",
-           "frequency_penalty", "presence_penalty", "logit_bias")
+           "top_k", "ignore_eos", "response_format", "prompt_logprobs")
 COMPLETION_PARAMS = frozenset(_COMMON + ("prompt", "logprobs", "echo"))
 # tools are accepted and answered in text; only a request that requires a tool call is refused (see _tools)
 CHAT_PARAMS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
@@ -90,11 +91,9 @@ class Parsed:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     top_k: int = 0  # 0: off
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
+    # the request options read by name (wire_options), checked; service.prepare adds logprobs, prompt_logprobs (from
+    # logprobs and echo below) and the grammar, then the plan checks them against the method
+    params: rows.RequestParams = field(default_factory=lambda: rows.RequestParams())
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     echo: bool = False  # completions: the prompt is part of the answer (with logprobs, its tokens' too)
@@ -125,7 +124,7 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     """Check a request body against what draftwise serves; raises ApiError(400) naming the parameter."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    supported = CHAT_PARAMS if chat else COMPLETION_PARAMS
+    supported = (CHAT_PARAMS if chat else COMPLETION_PARAMS) | frozenset(wire_options())
     for key, value in body.items():
         if key in supported:
             continue
@@ -189,12 +188,13 @@ def parse(body: Any, *, chat: bool) -> Parsed:
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"user must be a string, got {short(user)}", param="user")
     _extensions(body, parsed)
-    _penalties(body, parsed)
+    parsed.params = _options(body)
     if chat:
         _tools(body)
     _logprobs(body, parsed)
-    if parsed.max_tokens is not None and parsed.min_tokens > parsed.max_tokens:
-        raise ApiError(400, f"min_tokens ({parsed.min_tokens}) must be at most max_tokens ({parsed.max_tokens})",
+    minimum = parsed.params.min_new_tokens
+    if parsed.max_tokens is not None and minimum > parsed.max_tokens:
+        raise ApiError(400, f"min_tokens ({minimum}) must be at most max_tokens ({parsed.max_tokens})",
                        param="min_tokens")
     parsed.response_format = body.get("response_format")
     override = body.get("draftwise")
@@ -207,23 +207,12 @@ def parse(body: Any, *, chat: bool) -> Parsed:
 
 
 def _extensions(body: dict[str, Any], parsed: Parsed) -> None:
-    """vLLM's sampling extensions: top_k, min_tokens, repetition_penalty, ignore_eos."""
+    """vLLM's sampling extensions: top_k, ignore_eos."""
     top_k = body.get("top_k")
     if top_k is not None:
         if not _is_int(top_k) or top_k < -1:
             raise ApiError(400, f"top_k must be an integer >= 0 (0 or -1: off), got {short(top_k)}", param="top_k")
         parsed.top_k = max(0, int(top_k))
-    min_tokens = body.get("min_tokens")
-    if min_tokens is not None:
-        if not _is_int(min_tokens) or min_tokens < 0:
-            raise ApiError(400, f"min_tokens must be an integer >= 0, got {short(min_tokens)}", param="min_tokens")
-        parsed.min_tokens = int(min_tokens)
-    penalty = body.get("repetition_penalty")
-    if penalty is not None:
-        if not _is_number(penalty) or not 0 < penalty <= MAX_PENALTY:
-            raise ApiError(400, f"repetition_penalty must be a number in (0, {MAX_PENALTY:g}] (1: off), got "
-                           f"{short(penalty)}", param="repetition_penalty")
-        parsed.repetition_penalty = float(penalty)
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None:
         if not isinstance(ignore_eos, bool):
@@ -231,31 +220,72 @@ def _extensions(body: dict[str, Any], parsed: Parsed) -> None:
         parsed.ignore_eos = ignore_eos
 
 
-def _penalties(body: dict[str, Any], parsed: Parsed) -> None:
-    """OpenAI's frequency_penalty and presence_penalty ([-2, 2]) and logit_bias ({"token id": bias in [-100, 100]});
-    token ids are checked against the vocabulary when the request is planned."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = body.get(name)
-        if value is not None:
-            if not _is_number(value) or not -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY:
-                raise ApiError(400, f"{name} must be a number in [-{MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}] "
-                               f"(0: off), got {short(value)}", param=name)
-            setattr(parsed, name, float(value))
-    bias = body.get("logit_bias")
-    if bias is None:
-        return
+# Request options a body names otherwise (vLLM's min_tokens), and those it carries in its own shape: logprobs and
+# prompt_logprobs (_logprobs, with echo), the grammar (response_format or the draftwise field; service.prepare)
+WIRE_NAMES = {"min_new_tokens": "min_tokens"}
+SHAPED_OPTIONS = ("logprobs", "prompt_logprobs", "grammar")
+
+
+def wire_options() -> dict[str, str]:
+    """Body parameter -> RequestParams name, for each request option a body gives by name."""
+    return {WIRE_NAMES.get(name, name): name for name in rows.RequestParams.names() if name not in SHAPED_OPTIONS}
+
+
+def _penalty_range(name: str, value: Any) -> float:
+    if not _is_number(value) or not -MAX_OPENAI_PENALTY <= value <= MAX_OPENAI_PENALTY:
+        raise ApiError(400, f"{name} must be a number in [-{MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}] (0: off), "
+                       f"got {short(value)}", param=name)
+    return float(value)
+
+
+def _repetition_range(name: str, value: Any) -> float:
+    if not _is_number(value) or not 0 < value <= MAX_PENALTY:
+        raise ApiError(400, f"repetition_penalty must be a number in (0, {MAX_PENALTY:g}] (1: off), got "
+                       f"{short(value)}", param=name)
+    return float(value)
+
+
+def _min_tokens(name: str, value: Any) -> int:
+    if not _is_int(value) or value < 0:
+        raise ApiError(400, f"min_tokens must be an integer >= 0, got {short(value)}", param=name)
+    return int(value)
+
+
+def _logit_bias(name: str, bias: Any) -> dict[int, float]:
+    """{"token id": bias in [-100, 100]}, at most 300 entries; token ids are checked against the vocabulary when
+    the request is planned."""
     if not isinstance(bias, dict) or len(bias) > MAX_BIASED_TOKENS:
         raise ApiError(400, f"logit_bias must be an object of at most {MAX_BIASED_TOKENS} entries mapping token ids "
-                       f"(as strings) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {short(bias)}",
-                       param="logit_bias")
+                       f"(as strings) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {short(bias)}", param=name)
+    out = {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isdigit() and key.isascii()) or len(key) > 12:
-            raise ApiError(400, f"logit_bias: key {short(key)} is not a token id (a string of digits)",
-                           param="logit_bias")
+            raise ApiError(400, f"logit_bias: key {short(key)} is not a token id (a string of digits)", param=name)
         if not _is_number(value) or not -MAX_BIAS <= value <= MAX_BIAS:
             raise ApiError(400, f"logit_bias[{short(key)}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got "
-                           f"{short(value)}", param="logit_bias")
-        parsed.logit_bias[int(key)] = float(value)
+                           f"{short(value)}", param=name)
+        out[int(key)] = float(value)
+    return out
+
+
+# OpenAI's and vLLM's ranges, stricter than the Python API's (which any other option keeps): (parameter, value) ->
+# the value, or ApiError(400) naming the parameter
+WIRE_CHECKS = {"repetition_penalty": _repetition_range, "frequency_penalty": _penalty_range,
+               "presence_penalty": _penalty_range, "logit_bias": _logit_bias, "min_tokens": _min_tokens}
+
+
+def _options(body: dict[str, Any]) -> rows.RequestParams:
+    """The request options the body gives by name, checked (ApiError(400) naming the parameter)."""
+    values = {}
+    for key, name in wire_options().items():
+        value = body.get(key)
+        if value is not None:
+            values[name] = WIRE_CHECKS[key](key, value) if key in WIRE_CHECKS else value
+    try:
+        return rows.RequestParams.from_options(values)
+    except rows.ParamError as error:
+        wire = {name: key for key, name in wire_options().items()}
+        raise ApiError(400, str(error), param=wire.get(error.param, error.param)) from None
 
 
 def _tools(body: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from draftwise import api, builder, prompts
 from draftwise import plan as plan_module
 from draftwise.errors import DraftwiseError, DraftwiseWarning, did_you_mean
 from draftwise.engine.grammar import grammar_from
+from draftwise.engine.rows import ParamError
 from draftwise.methods import METHODS, Method
 from draftwise.models.loading import LoadedModel
 from draftwise.engine.sampling import SamplingConfig
@@ -299,15 +300,14 @@ class Service:
             base, options=options, sampling=sampling, gamma=gamma, stop=stops, seed=parsed.seed, prompt_ids=prompt_ids,
             eos_token_ids=frozenset() if ignore_eos else self.target.eos_token_ids,
             requested_new_tokens=budget, max_new_tokens=budget)
+        params = dataclasses.replace(parsed.params, logprobs=parsed.logprobs, prompt_logprobs=_prompt_scores(parsed),
+                                     grammar=grammar)
         try:
-            plan = plan_module.with_processors(plan, parsed.repetition_penalty, parsed.min_tokens, parsed.logprobs,
-                                        _prompt_scores(parsed), grammar, frequency_penalty=parsed.frequency_penalty,
-                                        presence_penalty=parsed.presence_penalty, logit_bias=parsed.logit_bias)
-        except DraftwiseError as error:
-            named = [name for name in ("logit_bias", "frequency_penalty", "presence_penalty") if name in str(error)]
-            param = named[0] if named else "response_format" if grammar is not None else "logprobs" \
-                if parsed.logprobs is not None else "repetition_penalty"
-            raise ApiError(400, str(error), param=param) from None
+            plan = plan_module.with_params(plan, params)
+        except ParamError as error:
+            wire = {name: key for key, name in protocol.wire_options().items()}
+            wire["grammar"] = "response_format" if parsed.response_format is not None else "draftwise.grammar"
+            raise ApiError(400, str(error), param=wire.get(error.param, error.param)) from None
         try:
             request = plan_module.request_for(plan, prompt_ids)
         except DraftwiseError as error:
