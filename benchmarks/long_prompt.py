@@ -55,8 +55,9 @@ def main() -> int:
     args = scripts.parse(parser)
     from draftwise.drafters import base as drafters
     from draftwise.engine import core as engine
+    from draftwise.engine import scheduler
     if args.chunk:  # the engine's chunk and the prefill helper's
-        engine.PREFILL_CHUNK = drafters.PREFILL_CHUNK = args.chunk
+        scheduler.PREFILL_CHUNK = drafters.PREFILL_CHUNK = args.chunk
     if args.prefill_share:
         engine.PREFILL_SHARE = args.prefill_share
 
@@ -93,9 +94,9 @@ def main() -> int:
                          "long_cached_tokens": results["long_cached"],
                          "same_text": same, "completion_tokens": answer["usage"]["completion_tokens"]})
             print(json.dumps(runs[-1]), flush=True)
-    from draftwise.engine import core as engine
+    from draftwise.engine import core as engine, scheduler
     report = {"target": args.target, "method": args.method, "long_tokens": args.long_tokens, "delay_s": args.delay,
-              "short_max_tokens": args.short_tokens, "short_ignore_eos": args.ignore_eos, "prefill_chunk": engine.PREFILL_CHUNK, "prefill_share": engine.PREFILL_SHARE,
+              "short_max_tokens": args.short_tokens, "short_ignore_eos": args.ignore_eos, "prefill_chunk": scheduler.PREFILL_CHUNK, "prefill_share": engine.PREFILL_SHARE,
               "weights": target.weights, "runs": runs,
               "median_ratio": statistics.median(r["ratio"] for r in runs),
               "median_alone_s": statistics.median(r["alone_s"] for r in runs),

@@ -171,7 +171,7 @@ def test_a_burst_is_prefilled_together_and_decodes_as_alone(llama_pair):
     """Requests waiting together are prefilled in one forward (not one prompt at a time), the shortest prompts
     first within the token budget; a prompt longer than its share finishes in the next forward, beside the
     rows already decoding; each request decodes token for token as it does alone."""
-    from draftwise.engine import core as engine_module
+    from draftwise.engine import scheduler as engine_module
     target, draft = llama_pair
     prompts = [tuple(1 + i % 60 for i in range(n)) for n in (5, 40, 12, 90)]
     requests = [Request(p, GREEDY, max_new_tokens=6) for p in prompts]
@@ -200,7 +200,7 @@ def test_a_long_prompt_never_stalls_the_decoding_rows(llama_pair):
     own forward: the decoding request gets tokens at every step, a short request arriving later overtakes the
     long prompt, rows finishing or cancelled meanwhile keep every row's cache in place, and every request
     decodes token for token as alone. Once idle, the cache's memory is released."""
-    from draftwise.engine import core as engine_module
+    from draftwise.engine import scheduler as engine_module
     target, draft = llama_pair
     first = Request((3, 4, 5), GREEDY, max_new_tokens=40)
     long = Request(tuple(1 + i % 50 for i in range(300)), GREEDY, max_new_tokens=5)
@@ -279,7 +279,7 @@ def test_a_batch_engine_prefills_first_and_decodes_as_alone(llama_pair):
     """`prefill_first` (generate with a list of prompts): every waiting prompt is fed each step, a chunk a row, beside
     the decoding rows and in forwards of prompts alone that are not cut short; every request still decodes token for
     token as alone."""
-    from draftwise.engine import core as engine_module
+    from draftwise.engine import scheduler as engine_module
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=8)
     engine.prefill_first = True
@@ -303,7 +303,7 @@ def test_the_prompt_budget_feeds_a_short_prompt_at_once_and_a_long_one_within_it
     and more when more long prompts wait than rows decode (timings pinned: a step 1.0 s, a prompt token 0.1 s)."""
     from types import SimpleNamespace
 
-    from draftwise.engine import core as engine_module
+    from draftwise.engine import scheduler as engine_module
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=8)
     engine._decode_s, engine._prompt_token_s = 1.0, 0.1
@@ -342,7 +342,7 @@ def test_the_prompt_budget_lets_rows_with_long_to_go_afford_a_wave_of_prompts(ll
     a prompt token such that the allowance buys one prefill chunk)."""
     from types import SimpleNamespace
 
-    from draftwise.engine import core as engine_module
+    from draftwise.engine import scheduler as engine_module
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=8)
     allowance = engine_module.SHORT_SHARE * engine_module.SHORT_HORIZON  # decoding steps
@@ -383,7 +383,7 @@ def test_a_forward_of_prompts_alone_is_cut_to_its_time_bound(llama_pair):
     """With nothing decoding, a long prompt is fed in chunks that last about PREFILL_FORWARD_S at the measured cost
     of a prompt token (a request arriving meanwhile waits no longer), never below LONG_PIECE tokens, while a short
     prompt arriving beside it finishes in one forward; both decode as alone."""
-    from draftwise.engine import core as engine_module
+    from draftwise.engine import scheduler as engine_module
     target, draft = llama_pair
     engine = _engine(target, draft, max_batch_size=4)
     request = Request(tuple(1 + i % 50 for i in range(engine_module.PREFILL_CHUNK + 100)), GREEDY, max_new_tokens=4)

@@ -286,7 +286,7 @@ def test_control_stream_draws_fail_the_load_check(pair, monkeypatch):
     """The draws before keying (each request's torch.Generator, numbers taken in order) under rejection sampling:
     at T=1 the sd answers change with load (rows joining beside decoding ones catch up drafting nothing, so the
     numbers a row took so far follow the batch). The same check must catch it."""
-    import draftwise.engine.core as core
+    import draftwise.engine.step as step_module
     import draftwise.engine.keyed as keyed_module
 
     target, draft = pair
@@ -298,7 +298,7 @@ def test_control_stream_draws_fail_the_load_check(pair, monkeypatch):
         seeds = [int(torch.randint(0, 2**62, (1,), generator=streams[id(r)])) for r in rows]
         return keyed_module.Draws(seeds, [0] * len(rows), [r.gumbel for r in rows], device)
 
-    monkeypatch.setattr(core, "row_draws", stream_draws)
+    monkeypatch.setattr(step_module, "row_draws", stream_draws)
     import draftwise.drafters.base as base
     monkeypatch.setattr(base, "row_draws", stream_draws)
     plan = _plan(target, draft, "sd", 1.0, coupling="rejection")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import draftwise
-import draftwise.engine.core as engine_module
+import draftwise.engine.step as engine_module
 import draftwise.engine.tree as tree_module
 from draftwise.engine.sampling import SamplingConfig
 from draftwise.engine.tree import TreeAcceptance

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import draftwise
-import draftwise.engine.core as engine_module
+import draftwise.engine.step as engine_module
 import draftwise.engine.tree as tree_module
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner
