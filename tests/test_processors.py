@@ -77,6 +77,7 @@ def test_the_penalty_at_each_drafted_position_counts_the_drafts_before_it():
 
     from draftwise.engine.core import Engine
     from draftwise.engine.protocols import RowsDraft
+    from draftwise.engine.step import StepBatch
     from draftwise.engine.rows import Request
 
     class Row:
@@ -91,7 +92,7 @@ def test_the_penalty_at_each_drafted_position_counts_the_drafts_before_it():
     draft = RowsDraft(tokens, torch.zeros(3, 3, 16), counts)
     logits = torch.randn(3, 4, 16)
     engine = Engine.__new__(Engine)
-    out = engine._processed(rows, draft, logits)
+    out = engine._processed(StepBatch.of(rows, draft), draft, logits)
     for b, row in enumerate(rows):
         processor = RepetitionPenaltyLogitsProcessor(row.request.repetition_penalty)
         for j in range(counts[b] + 1):

@@ -4,6 +4,7 @@ logits processed per request, grammars, the rule's distributions and bonus). A m
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -14,9 +15,35 @@ from draftwise.engine.keyed import row_draws
 from draftwise.engine.protocols import RowsDraft, StepDistributions, pad_rows
 from draftwise.engine.rows import Event, Row
 from draftwise.engine.sampler import RowsAcceptance, accept_greedy, accept_own_draws, speculative_sample_rows, warp_rows
+from draftwise.engine.sampling import SamplingConfig
 from draftwise.engine.tree import accept_tree, depths, verify_mask
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import RowsOutput
+
+
+@dataclass
+class StepBatch:
+    """One step's rows as its phases read them, built once a step after drafting: each row's sampling config and
+    greedy flag, and the drafted tokens copied to the host once (each row's whole draft: a prefix of the draft, cut
+    by the selector, a grammar, a tree budget or the rule, reads the same lists up to its own counts)."""
+
+    rows: Sequence[Row]
+    samplings: list[SamplingConfig]
+    greedy: list[bool]  # temperature-0 rows
+    tokens: list[list[int]]  # [rows][k] the drafted tokens, on the host
+    _greedy_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, rows: Sequence[Row], draft: RowsDraft) -> "StepBatch":
+        samplings = [row.request.sampling for row in rows]
+        return cls(rows, samplings, [config.greedy for config in samplings],
+                   draft.tokens.tolist() if draft.width else [[] for _ in rows])
+
+    def greedy_mask(self, device: torch.device) -> torch.Tensor:
+        """[rows] bool on `device`, the greedy flags as a tensor (made once a step)."""
+        if self._greedy_mask is None:
+            self._greedy_mask = torch.tensor(self.greedy, device=device)
+        return self._greedy_mask
 
 
 class Stepper:
@@ -41,6 +68,7 @@ class Stepper:
             self.drafter.tree_min_prob = self.tree_budget.min_prob(len(rows))
         draft = self.drafter.propose(rows, limits)  # draft
         proposed = draft.counts
+        batch = StepBatch.of(rows, draft)
         if draft.parents is not None:  # token trees: their own verification and acceptance
             if self.tree_budget is not None:
                 self.tree_budget.observe_draft(time.perf_counter() - started)
@@ -48,33 +76,30 @@ class Stepper:
                     kept = self.tree_budget.cut(draft.scores)
                     if kept != list(draft.counts):
                         draft = draft.prefix(kept)
-            return self._tree_step(rows, draft, proposed, drafter_calls, started)
+            return self._tree_step(batch, draft, proposed, drafter_calls, started)
         if draft.width:  # select: the prefix of each draft to verify
             chosen = self.selector.select(rows, draft)
             if list(chosen) != list(draft.counts):
                 draft = draft.prefix(chosen)
         grammars = [b for b, row in enumerate(rows) if row.grammar is not None]
         if grammars:  # the grammar rows' paths follow their drafts, cut at a token the grammar refuses
-            draft = self._grammar_drafts(rows, grammars, draft)
-        k = draft.width
+            draft = self._grammar_drafts(batch, grammars, draft)
         counts = [1 + c for c in draft.counts]  # verify: the pending token and the drafts
         verified, plan = self._verify(rows, draft, counts)
         if self.drafter.wants_features:
             for b, row in enumerate(rows):
                 self.drafter.observe(b, len(row.sequence) - 1, verified.hidden[b, : counts[b]])
-        target_logits = self._processed(rows, draft, verified.logits)  # [rows, k + 1, vocab]
+        target_logits = self._processed(batch, draft, verified.logits)  # [rows, k + 1, vocab]
         if grammars:  # the target's distribution at every verified position, masked by the grammar there
             target_logits = self._grammar_masked(rows, grammars, draft, target_logits)
         drafted = draft.counts
-        greedy_host = [row.request.sampling.greedy for row in rows]  # per row, read once a step
-        drafted_host = draft.tokens.tolist() if k else [[] for _ in rows]
-        if self.argmax_accept and all(greedy_host):  # temperature 0: no distribution built
+        if self.argmax_accept and all(batch.greedy):  # temperature 0: no distribution built
             outcome = accept_greedy(draft.tokens, draft.counts, target_logits)
         else:
-            outcome, draft = self._accept(rows, draft, target_logits, greedy_host, drafted_host)
+            outcome, draft = self._accept(batch, draft, target_logits)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
-        committed = [drafted_host[b][:a] + [t] for b, (a, t) in enumerate(zip(outcome.num_accepted,
+        committed = [batch.tokens[b][:a] + [t] for b, (a, t) in enumerate(zip(outcome.num_accepted,
                                                                             outcome.next_tokens))]
         verifier = [sum(v[:c]) for v, c in zip(verdicts_host, draft.counts)] if verdicts_host else [0] * len(rows)
 
@@ -84,13 +109,14 @@ class Stepper:
         return self._commit_rows(rows, committed, list(verified.logits), outcome.num_accepted, record, verifier,
                                  counts, proposed, drafter_calls, verified.hidden, plan, started)
 
-    def _accept(self, rows: Sequence[Row], draft: RowsDraft, target_logits: torch.Tensor, greedy_host: list[bool],
-                drafted_host: list[list[int]]) -> tuple[RowsAcceptance, RowsDraft]:
+    def _accept(self, batch: StepBatch, draft: RowsDraft, target_logits: torch.Tensor
+                ) -> tuple[RowsAcceptance, RowsDraft]:
         """The accept phase with distributions: pi = rule(draft, target) at the drafted positions (one rule call with
         per-row greedy flags), then the speculative sampler; the selector observes what the target said. Returns the
         outcome and the draft it decided (a rule that cuts drafts shortens it)."""
-        target_probs = warp_rows(target_logits, [row.request.sampling for row in rows])
-        greedy = torch.tensor(greedy_host, device=target_probs.device)
+        rows = batch.rows
+        target_probs = warp_rows(target_logits, batch.samplings)
+        greedy = batch.greedy_mask(target_probs.device)
         k = draft.width
         if self.rule.cuts_draft and k:  # MTAD: the rule keeps a prefix of each draft; the target's token follows it
             draft = draft.prefix(self.rule.prefix(self._step_distributions(draft, target_probs, target_logits,
@@ -100,13 +126,13 @@ class Stepper:
             else target_probs[:, :0]
         bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
         if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
-            bonus = self._bonus_maker(rows, draft, target_probs, target_logits, greedy)
+            bonus = self._bonus_maker(batch, draft, target_probs, target_logits, greedy)
         draws = row_draws(rows, target_probs.device)
         if self.exact and (self.gumbel or draft.deterministic):  # the target's own draw at each position: Gumbel
             # coupled drafts, and deterministic ones (lookup, suffix) under either coupling
-            outcome = accept_own_draws(draft.tokens, draft.counts, target_probs, draws, greedy_host)
+            outcome = accept_own_draws(draft.tokens, draft.counts, target_probs, draws, batch.greedy)
         else:
-            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts, draws, greedy_host)
+            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts, draws, batch.greedy)
         self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         return outcome, draft
 
@@ -146,23 +172,22 @@ class Stepper:
                 self.tree_budget.observe(sum(counts), time.perf_counter() - begun)
         return verified, plan
 
-    def _tree_step(self, rows: Sequence[Row], draft: RowsDraft, proposed: list[int], drafter_calls: int,
+    def _tree_step(self, batch: StepBatch, draft: RowsDraft, proposed: list[int], drafter_calls: int,
                    started: float) -> list[Event]:
         """Verify and accept token trees (tree.py): one forward over every row's tree, multi-candidate
         speculative sampling, then the accepted path's keys and values move to contiguous positions."""
+        rows = batch.rows
         if any(row.grammar is not None for row in rows):
             raise DraftwiseError("token trees cannot follow a grammar; use a chain draft (tree_nodes=0)")
-        k = draft.width
         counts = [1 + c for c in draft.counts]
         starts = self.target.lengths[: len(rows)]
         verified, plan = self._verify(rows, draft, counts, tree=True)
-        target_logits = self._processed(rows, draft, verified.logits)  # [rows, k + 1, vocab]
-        greedy = [row.request.sampling.greedy for row in rows]
+        target_logits = self._processed(batch, draft, verified.logits)  # [rows, k + 1, vocab]
         # greedy rows walk the tree by the target's argmax: its logits serve, no distribution is built
-        target_probs = target_logits if all(greedy) else warp_rows(target_logits, [r.request.sampling for r in rows])
-        tokens_host = draft.tokens.tolist() if k else [[] for _ in rows]
-        tokens_host = [t[:c] for t, c in zip(tokens_host, draft.counts)]
-        outcome = accept_tree(draft.parents, tokens_host, target_probs, row_draws(rows, target_probs.device), greedy)
+        target_probs = target_logits if all(batch.greedy) else warp_rows(target_logits, batch.samplings)
+        tokens_host = [t[:c] for t, c in zip(batch.tokens, draft.counts)]
+        outcome = accept_tree(draft.parents, tokens_host, target_probs, row_draws(rows, target_probs.device),
+                              batch.greedy)
         drafter_calls = self.drafter.calls - drafter_calls
         slots = [[0] + [i + 1 for i in path] for path in outcome.paths]  # the pending token's and the path's
         if self.drafter.wants_features:  # the target's features of the pending token and the accepted path
@@ -190,13 +215,12 @@ class Stepper:
                                  draft.verdicts, draft.joint,
                                  torch.tensor(draft.counts, device=draft.tokens.device))
 
-    def _grammar_drafts(self, rows: Sequence[Row], grammars: list[int], draft: RowsDraft) -> RowsDraft:
+    def _grammar_drafts(self, batch: StepBatch, grammars: list[int], draft: RowsDraft) -> RowsDraft:
         """Each grammar row's path becomes its draft, cut before the first token its grammar refuses (a lookup
         or suffix draft; a model's was drawn under the mask and is whole)."""
-        host = draft.tokens.tolist() if draft.width else [[] for _ in rows]
         counts = list(draft.counts)
         for b in grammars:
-            counts[b] = rows[b].grammar.follow(host[b][: counts[b]])
+            counts[b] = batch.rows[b].grammar.follow(batch.tokens[b][: counts[b]])
         return draft.prefix(counts) if counts != list(draft.counts) else draft
 
     def _grammar_masked(self, rows: Sequence[Row], grammars: list[int], draft: RowsDraft,
@@ -208,7 +232,7 @@ class Stepper:
             logits[b, : n + 1] = mask_logits(logits[b, : n + 1], rows[b].grammar.masks(n))[0]
         return logits
 
-    def _processed(self, rows: Sequence[Row], draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
+    def _processed(self, batch: StepBatch, draft: RowsDraft, logits: torch.Tensor) -> torch.Tensor:
         """The target's logits after each request's repetition, frequency and presence penalties, logit_bias and
         min_new_tokens: [rows, k + 1, vocab].
 
@@ -216,6 +240,7 @@ class Stepper:
         tree node's ancestors and itself), so the penalty there counts those drafts as already generated, exactly
         as one-token-at-a-time decoding would. The speculative sampler then targets the processed distribution,
         so lossless methods stay exact."""
+        rows, drafted = batch.rows, batch.tokens
         penalised = [b for b, row in enumerate(rows) if row.request.repetition_penalty != 1.0]
         counted = [b for b, row in enumerate(rows) if row.request.frequency_penalty or row.request.presence_penalty]
         biased = [b for b, row in enumerate(rows) if row.request.logit_bias]
@@ -225,7 +250,6 @@ class Stepper:
             return logits
         logits = logits.clone()
         width = logits.shape[1]
-        drafted = draft.tokens.tolist() if draft.width else [[] for _ in rows]
         for b in penalised:
             seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             seen[torch.tensor(rows[b].sequence, device=logits.device)] = True
@@ -262,16 +286,16 @@ class Stepper:
                 logits[b, early[:, None], eos[None, :]] = float("-inf")
         return logits
 
-    def _bonus_maker(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
+    def _bonus_maker(self, batch: StepBatch, draft: RowsDraft, target_probs: torch.Tensor,
                      target_logits: torch.Tensor, greedy: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The sampler calls this with the rows that need a bonus; the draft's extra forward runs only then."""
         def bonus(needed: torch.Tensor) -> torch.Tensor:
             if not bool(needed.any()):
                 return target_probs
-            return self._bonus_from_pi(rows, draft, target_probs, target_logits, greedy, needed.tolist())
+            return self._bonus_from_pi(batch, draft, target_probs, target_logits, greedy, needed.tolist())
         return bonus
 
-    def _bonus_from_pi(self, rows: Sequence[Row], draft: RowsDraft, target_probs: torch.Tensor,
+    def _bonus_from_pi(self, batch: StepBatch, draft: RowsDraft, target_probs: torch.Tensor,
                        target_logits: torch.Tensor, greedy: torch.Tensor, needed: Sequence[bool]) -> torch.Tensor:
         """target_probs with row b's position counts[b] replaced by rule.bonus(q, p) there: [rows, k + 1, vocab].
 
@@ -280,9 +304,10 @@ class Stepper:
         head would lose the target's features of its rejected positions). Those rows' bonus rows are unused."""
         from draftwise.engine.sampling import unwarped
 
-        contexts = [row.sequence + (draft.tokens[b, : draft.counts[b]].tolist() if needed[b] else [])
+        rows = batch.rows
+        contexts = [row.sequence + (batch.tokens[b][: draft.counts[b]] if needed[b] else [])
                     for b, row in enumerate(rows)]
-        q_raw, q_warped = self.drafter.next_distribution(contexts, [row.request.sampling for row in rows])
+        q_raw, q_warped = self.drafter.next_distribution(contexts, batch.samplings)
         for b, row in enumerate(rows):  # the draft's distribution after its last token, under the grammar
             if row.grammar is not None:
                 allowed = row.grammar.masks(draft.counts[b])[-1]
