@@ -110,6 +110,7 @@ def test_a_rows_penalties_never_depend_on_its_batch_mates(models):
 def test_each_drafted_position_counts_the_drafts_before_it():
     from draftwise.engine.core import Engine
     from draftwise.engine.protocols import RowsDraft
+    from draftwise.engine.step import StepBatch
     from draftwise.engine.rows import Request
 
     class Row:
@@ -124,7 +125,7 @@ def test_each_drafted_position_counts_the_drafts_before_it():
     counts = [3, 2, 1, 2]
     draft = RowsDraft(tokens, torch.zeros(4, 3, 16), counts)
     logits = torch.randn(4, 4, 16)
-    out = Engine.__new__(Engine)._processed(rows, draft, logits)
+    out = Engine.__new__(Engine)._processed(StepBatch.of(rows, draft), draft, logits)
     for b, row in enumerate(rows):
         request = row.request
         for j in range(counts[b] + 1):
