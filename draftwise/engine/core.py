@@ -123,10 +123,10 @@ class Engine(Scheduler, Stepper, Output):
             counters=RowCounters(gamma=self.gamma), detok=Detokenizer(self.tokenizer),
             sequence=list(request.prompt_ids), submitted=time.perf_counter(), seed=seed, gumbel=self.gumbel,
         )
-        if request.grammar is not None:
+        if request.params.grammar is not None:
             vocab = self.target.vocab_size or out_rows(self.target.model.get_output_embeddings())
             row.grammar = compiler_for(self.tokenizer, vocab, request.eos_token_ids).state(
-                request.grammar, self.target.device)
+                request.params.grammar, self.target.device)
         self.waiting.append(row)
         return row.id
 

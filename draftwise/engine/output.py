@@ -48,8 +48,8 @@ class Output:
         kept = self._commit(row, committed, now)  # may cut further, at a stop string
         if row.grammar is not None and not row.grammar.commit(kept) and row.finish_reason is None:
             row.finish_reason = "grammar"  # the grammar engine failed (a parser limit): the answer ends here
-        if row.request.logprobs is not None:
-            row.logprobs += token_logprobs(logits, kept, row.request.logprobs)
+        if row.request.params.logprobs is not None:
+            row.logprobs += token_logprobs(logits, kept, row.request.params.logprobs)
         row.counters.draft_calls += drafter_calls
         row.counters.verifier_accepted += verifier
         return kept
@@ -110,8 +110,8 @@ class Output:
             ready = _safe_prefix(row.text, row.request.stop)
         piece = row.text[row.emitted:ready] if ready > row.emitted else ""
         row.emitted = max(row.emitted, ready)
-        logprobs = row.logprobs[len(row.logprobs) - len(kept):] if row.request.logprobs is not None else None
-        first = row.request.prompt_logprobs is not None and row.counters.steps == 1
+        logprobs = row.logprobs[len(row.logprobs) - len(kept):] if row.request.params.logprobs is not None else None
+        first = row.request.params.prompt_logprobs is not None and row.counters.steps == 1
         return Event(row.id, kept, piece, row.finish_reason is not None, row.finish_reason, logprobs,
                      row.prompt_logprobs if first else None)
 
@@ -145,8 +145,8 @@ class Output:
             stats["proposed"] = c.proposed  # drafted, before the select phase dropped some unverified
         self.finished[row.id] = Result(
             row.id, list(row.token_ids), row.text, reason, stats,
-            list(row.logprobs) if row.request.logprobs is not None else None,
-            list(row.prompt_logprobs) if row.request.prompt_logprobs is not None else None)
+            list(row.logprobs) if row.request.params.logprobs is not None else None,
+            list(row.prompt_logprobs) if row.request.params.prompt_logprobs is not None else None)
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -67,7 +67,7 @@ class Scheduler:
                     break
             row = self.waiting.pop(0)
             self.target.cache.reset_row(len(held))
-            if self.prefixes is not None and row.request.prompt_logprobs is None:  # a stored prefix: no prefill
+            if self.prefixes is not None and row.request.params.prompt_logprobs is None:  # a stored prefix: no prefill
                 wants = self.drafter.wants_features
                 row.cached, features = self.prefixes.restore(row.request.prompt_ids[:-1], self.target.cache,
                                                              len(held), want_features=wants)
@@ -75,7 +75,7 @@ class Scheduler:
                 if features is not None:
                     row.prefill_states.append(features)
             row.counters.target_tokens += len(row.request.prompt_ids) - 1 - row.cached
-            if row.request.prompt_logprobs is not None:
+            if row.request.params.prompt_logprobs is not None:
                 self._prefill_scored(row, len(held))
             self.prefilling.append(row)
         self._start_decoding()
@@ -176,7 +176,7 @@ class Scheduler:
             out = self.target.forward_rows(torch.tensor([prompt[row.fed: row.fed + n]]), [n], begin=index,
                                            hidden=self.drafter.wants_features, prompt=True)
             row.prompt_logprobs += token_logprobs(out.logits[0], prompt[row.fed + 1: row.fed + n + 1],
-                                                  row.request.prompt_logprobs)
+                                                  row.request.params.prompt_logprobs)
             self._fed([n], out.hidden, rows=[row])
 
     def _fed(self, plan: list[int], hidden: torch.Tensor | None, rows: list[Row] | None = None) -> None:

@@ -241,11 +241,12 @@ class Stepper:
         as one-token-at-a-time decoding would. The speculative sampler then targets the processed distribution,
         so lossless methods stay exact."""
         rows, drafted = batch.rows, batch.tokens
-        penalised = [b for b, row in enumerate(rows) if row.request.repetition_penalty != 1.0]
-        counted = [b for b, row in enumerate(rows) if row.request.frequency_penalty or row.request.presence_penalty]
-        biased = [b for b, row in enumerate(rows) if row.request.logit_bias]
+        penalised = [b for b, row in enumerate(rows) if row.request.params.repetition_penalty != 1.0]
+        counted = [b for b, row in enumerate(rows)
+                   if row.request.params.frequency_penalty or row.request.params.presence_penalty]
+        biased = [b for b, row in enumerate(rows) if row.request.params.logit_bias]
         short = [b for b, row in enumerate(rows)
-                 if len(row.token_ids) < row.request.min_new_tokens and row.request.eos_token_ids]
+                 if len(row.token_ids) < row.request.params.min_new_tokens and row.request.eos_token_ids]
         if not penalised and not short and not counted and not biased:
             return logits
         logits = logits.clone()
@@ -257,27 +258,27 @@ class Stepper:
             for j, history in enumerate(_slot_histories(draft, b, drafted[b])):
                 if history:
                     present[j, torch.tensor(history, device=logits.device)] = True
-            penalty = rows[b].request.repetition_penalty
+            penalty = rows[b].request.params.repetition_penalty
             row = logits[b]
             logits[b] = torch.where(present, torch.where(row < 0, row * penalty, row / penalty), row)
         vocab = logits.shape[-1]
         for b in counted:  # OpenAI's: the tokens this request generated (not its prompt), and the drafts before j
-            request = rows[b].request
+            params = rows[b].request.params
             made = torch.tensor(rows[b].token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(made[made < vocab], minlength=vocab).to(logits.dtype).expand(width, -1).clone()
             for j, history in enumerate(_slot_histories(draft, b, drafted[b])):
                 if history:
                     counts[j] += torch.bincount(torch.tensor(history, device=logits.device), minlength=vocab)[:vocab]
-            logits[b] -= request.frequency_penalty * counts + request.presence_penalty * (counts > 0).to(logits.dtype)
+            logits[b] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
         for b in biased:
-            ids, bias = zip(*rows[b].request.logit_bias)
+            ids, bias = zip(*rows[b].request.params.logit_bias)
             logits[b, :, torch.tensor(ids, device=logits.device)] += torch.tensor(bias, dtype=logits.dtype,
                                                                                   device=logits.device)
         for b in short:
             request = rows[b].request
             eos = torch.tensor(sorted(request.eos_token_ids), device=logits.device)
             eos = eos[eos < logits.shape[-1]]
-            missing = request.min_new_tokens - len(rows[b].token_ids)  # positions at depth < missing lose EOS
+            missing = request.params.min_new_tokens - len(rows[b].token_ids)  # positions at depth < missing lose EOS
             if draft.parents is None:
                 logits[b, :missing, eos] = float("-inf")
             else:
