@@ -1,6 +1,6 @@
-"""Drafters over the engine's rows that need no model of their own kind: none (`ar`), prompt lookup, an
-independent draft model; the per-row state helper `RetiringRows`; and prefilling rows in chunks (the engine and the
-drafters share it)."""
+"""The drafters' base class `Drafter`; the drafters over the engine's rows that need no model of their own kind:
+none (`ar`), prompt lookup, an independent draft model; the per-row state helper `RetiringRows`; and prefilling rows
+in chunks (the engine and the drafters share it)."""
 
 from __future__ import annotations
 
@@ -21,32 +21,106 @@ from draftwise.engine.rows import Row, cut_at_eos
 CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
 
 
-class NoRowsDrafter:
-    """Proposes nothing: every step is one target token per row (`ar`)."""
+class Drafter:
+    """The base of every rows drafter (engine.protocols.RowsDrafter): a drafter writes `propose` and overrides only
+    the hooks it needs; the rest do nothing. The engine keeps its rows contiguous, so a drafter that holds per-row
+    state follows them: `admit` (a request takes row `row`), `rewind` (row keeps its first `keep` tokens), `move_row`
+    (row src becomes row dst) and `release` (rows from `live` on are gone). `observe` hands a drafter that
+    `wants_features` the target's states at positions start.. of a row (of `feature_layers`; () the last).
 
-    calls = 0
-    wants_features = False
-    feature_layers: tuple[int, ...] = ()
+    `update` is the feedback hook (HF transformers' CandidateGenerator has `update_candidate_strategy`): after each
+    step the engine tells the drafter how many of its drafted tokens each row kept, so a drafter may adapt what it
+    proposes next (the default ignores it).
+
+    Token trees: `propose(rows, limits, tree_nodes=n, tree_min_prob=p)` asks for trees of at most n nodes a row,
+    grown no lower than path probability p; the engine gives them only when the method grows trees (chains: the
+    two-argument call). Until the engine passes them it sets the attributes of the same names before each step:
+    `tree_budget` reads the arguments, else those."""
+
+    calls = 0  # drafting forwards so far (a model's drafter counts its runner's; lookups run none)
+    wants_features = False  # the verify forward hands it the target's states (`observe`)
+    feature_layers: tuple[int, ...] = ()  # the target layers those states come from (EAGLE-3: several; () the last)
+    tree_nodes = 0  # see the class's doc: the engine's tree budget, until it passes it to `propose`
+    tree_min_prob = 0.0
+
+    def propose(self, rows: Sequence[Row], limits: Sequence[int], *, tree_nodes: int = 0,
+                tree_min_prob: float = 0.0) -> RowsDraft:
+        """Up to limits[b] drafted tokens for row b (a chain), or a token tree of at most `tree_nodes` nodes."""
+        raise NotImplementedError
+
+    def tree_budget(self, tree_nodes: int = 0, tree_min_prob: float = 0.0) -> tuple[int, float]:
+        """This step's (nodes per row, least path probability): `propose`'s arguments, else what the engine set."""
+        return tree_nodes or self.tree_nodes, tree_min_prob or self.tree_min_prob
+
+    def update(self, rows: Sequence[Row], accepted: Sequence[int]) -> None:
+        """After a step: row b (its sequence now holds what it committed) kept accepted[b] of its drafted tokens."""
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        """A request's prompt takes row `row` (its last token is fed by the first decoding step)."""
+
+    def rewind(self, row: int, keep: int) -> None:
+        """Row `row` keeps its first `keep` tokens."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `src` becomes row `dst` (the engine fills a finished row with its last one)."""
+
+    def release(self, live: int) -> None:
+        """Rows `live` and after are gone."""
+
+    def observe(self, row: int, start: int, states: torch.Tensor) -> None:
+        """The target's states at positions start.. of row `row` (for a drafter that `wants_features`)."""
+
+
+class WrappingDrafter(Drafter):
+    """A drafter around another (`inner`): it counts the inner one's calls, wants its features and follows its rows
+    through it. A subclass writes `propose` and adds what its own state needs to the hooks."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @property
+    def calls(self) -> int:
+        return self.inner.calls
+
+    @property
+    def wants_features(self) -> bool:
+        return self.inner.wants_features
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.inner.feature_layers)
+
+    def update(self, rows: Sequence[Row], accepted: Sequence[int]) -> None:
+        self.inner.update(rows, accepted)
+
+    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        self.inner.admit(row, prompt_ids)
+
+    def rewind(self, row: int, keep: int) -> None:
+        self.inner.rewind(row, keep)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.inner.move_row(src, dst)
+
+    def release(self, live: int) -> None:
+        self.inner.release(live)
+
+    def observe(self, row: int, start: int, states: torch.Tensor) -> None:
+        self.inner.observe(row, start, states)
+
+
+class NoRowsDrafter(Drafter):
+    """Proposes nothing: every step is one target token per row (`ar`)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
         self.empty_draft: dict[int, RowsDraft] = {}
-
-    def admit(self, row, prompt_ids) -> None: pass
 
     def propose(self, rows, limits) -> RowsDraft:
         n = len(rows)
         if n not in self.empty_draft:
             self.empty_draft[n] = empty_draft(n, self.vocab_size, self.device)
         return self.empty_draft[n]
-
-    def rewind(self, row, keep) -> None: pass
-
-    def move_row(self, src, dst) -> None: pass
-
-    def release(self, live) -> None: pass
-
-    def observe(self, row, start, states) -> None: pass
 
 
 class LookupRowsDrafter(NoRowsDrafter):
@@ -99,12 +173,9 @@ class RetiringRows:
             self.rows[row] = None
 
 
-class ModelRowsDrafter:
+class ModelRowsDrafter(Drafter):
     """An independent draft model over rows: each row samples from its own warped distribution with its
     keyed draws. A row stops drafting at EOS, at its limit, or when its length policy says so."""
-
-    wants_features = False
-    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, runner: ModelRunner, vocab_size: int, *, eos_token_ids: frozenset[int] = frozenset(),
                  keep_raw: bool = False, policy: LengthPolicy | None = None) -> None:
@@ -114,8 +185,6 @@ class ModelRowsDrafter:
         self.policy = policy or FixedLength()
         self.keep_raw = keep_raw
         self.prefill_calls = 0
-        self.tree_nodes = 0  # > 0: propose token trees of at most this many nodes per row (the engine sets it)
-        self.tree_min_prob = 0.0  # grow no tree node whose path probability is below this (the engine sets it)
 
     @property
     def calls(self) -> int:
@@ -127,13 +196,15 @@ class ModelRowsDrafter:
         if len(prompt_ids) - 1 <= CATCH_UP:  # a longer prompt is caught up in drafting steps (see `propose`)
             self.prefill_calls += len(prefill_row(self.runner, row, prompt_ids[:-1]))
 
-    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
+    def propose(self, rows: Sequence[Row], limits: Sequence[int], *, tree_nodes: int = 0,
+                tree_min_prob: float = 0.0) -> RowsDraft:
         width = max(limits, default=0)
         n = len(rows)
         if width == 0:
             return empty_draft(n, self.vocab_size, self.runner.device)
-        if self.tree_nodes > 0:
-            return self._propose_trees(rows, limits)
+        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
+        if nodes > 0:
+            return self._propose_trees(rows, limits, nodes, min_prob)
         # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
         # nothing until its cache has caught up, so its prompt never stalls the other rows' step
         feed, counts, limits = self.pending_feed(rows, limits)
@@ -157,7 +228,7 @@ class ModelRowsDrafter:
         return draft_chains(rows, limits, first, advance, vocab_size=self.vocab_size, eos=self.eos,
                             policy=self.policy, keep_raw=self.keep_raw)
 
-    def _propose_trees(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
+    def _propose_trees(self, rows: Sequence[Row], limits: Sequence[int], nodes: int, min_prob: float) -> RowsDraft:
         """EAGLE-2's dynamic tree from the draft model's log-probabilities (tree_growth.grow_on), depth at most each
         row's limit; deterministic candidates, so exact at any temperature."""
         from draftwise.drafters.tree_growth import grow_on, tree_draft
@@ -170,9 +241,9 @@ class ModelRowsDrafter:
             return torch.log_softmax(self.runner.forward_rows(tokens, fed_counts, tree=mask).logits.float(), -1)
 
         tokens, parents, scores = grow_on(self.runner, torch.log_softmax(root.float(), -1), expand,
-                                          budgets=[self.tree_nodes if limit > 0 else 0 for limit in limits],
+                                          budgets=[nodes if limit > 0 else 0 for limit in limits],
                                           max_depths=limits, stop_tokens=frozenset(self.eos.tolist()),
-                                          min_probs=[self.tree_min_prob] * len(rows))
+                                          min_probs=[min_prob] * len(rows))
         return tree_draft(tokens, parents, self.vocab_size, self.runner.device, scores)
 
     def pending_feed(self, rows, limits: Sequence[int]) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -217,8 +288,6 @@ class ModelRowsDrafter:
     def release(self, live: int) -> None:
         self.runner.cache.drop_rows(live)
         self.runner.cache.fit()
-
-    def observe(self, row, start, states) -> None: pass
 
 
 def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.Tensor, torch.Tensor | None],

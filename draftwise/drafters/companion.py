@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from draftwise.drafters.base import ModelRowsDrafter, prefill_row
+from draftwise.drafters.base import ModelRowsDrafter, WrappingDrafter, prefill_row
 from draftwise.engine.protocols import RowsDraft, pad_rows
 from draftwise.engine.rows import Row
 from draftwise.engine.keyed import STAGED, row_draws
@@ -18,21 +18,15 @@ from draftwise.engine.sampling import unwarped
 from draftwise.models.runner import ModelRunner
 
 
-class CompanionRowsDrafter:
+class CompanionRowsDrafter(WrappingDrafter):
     """A model drafter whose drafts the companion reads: RowsDraft.companion_probs / companion_raw hold the
     companion's warped / unwarped distributions at positions 0 .. k (k + 1: after every drafted token)."""
 
     def __init__(self, inner: ModelRowsDrafter, companion: ModelRunner, vocab_size: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.companion = companion
         self.vocab_size = vocab_size
-        self.wants_features = inner.wants_features
-        self.feature_layers = inner.feature_layers
         self.companion_prefill_calls = 0
-
-    @property
-    def calls(self) -> int:
-        return self.inner.calls
 
     @property
     def companion_calls(self) -> int:
@@ -69,9 +63,6 @@ class CompanionRowsDrafter:
         self.inner.release(live)
         self.companion.cache.drop_rows(live)
         self.companion.cache.fit()
-
-    def observe(self, row, start, states) -> None:
-        self.inner.observe(row, start, states)
 
 
 class StagedRowsDrafter(CompanionRowsDrafter):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from draftwise.drafters.base import draft_chains
+from draftwise.drafters.base import Drafter, draft_chains
 from draftwise.heads.eagle import DraftHead
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
@@ -29,7 +29,7 @@ CATCH_UP = 256  # true-feature positions a row's head reads per step: a long pro
 # steps (the row drafts nothing until it is done), so it never stalls the other rows' step
 
 
-class EagleRowsDrafter:
+class EagleRowsDrafter(Drafter):
     wants_features = True
 
     def __init__(self, head: DraftHead, vocab_size: int, device: torch.device, *,
@@ -55,8 +55,6 @@ class EagleRowsDrafter:
         self.cached: list[int] = []
         self.num_features: list[int] = []
         self.last_state: list[torch.Tensor | None] = []  # per row: the head's output at position cached - 1
-        self.tree_nodes = 0  # > 0: propose token trees of at most this many nodes per row (the engine sets it)
-        self.tree_min_prob = 0.0  # grow no tree node whose path probability is below this (the engine sets it)
         self.prefill_calls = 0  # catch-up reads while every row was behind (see `catch_up`)
 
     @property
@@ -170,7 +168,7 @@ class EagleRowsDrafter:
         return full_vocabulary_logits(self._usable_logits(states), self.usable_ids, self.vocab_size)
 
     @torch.inference_mode()
-    def propose(self, rows, limits) -> "RowsDraft":
+    def propose(self, rows, limits, *, tree_nodes: int = 0, tree_min_prob: float = 0.0) -> "RowsDraft":
         from draftwise.engine.protocols import empty_draft
 
         n = len(rows)
@@ -178,8 +176,9 @@ class EagleRowsDrafter:
         if width == 0:
             return empty_draft(n, self.vocab_size, self.device)
         predicted, limits = self.catch_up(rows, limits)
-        if self.tree_nodes > 0:
-            return self._propose_trees(predicted, limits)
+        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
+        if nodes > 0:
+            return self._propose_trees(predicted, limits, nodes, min_prob)
 
         def advance(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             nonlocal predicted
@@ -192,7 +191,8 @@ class EagleRowsDrafter:
                             vocab_size=self.vocab_size, eos=self.eos, policy=self.policy, keep_raw=self.keep_raw,
                             ids=self.usable_ids)
 
-    def _propose_trees(self, predicted: torch.Tensor, limits: Sequence[int]) -> "RowsDraft":
+    def _propose_trees(self, predicted: torch.Tensor, limits: Sequence[int], nodes: int, min_prob: float
+                       ) -> "RowsDraft":
         """EAGLE-2's dynamic tree (tree_growth.grow_on): a node's head input is its parent's predicted state and its own
         token; deterministic candidates, so exact at any temperature. The tree grows over the draft vocabulary
         (the head gives nothing else any probability); its token ids map to the target's at the end."""
@@ -217,9 +217,9 @@ class EagleRowsDrafter:
             return torch.log_softmax(self._usable_logits(states).float(), -1)
 
         tokens, parents, scores = grow_on(self.runner, draft_logprobs(predicted), expand,
-                                          budgets=[self.tree_nodes if limit > 0 else 0 for limit in limits],
+                                          budgets=[nodes if limit > 0 else 0 for limit in limits],
                                           max_depths=limits, stop_tokens=frozenset(self.eos.tolist()),
-                                          min_probs=[self.tree_min_prob] * n, token_ids=self.usable_ids.tolist())
+                                          min_probs=[min_prob] * n, token_ids=self.usable_ids.tolist())
         return tree_draft(tokens, parents, self.vocab_size, self.device, scores)
 
     def rewind(self, row: int, keep: int) -> None:

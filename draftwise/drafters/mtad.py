@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from draftwise.engine.sampler import warp_rows
-from draftwise.drafters.base import ModelRowsDrafter
+from draftwise.drafters.base import ModelRowsDrafter, WrappingDrafter
 from draftwise.engine.protocols import RowsDraft, empty_draft, pad_rows
 from draftwise.errors import DraftwiseError
 from draftwise.engine.sampling import SamplingConfig, unwarped
@@ -93,40 +93,17 @@ class ModelBeams(ModelRowsDrafter):
         return self.runner.forward_rows(ids, [1] * ids.shape[0], begin=begin).logits[:, -1], None
 
 
-class BeamRowsDrafter:
+class BeamRowsDrafter(WrappingDrafter):
     """MTAD's drafter (MTJD's over the target's weights): per row, the best of `num_beams` beams and its joint
     log-probabilities. See the module docstring."""
 
     def __init__(self, base: Any, vocab_size: int, num_beams: int) -> None:
         check_beams(num_beams)
-        self.base = base  # ModelBeams or an EagleRowsDrafter: begin / beam_step, admit / rewind / move_row / release
+        super().__init__(base)  # the rows follow the base's (admit / rewind / move_row / release)
+        self.base = base  # ModelBeams or an EagleRowsDrafter: begin / beam_step
         self.vocab_size = vocab_size
         self.num_beams = num_beams
-        self.wants_features = base.wants_features
         self.device = base.runner.device
-
-    @property
-    def calls(self) -> int:
-        return self.base.calls
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.base.feature_layers
-
-    def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        self.base.admit(row, prompt_ids)
-
-    def observe(self, row: int, start: int, states: torch.Tensor) -> None:
-        self.base.observe(row, start, states)
-
-    def rewind(self, row: int, keep: int) -> None:
-        self.base.rewind(row, keep)
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.base.move_row(src, dst)
-
-    def release(self, live: int) -> None:
-        self.base.release(live)
 
     @torch.inference_mode()
     def propose(self, rows, limits: Sequence[int]) -> RowsDraft:

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from draftwise.drafters.base import RetiringRows
+from draftwise.drafters.base import Drafter, RetiringRows, WrappingDrafter
 from draftwise.engine.protocols import one_hot_draft
 from draftwise.drafters.tree_growth import tree_draft
 from draftwise.errors import DraftwiseError
@@ -221,12 +221,9 @@ def best_speculation(tries: Sequence[SuffixTrie], context: Sequence[int], limit:
     return best
 
 
-class SuffixRowsDrafter(RetiringRows):
-    """Suffix drafting for the engine's rows; one-hot draft distributions (exact)."""
-
-    calls = 0
-    wants_features = False
-    feature_layers: tuple[int, ...] = ()
+class SuffixRowsDrafter(RetiringRows, Drafter):
+    """Suffix drafting for the engine's rows; one-hot draft distributions (exact). Its trie follows committed tokens
+    only: a rewind changes nothing."""
 
     def __init__(self, vocab_size: int, device: torch.device, options: SuffixOptions = SuffixOptions(), *,
                  eos_token_ids: frozenset[int] = frozenset(), store: GlobalSuffix | None = None) -> None:
@@ -235,8 +232,6 @@ class SuffixRowsDrafter(RetiringRows):
         self.eos = eos_token_ids
         self.store = store if store is not None else GlobalSuffix(options.depth, options.global_tokens)
         self.last_scores: list[float] = []
-        self.tree_nodes = 0  # > 0: propose speculation trees of at most this many nodes per row (the engine sets it)
-        self.tree_min_prob = 0.0  # no tree node whose path score is below this (the engine sets it)
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
         state = RequestSuffix(self.options.depth)
@@ -259,9 +254,10 @@ class SuffixRowsDrafter(RetiringRows):
         self.last_scores = scores
         return found, scores
 
-    def propose(self, rows, limits):
-        if self.tree_nodes > 0:
-            tokens, parents, _, scores = self.speculate_trees(rows, limits, self.tree_nodes, self.tree_min_prob)
+    def propose(self, rows, limits, *, tree_nodes: int = 0, tree_min_prob: float = 0.0):
+        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
+        if nodes > 0:
+            tokens, parents, _, scores = self.speculate_trees(rows, limits, nodes, min_prob)
             return tree_draft(tokens, parents, self.vocab_size, self.device, scores)
         found, _ = self.speculate(rows, limits)
         return one_hot_draft(found, self.vocab_size, self.device)
@@ -290,28 +286,19 @@ class SuffixRowsDrafter(RetiringRows):
         self.last_scores = expected_out
         return tokens_out, parents_out, expected_out, scores_out
 
-    def rewind(self, row, keep) -> None:
-        pass  # the trie follows committed tokens only
-
-    def observe(self, row, start, states) -> None:
-        pass
-
     def retire(self, state: RequestSuffix) -> None:
         """A request leaves: its output joins the global store."""
         self.store.add(state.tokens[state.prompt_length :])
 
 
-def _hybrid_trees(hybrid: "HybridRowsDrafter", rows, limits):
+def _hybrid_trees(hybrid: "HybridRowsDrafter", rows, limits, nodes: int, min_prob: float):
     """Per row the suffix tree (where it expects at least the threshold) and the head's tree, merged best first:
     (tokens, parents, path scores)."""
     from draftwise.drafters.tree_growth import merge_trees
 
-    nodes = hybrid.tree_nodes
-    suffix_tokens, suffix_parents, expected, suffix_scores = hybrid.suffix.speculate_trees(
-        rows, limits, nodes, hybrid.tree_min_prob)
-    hybrid.head.tree_nodes = nodes
-    hybrid.head.tree_min_prob = hybrid.tree_min_prob
-    head = hybrid.head.propose(rows, limits)
+    suffix_tokens, suffix_parents, expected, suffix_scores = hybrid.suffix.speculate_trees(rows, limits, nodes,
+                                                                                           min_prob)
+    head = hybrid.head.propose(rows, limits, tree_nodes=nodes, tree_min_prob=min_prob)
     head_tokens = head.tokens.tolist() if head.width else [[] for _ in rows]
     tokens_out, parents_out, scores_out = [], [], []
     for b in range(len(rows)):
@@ -349,54 +336,38 @@ def _cut_after_eos(tokens: list[int], parents: list[int], scores: list[float], e
     return [t for t, _, _ in keep], [p for _, p, _ in keep], [s for _, _, s in keep]
 
 
-class HybridRowsDrafter:
-    """Suffix speculation where it scores at least `threshold` expected tokens, an EAGLE head elsewhere."""
+class HybridRowsDrafter(WrappingDrafter):
+    """Suffix speculation where it scores at least `threshold` expected tokens, an EAGLE head (the inner drafter)
+    elsewhere; with a tree budget, a suffix tree (where it scores at least `threshold`) merged with the head's tree.
+    The suffix drafter follows the rows too (its trie needs no rewind)."""
 
     def __init__(self, head_drafter, suffix: SuffixRowsDrafter, threshold: float) -> None:
         if threshold < 0:
             raise DraftwiseError(f"hybrid threshold must be >= 0, got {threshold}")
+        super().__init__(head_drafter)
         self.head, self.suffix, self.threshold = head_drafter, suffix, threshold
-        self.wants_features = head_drafter.wants_features
         self.used_suffix = 0
         self.used_head = 0
-        self.tree_nodes = 0  # > 0: a suffix tree (when it scores at least threshold) merged with the head's tree
-        self.tree_min_prob = 0.0  # grow no tree node whose path probability is below this (the engine sets it)
-
-    @property
-    def calls(self) -> int:
-        return self.head.calls
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return tuple(self.head.feature_layers)
 
     def admit(self, row, prompt_ids) -> None:
-        self.head.admit(row, prompt_ids)
+        super().admit(row, prompt_ids)
         self.suffix.admit(row, prompt_ids)
 
-    def observe(self, row, start, states) -> None:
-        self.head.observe(row, start, states)
-
-    def rewind(self, row, keep) -> None:
-        self.head.rewind(row, keep)
-
     def move_row(self, src, dst) -> None:
-        self.head.move_row(src, dst)
+        super().move_row(src, dst)
         self.suffix.move_row(src, dst)
 
     def release(self, live) -> None:
-        self.head.release(live)
+        super().release(live)
         self.suffix.release(live)
 
-    def _propose_trees(self, rows, limits):
-        tokens, parents, scores = _hybrid_trees(self, rows, limits)
-        return tree_draft(tokens, parents, self.suffix.vocab_size, self.suffix.device, scores)
-
-    def propose(self, rows, limits):
+    def propose(self, rows, limits, *, tree_nodes: int = 0, tree_min_prob: float = 0.0):
         from draftwise.engine.protocols import RowsDraft, empty_draft
 
-        if self.tree_nodes > 0:
-            return self._propose_trees(rows, limits)
+        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
+        if nodes > 0:
+            tokens, parents, scores = _hybrid_trees(self, rows, limits, nodes, min_prob)
+            return tree_draft(tokens, parents, self.suffix.vocab_size, self.suffix.device, scores)
         found, scores = self.suffix.speculate(rows, limits)
         use_suffix = [bool(f) and s >= self.threshold for f, s in zip(found, scores)]
         head_limits = [0 if u else limit for u, limit in zip(use_suffix, limits)]

@@ -112,18 +112,25 @@ class TargetRule(Protocol):
 
 
 class RowsDrafter(Protocol):
-    """Proposes per-row drafts and follows the rows the engine keeps (admit / move / rewind)."""
+    """Proposes per-row drafts and follows the rows the engine keeps (admit / move / rewind). The package's drafters
+    extend drafters.base.Drafter, which does nothing in every hook a drafter leaves out."""
 
     calls: int
     wants_features: bool  # the verify forward hands it the target's states (`observe`)
     feature_layers: tuple[int, ...]  # which target layers those states come from (EAGLE-3: several; () the last)
-    # token trees (a drafter that grows them): the engine sets both before each `propose` from its TreeBudget
+    # token trees, until the engine passes its TreeBudget's figures to `propose`: it sets both before each step
     tree_nodes: int  # > 0: propose trees of at most this many nodes per row; 0: chains
     tree_min_prob: float  # grow no node whose path probability is below this
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None: ...
 
-    def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft: ...
+    def propose(self, rows: Sequence[Row], limits: Sequence[int], *, tree_nodes: int = 0,
+                tree_min_prob: float = 0.0) -> RowsDraft:
+        """Chains of at most limits[b] tokens; with tree_nodes > 0 (a method that grows trees) trees of at most that
+        many nodes a row, depth at most limits[b], no node's path probability below tree_min_prob."""
+
+    def update(self, rows: Sequence[Row], accepted: Sequence[int]) -> None:
+        """The feedback hook, after a step: row b kept accepted[b] of its drafted tokens."""
 
     def rewind(self, row: int, keep: int) -> None: ...
 

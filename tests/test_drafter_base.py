@@ -1,0 +1,124 @@
+"""The drafters' base class (drafters.base.Drafter): a drafter writes `propose` and nothing else it does not need.
+A new drafter is three edits: its class (with its builder beside it), its DrafterKind entry and its Method entry
+(methods.py); it then runs through the engine exactly (T=0: `ar`'s tokens). The tree budget is an argument of
+`propose`, and wrappers hand every hook to the drafter they wrap."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import draftwise
+from draftwise.drafters.base import (Drafter, LookupRowsDrafter, ModelRowsDrafter, NoRowsDrafter, WrappingDrafter)
+from draftwise.drafters.companion import CompanionRowsDrafter, StagedRowsDrafter
+from draftwise.drafters.eagle import EagleRowsDrafter
+from draftwise.drafters.mtad import BeamRowsDrafter, ModelBeams
+from draftwise.drafters.suffix import HybridRowsDrafter, SuffixRowsDrafter
+from draftwise.engine.protocols import one_hot_draft
+from draftwise.engine.sampling import SamplingConfig
+from draftwise.methods import DRAFTERS, METHODS, DrafterKind, Method
+from draftwise.models.loading import load_model
+from draftwise.models.runner import ModelRunner
+from draftwise.models.tiny import tiny_llama
+from draftwise.rules.acceptance import ExactRule
+
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = [[3, 17, 42, 8, 25, 3, 17], [5, 6, 5, 6, 5, 5, 5], [9, 10, 11, 12]]
+
+
+class Repeat(Drafter):  # edit 1: the drafter (and its builder below)
+    """Drafts each row's last token `limit` times."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+
+    def propose(self, rows, limits):
+        return one_hot_draft([[r.sequence[-1]] * limit for r, limit in zip(rows, limits)], self.vocab_size,
+                             self.device)
+
+
+def build_repeat(plan, rule):
+    return Repeat(plan.vocab_size, plan.target.device)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(tiny_llama(0, eos=7))
+
+
+def test_a_new_drafter_is_its_propose_and_two_entries_and_runs_exactly(target, monkeypatch):
+    monkeypatch.setitem(DRAFTERS, "repeat", DrafterKind("repeat", "no draft model",  # edit 2
+                                                        builder=f"{__name__}:build_repeat"))
+    monkeypatch.setitem(METHODS, "repeat", Method("repeat", "repeats the last token", drafter="repeat",  # edit 3
+                                                  make_rule=lambda options: ExactRule()))
+    # 3 prompts on 2 rows: rows are admitted, moved and released; the bias makes the target repeat token 13 at times
+    kwargs = dict(temperature=0, max_new_tokens=16, ignore_eos=True, max_batch_size=2, logit_bias={13: 4.0})
+    ours = draftwise.generate(target, PROMPTS, method="repeat", gamma=3, **kwargs)
+    ar = draftwise.generate(target, PROMPTS, method="ar", **kwargs)
+    assert [g.token_ids for g in ours] == [g.token_ids for g in ar]
+    assert sum(g.stats["drafted"] for g in ours) > 0 and sum(g.stats["accepted"] for g in ours) > 0
+    alone = draftwise.generate(target, PROMPTS[1], method="repeat", gamma=3, **kwargs)
+    assert alone.token_ids == ar[1].token_ids
+
+
+def test_every_drafter_of_the_package_extends_the_base():
+    for cls in (NoRowsDrafter, LookupRowsDrafter, ModelRowsDrafter, ModelBeams, EagleRowsDrafter, SuffixRowsDrafter,
+                HybridRowsDrafter, CompanionRowsDrafter, StagedRowsDrafter, BeamRowsDrafter):
+        assert issubclass(cls, Drafter), cls
+    for cls in (HybridRowsDrafter, CompanionRowsDrafter, StagedRowsDrafter, BeamRowsDrafter):
+        assert issubclass(cls, WrappingDrafter), cls
+
+
+def _rows(*sequences):
+    return [SimpleNamespace(sequence=list(s), request=SimpleNamespace(sampling=GREEDY), grammar=None, token_ids=[])
+            for s in sequences]
+
+
+def test_the_tree_budget_is_an_argument_of_propose(target):
+    suffix = SuffixRowsDrafter(64, torch.device("cpu"))
+    sequence = [5, 1, 2, 3, 6, 1, 2, 4, 7, 1, 2, 3, 8, 1, 2]  # after "1 2": 3 (twice) or 4 (once)
+    suffix.admit(0, sequence)
+    chain = suffix.propose(_rows(sequence), [4])
+    assert chain.parents is None and chain.tokens[0].tolist() == [3, 6]
+    tree = suffix.propose(_rows(sequence), [4], tree_nodes=6)
+    assert tree.tokens[0].tolist() == [3, 4, 6, 8, 7] and tree.parents == ((-1, -1, 0, 0, 1),)
+    assert suffix.tree_nodes == 0  # nothing is set on the drafter
+    assert suffix.propose(_rows(sequence), [4], tree_nodes=3).counts == [3]
+    assert suffix.propose(_rows(sequence), [4], tree_nodes=6, tree_min_prob=0.5).tokens[0].tolist() == [3]
+
+    model = ModelRowsDrafter(ModelRunner(tiny_llama(1, layers=1, eos=7), rows=1), 64)
+    model.admit(0, PROMPTS[0])
+    chain = model.propose(_rows(PROMPTS[0]), [3])
+    assert chain.parents is None and chain.counts == [3]
+    model.rewind(0, len(PROMPTS[0]) - 1)
+    tree = model.propose(_rows(PROMPTS[0]), [3], tree_nodes=5)
+    assert tree.parents is not None and tree.counts == [5]
+
+
+def test_a_wrapper_hands_every_hook_to_the_drafter_it_wraps():
+    calls = []
+
+    class Inner(Drafter):
+        calls = 7
+        wants_features = True
+        feature_layers = (1, 2)
+
+        def __getattribute__(self, name):
+            if name in ("admit", "rewind", "move_row", "release", "observe", "update"):
+                return lambda *args: calls.append((name, args))
+            return object.__getattribute__(self, name)
+
+    outer = WrappingDrafter(Inner())
+    assert (outer.calls, outer.wants_features, outer.feature_layers) == (7, True, (1, 2))
+    outer.admit(0, [1, 2])
+    outer.rewind(0, 1)
+    outer.move_row(1, 0)
+    outer.release(1)
+    outer.observe(0, 0, "states")
+    outer.update("rows", [2])
+    assert calls == [("admit", (0, [1, 2])), ("rewind", (0, 1)), ("move_row", (1, 0)), ("release", (1,)),
+                     ("observe", (0, 0, "states")), ("update", ("rows", [2]))]
+    with pytest.raises(NotImplementedError):
+        Drafter().propose([], [])
