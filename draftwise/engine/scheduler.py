@@ -54,7 +54,9 @@ class Scheduler:
         return self._prompt_plan(self._prompt_budget(), PREFILL_CHUNK) if self.prefilling else []
 
     def _admit(self) -> None:
-        """Take waiting requests while they fit; they prefill from the next forward on (see `step`)."""
+        """Take waiting requests while they fit; they prefill from the next forward on (see `step`). One whose
+        prompt needs no forward (a stored prefix, a scored prefill, a one-token prompt) starts decoding now."""
+        whole = False
         while self.waiting and len(self.live) + len(self.prefilling) < self.max_batch_size:
             candidate = self.waiting[0]
             held = self.admitted
@@ -78,7 +80,9 @@ class Scheduler:
             if row.request.params.prompt_logprobs is not None:
                 self._prefill_scored(row, len(held))
             self.prefilling.append(row)
-        self._start_decoding()
+            whole = whole or row.unfed == 0
+        if whole:  # rows fed by a forward start where it ran (`_feed_prompts`, `_end_step`)
+            self._start_decoding()
 
     def _prompt_budget(self) -> int:
         """Prompt tokens the next step feeds beside the decoding rows, keyed on what waits. Prompts are fed at once
