@@ -62,11 +62,12 @@ class Stepper:
         limits = self.selector.limits(rows, limits)
         drafter_calls = self.drafter.calls
 
-        if self.tree_budget is not None:  # each row's node budget at this batch size, and the least path
-            # probability worth growing (tree.TreeBudget)
-            self.drafter.tree_nodes = self.tree_budget.growth(len(rows))
-            self.drafter.tree_min_prob = self.tree_budget.min_prob(len(rows))
-        draft = self.drafter.propose(rows, limits)  # draft
+        if self.tree_budget is not None:  # draft: trees of each row's node budget at this batch size, grown no
+            # lower than the least path probability worth growing (tree.TreeBudget)
+            draft = self.drafter.propose(rows, limits, tree_nodes=self.tree_budget.growth(len(rows)),
+                                         tree_min_prob=self.tree_budget.min_prob(len(rows)))
+        else:
+            draft = self.drafter.propose(rows, limits)  # draft: chains
         proposed = draft.counts
         batch = StepBatch.of(rows, draft)
         if draft.parents is not None:  # token trees: their own verification and acceptance
