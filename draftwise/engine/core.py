@@ -66,6 +66,7 @@ class Engine(Scheduler, Stepper, Output):
             raise DraftwiseError(f"prefill_share must be > 0, got {prefill_share!r}")
         self.target = target
         self.drafter = drafter
+        self._feedback = getattr(drafter, "update", None)  # drafters.base.Drafter.update
         self.rule = rule
         self.gamma = gamma
         self.tokenizer = tokenizer

@@ -21,11 +21,12 @@ class Output:
         """Commit, record and rewind, for chains and trees alike: row b appends committed[b] (cut at EOS and stop
         strings; logits[b][j] came before its token j), its counters record the step (`record(b, row, accepted
         tokens kept)`), and every cache keeps the row's sequence minus its new pending token."""
-        events, done = [], []
+        events, done, kept_drafts = [], [], []
         now = time.perf_counter()
         for b, row in enumerate(rows):
             kept = self._conclude(b, row, committed[b], logits[b], now, drafter_calls, verifier[b])
-            record(b, row, min(accepted[b], len(kept)))
+            kept_drafts.append(min(accepted[b], len(kept)))
+            record(b, row, kept_drafts[-1])
             row.counters.target_tokens += counts[b]
             row.counters.proposed += proposed[b]
             events.append(self._event(row, kept))
@@ -34,6 +35,8 @@ class Output:
             self.drafter.rewind(b, len(row.sequence) - 1)
             if row.finish_reason is not None:
                 done.append(b)
+        if self._feedback is not None:  # the drafter learns what the target kept (HF's update_candidate_strategy)
+            self._feedback(rows, kept_drafts)
         if self.prefixes is not None:
             self._store_last_blocks(rows, hidden)
         self._end_step(done, started, plan)
