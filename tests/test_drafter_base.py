@@ -1,7 +1,8 @@
 """The drafters' base class (drafters.base.Drafter): a drafter writes `propose` and nothing else it does not need.
 A new drafter is three edits: its class (with its builder beside it), its DrafterKind entry and its Method entry
-(methods.py); it then runs through the engine exactly (T=0: `ar`'s tokens). The tree budget is an argument of
-`propose`, and wrappers hand every hook to the drafter they wrap."""
+(methods.py); it then runs through the engine exactly (T=0: `ar`'s tokens). After each step the engine calls the
+drafter's feedback hook `update` with what each row kept; the tree budget is an argument of `propose`; wrappers
+hand every hook to the drafter they wrap."""
 
 from __future__ import annotations
 
@@ -63,6 +64,59 @@ def test_a_new_drafter_is_its_propose_and_two_entries_and_runs_exactly(target, m
     assert alone.token_ids == ar[1].token_ids
 
 
+class Learning(Repeat):
+    """Repeat with the feedback hook: it adds up what each row kept."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        super().__init__(vocab_size, device)
+        self.kept: dict[int, int] = {}  # row id (the request's) -> drafted tokens kept
+        self.steps = 0
+
+    def update(self, rows, accepted):
+        self.steps += 1
+        for row, kept in zip(rows, accepted):
+            self.kept[row.id] = self.kept.get(row.id, 0) + kept
+
+
+BUILT: list[Learning] = []
+
+
+def build_learning(plan, rule):
+    BUILT.append(Learning(plan.vocab_size, plan.target.device))
+    return BUILT[-1]
+
+
+def test_the_engine_tells_the_drafter_what_each_row_kept(target, monkeypatch):
+    monkeypatch.setitem(DRAFTERS, "learning", DrafterKind("learning", "no draft model",
+                                                          builder=f"{__name__}:build_learning"))
+    monkeypatch.setitem(METHODS, "learning", Method("learning", "repeats the last token", drafter="learning",
+                                                    make_rule=lambda options: ExactRule()))
+    ours = draftwise.generate(target, PROMPTS, method="learning", gamma=3, temperature=0, max_new_tokens=16,
+                              ignore_eos=True, max_batch_size=2, logit_bias={13: 4.0})
+    drafter = BUILT[-1]
+    assert [drafter.kept[i] for i in sorted(drafter.kept)] == [g.stats["accepted"] for g in ours]
+    assert sum(drafter.kept.values()) > 0 and drafter.steps >= max(g.stats["target_calls"] for g in ours)
+
+
+def test_the_engine_gives_the_tree_budget_to_propose(target, monkeypatch):
+    seen = []
+    propose = SuffixRowsDrafter.propose
+
+    def recording(self, rows, limits, **tree):
+        seen.append(tree)
+        return propose(self, rows, limits, **tree)
+
+    monkeypatch.setattr(SuffixRowsDrafter, "propose", recording)
+    kwargs = dict(temperature=0, max_new_tokens=12, ignore_eos=True)
+    trees = draftwise.generate(target, PROMPTS[1], method="suffix", tree_nodes=4, tree_adaptive=0, **kwargs)
+    assert seen and all(t == {"tree_nodes": 4, "tree_min_prob": 0.0} for t in seen)
+    seen.clear()
+    chains = draftwise.generate(target, PROMPTS[1], method="suffix", **kwargs)
+    assert seen and all(t == {} for t in seen)  # chains: the two-argument call
+    ar = draftwise.generate(target, PROMPTS[1], method="ar", **kwargs)
+    assert trees.token_ids == chains.token_ids == ar.token_ids
+
+
 def test_every_drafter_of_the_package_extends_the_base():
     for cls in (NoRowsDrafter, LookupRowsDrafter, ModelRowsDrafter, ModelBeams, EagleRowsDrafter, SuffixRowsDrafter,
                 HybridRowsDrafter, CompanionRowsDrafter, StagedRowsDrafter, BeamRowsDrafter):
@@ -84,7 +138,6 @@ def test_the_tree_budget_is_an_argument_of_propose(target):
     assert chain.parents is None and chain.tokens[0].tolist() == [3, 6]
     tree = suffix.propose(_rows(sequence), [4], tree_nodes=6)
     assert tree.tokens[0].tolist() == [3, 4, 6, 8, 7] and tree.parents == ((-1, -1, 0, 0, 1),)
-    assert suffix.tree_nodes == 0  # nothing is set on the drafter
     assert suffix.propose(_rows(sequence), [4], tree_nodes=3).counts == [3]
     assert suffix.propose(_rows(sequence), [4], tree_nodes=6, tree_min_prob=0.5).tokens[0].tolist() == [3]
 

@@ -130,7 +130,8 @@ def test_the_shipped_options_keep_their_checks():
     with pytest.raises(rows.ParamError, match="logit_bias: key 99 is not a token id in"):
         rows.RequestParams.from_options({"logit_bias": {99: 1.0}}).checked(64)
     for body, param in (({"presence_penalty": 2.5}, "presence_penalty"), ({"min_tokens": -1}, "min_tokens"),
-                        ({"repetition_penalty": 101}, "repetition_penalty"), ({"logit_bias": {"1": 101}}, "logit_bias")):
+                        ({"repetition_penalty": 101}, "repetition_penalty"),
+                        ({"logit_bias": {"1": 101}}, "logit_bias")):
         with pytest.raises(protocol.ApiError) as caught:
             protocol.parse({"model": "m", "prompt": "x", **body}, chat=False)
         assert caught.value.param == param

@@ -190,7 +190,6 @@ def test_draft_model_trees_equal_cache_free_trees_under_forced_acceptance():
 
     draft = tiny_llama(1, layers=1)
     drafter = ModelRowsDrafter(ModelRunner(draft, vocab_size=64, rows=0), 64)
-    drafter.tree_nodes = 9
 
     def logprobs_after(seq):
         with torch.no_grad():
@@ -202,7 +201,7 @@ def test_draft_model_trees_equal_cache_free_trees_under_forced_acceptance():
         drafter.admit(b, row.sequence)
     for _ in range(5):
         limits = [rng.randint(1, 4) for _ in rows]
-        proposal = drafter.propose(rows, limits)
+        proposal = drafter.propose(rows, limits, tree_nodes=9)
         assert proposal.parents is not None
         for b, row in enumerate(rows):
             tokens = proposal.tokens[b, : proposal.counts[b]].tolist()
@@ -227,7 +226,6 @@ def test_eagle_head_trees_equal_cache_free_trees_under_forced_acceptance():
             p.mul_(3.0)
     head.attach(target)
     drafter = EagleRowsDrafter(head, 64, torch.device("cpu"))
-    drafter.tree_nodes = 8
 
     def features(seq):
         with torch.no_grad():
@@ -272,7 +270,7 @@ def test_eagle_head_trees_equal_cache_free_trees_under_forced_acceptance():
         drafter.observe(b, 0, features(row.sequence)[: len(row.sequence) - 1])
     for _ in range(4):
         limits = [rng.randint(1, 3) for _ in rows]
-        proposal = drafter.propose(rows, limits)
+        proposal = drafter.propose(rows, limits, tree_nodes=8)
         for b, row in enumerate(rows):
             tokens = proposal.tokens[b, : proposal.counts[b]].tolist()
             expected = head_tree(row.sequence, 8, limits[b])

@@ -33,24 +33,17 @@ class Drafter:
     proposes next (the default ignores it).
 
     Token trees: `propose(rows, limits, tree_nodes=n, tree_min_prob=p)` asks for trees of at most n nodes a row,
-    grown no lower than path probability p; the engine gives them only when the method grows trees (chains: the
-    two-argument call). Until the engine passes them it sets the attributes of the same names before each step:
-    `tree_budget` reads the arguments, else those."""
+    grown no lower than path probability p; the engine gives them (its TreeBudget's figures for the step) only when
+    the method grows trees: chains are the two-argument call."""
 
     calls = 0  # drafting forwards so far (a model's drafter counts its runner's; lookups run none)
     wants_features = False  # the verify forward hands it the target's states (`observe`)
     feature_layers: tuple[int, ...] = ()  # the target layers those states come from (EAGLE-3: several; () the last)
-    tree_nodes = 0  # see the class's doc: the engine's tree budget, until it passes it to `propose`
-    tree_min_prob = 0.0
 
     def propose(self, rows: Sequence[Row], limits: Sequence[int], *, tree_nodes: int = 0,
                 tree_min_prob: float = 0.0) -> RowsDraft:
         """Up to limits[b] drafted tokens for row b (a chain), or a token tree of at most `tree_nodes` nodes."""
         raise NotImplementedError
-
-    def tree_budget(self, tree_nodes: int = 0, tree_min_prob: float = 0.0) -> tuple[int, float]:
-        """This step's (nodes per row, least path probability): `propose`'s arguments, else what the engine set."""
-        return tree_nodes or self.tree_nodes, tree_min_prob or self.tree_min_prob
 
     def update(self, rows: Sequence[Row], accepted: Sequence[int]) -> None:
         """After a step: row b (its sequence now holds what it committed) kept accepted[b] of its drafted tokens."""
@@ -202,9 +195,8 @@ class ModelRowsDrafter(Drafter):
         n = len(rows)
         if width == 0:
             return empty_draft(n, self.vocab_size, self.runner.device)
-        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
-        if nodes > 0:
-            return self._propose_trees(rows, limits, nodes, min_prob)
+        if tree_nodes > 0:
+            return self._propose_trees(rows, limits, tree_nodes, tree_min_prob)
         # 1 or 2 tokens a row; a row admitted with a long prompt feeds it CATCH_UP tokens a step and drafts
         # nothing until its cache has caught up, so its prompt never stalls the other rows' step
         feed, counts, limits = self.pending_feed(rows, limits)

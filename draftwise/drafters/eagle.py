@@ -176,9 +176,8 @@ class EagleRowsDrafter(Drafter):
         if width == 0:
             return empty_draft(n, self.vocab_size, self.device)
         predicted, limits = self.catch_up(rows, limits)
-        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
-        if nodes > 0:
-            return self._propose_trees(predicted, limits, nodes, min_prob)
+        if tree_nodes > 0:
+            return self._propose_trees(predicted, limits, tree_nodes, tree_min_prob)
 
         def advance(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             nonlocal predicted

@@ -255,9 +255,8 @@ class SuffixRowsDrafter(RetiringRows, Drafter):
         return found, scores
 
     def propose(self, rows, limits, *, tree_nodes: int = 0, tree_min_prob: float = 0.0):
-        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
-        if nodes > 0:
-            tokens, parents, _, scores = self.speculate_trees(rows, limits, nodes, min_prob)
+        if tree_nodes > 0:
+            tokens, parents, _, scores = self.speculate_trees(rows, limits, tree_nodes, tree_min_prob)
             return tree_draft(tokens, parents, self.vocab_size, self.device, scores)
         found, _ = self.speculate(rows, limits)
         return one_hot_draft(found, self.vocab_size, self.device)
@@ -364,9 +363,8 @@ class HybridRowsDrafter(WrappingDrafter):
     def propose(self, rows, limits, *, tree_nodes: int = 0, tree_min_prob: float = 0.0):
         from draftwise.engine.protocols import RowsDraft, empty_draft
 
-        nodes, min_prob = self.tree_budget(tree_nodes, tree_min_prob)
-        if nodes > 0:
-            tokens, parents, scores = _hybrid_trees(self, rows, limits, nodes, min_prob)
+        if tree_nodes > 0:
+            tokens, parents, scores = _hybrid_trees(self, rows, limits, tree_nodes, tree_min_prob)
             return tree_draft(tokens, parents, self.suffix.vocab_size, self.suffix.device, scores)
         found, scores = self.suffix.speculate(rows, limits)
         use_suffix = [bool(f) and s >= self.threshold for f, s in zip(found, scores)]

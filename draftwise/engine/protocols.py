@@ -118,9 +118,6 @@ class RowsDrafter(Protocol):
     calls: int
     wants_features: bool  # the verify forward hands it the target's states (`observe`)
     feature_layers: tuple[int, ...]  # which target layers those states come from (EAGLE-3: several; () the last)
-    # token trees, until the engine passes its TreeBudget's figures to `propose`: it sets both before each step
-    tree_nodes: int  # > 0: propose trees of at most this many nodes per row; 0: chains
-    tree_min_prob: float  # grow no node whose path probability is below this
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None: ...
 
