@@ -103,7 +103,9 @@ def _companion(plan: Plan, rule: Any) -> Any:
 
     kind = StagedRowsDrafter if plan.method.drafter == "staged" else CompanionRowsDrafter
     inner = _model(plan, rule, keep_raw=kind is CompanionRowsDrafter)  # SV's companion reads the draft's raw q
-    return kind(inner, draft_runner(plan.companion, vocab_size=plan.vocab_size), plan.vocab_size)
+    from draftwise.drafters.ngram_companion import companion_runner
+
+    return kind(inner, companion_runner(plan.companion, vocab_size=plan.vocab_size), plan.vocab_size)
 
 
 def _beams(plan: Plan, rule: Any) -> Any:

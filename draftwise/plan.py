@@ -360,12 +360,14 @@ def _load_companion(spec: str, target: LoadedModel, draft: Any) -> LoadedModel:
     if name is None or (isinstance(name, str) and not name):
         raise DraftwiseError(f"this method needs a companion model: pass companion=NAME_OR_PATH (--companion); the "
                              f"registry has one only for {', '.join(registry.companion_targets()) or 'no target'}")
+    from draftwise.drafters.ngram_companion import load_companion
+
     if isinstance(name, LoadedModel):
         companion = name
     elif isinstance(name, str):
-        companion = load_model(name, device=target.device, dtype=target.dtype)
+        companion = load_companion(name, target, device=target.device, dtype=target.dtype)
     else:
-        companion = load_model(name)
+        companion = load_companion(name, target)
     if companion.device != target.device:
         raise DraftwiseError(f"companion is on {companion.device} but target on {target.device}; use one device")
     check_same_tokenizer(target, companion)

@@ -29,6 +29,7 @@ from draftwise.rules.acceptance import ExactRule
 from draftwise.models.runner import ModelRunner, draft_runner
 from draftwise.engine.sampling import SamplingConfig, unwarped
 from draftwise.drafters.companion import CompanionRowsDrafter
+from draftwise.drafters.ngram_companion import NgramCompanion, companion_runner
 from draftwise.selectors.selection import indicator_pair
 from draftwise.selectors.sv import (AcceptanceTable, LatencyModel, SVProfile, acceptance_probability, bucket, discretise, equal_edges,
                  information_gain, quantile_edges)
@@ -87,7 +88,9 @@ def collect_samples(target: Any, draft: Any, companion: Any, prompts: Sequence[S
     recorder = RecordingSelector()
     inner = ModelRowsDrafter(draft_runner(draft, vocab_size=vocab_size), vocab_size,
                              eos_token_ids=eos_token_ids, keep_raw=True)
-    drafter = CompanionRowsDrafter(inner, draft_runner(companion, vocab_size=vocab_size), vocab_size)
+    if isinstance(companion, NgramCompanion):  # its corpus must not hold the answers being profiled
+        companion = companion.without_answers_to(prompts)
+    drafter = CompanionRowsDrafter(inner, companion_runner(companion, vocab_size=vocab_size), vocab_size)
     engine = Engine(ModelRunner(target.model, vocab_size=vocab_size, rows=0), drafter, ExactRule(), gamma=gamma,
                     max_batch_size=batch_size, method="sd", stream_text=False, selector=recorder)
     for i, ids in enumerate(prompts):
@@ -187,7 +190,7 @@ def measure_latency(target: Any, draft: Any, companion: Any | None, *, gamma: in
     t_runner = ModelRunner(target.model, vocab_size=vocab_size, rows=0)
     packed = t_runner.packing
     d_runner = draft_runner(draft, vocab_size=vocab_size)
-    c_runner = draft_runner(companion, vocab_size=vocab_size) if companion is not None else None
+    c_runner = companion_runner(companion, vocab_size=vocab_size) if companion is not None else None
     with torch.inference_mode():
         for r in rows:
             verify.append([_timed_forward(t_runner, r, n, context, repeats, vocab_size) for n in range(1, gamma + 2)])

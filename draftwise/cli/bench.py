@@ -277,7 +277,8 @@ def add_profile_sv(sub: argparse._SubParsersAction) -> None:
                        "gain, and this machine's verification latency (Kim et al. §4, §7.4, D.10)")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=None, help="draft model (default: the registry's independent draft)")
-    p.add_argument("--companion", default=None, help="companion model (default: the registry's companion)")
+    p.add_argument("--companion", default=None, help="companion model, or an n-gram companion: 'ngram' (each row's "
+                   "context), 'ngram:DIR' (plus the target's answers in DIR) (default: the registry's companion)")
     p.add_argument("--out", required=True, help="profile JSON (written atomically)")
     p.add_argument("--temperature", type=float, default=1.0, help="the sampling setting the profile is for (0: greedy)")
     p.add_argument("--top-k", type=int, default=0)
@@ -312,6 +313,7 @@ def run_profile_sv(args: argparse.Namespace) -> int:
     from draftwise.bench.harness import encode_bench_prompt
     from draftwise.models import registry
     from draftwise.bench.sv_profile import build_profile, collect_samples, measure_latency
+    from draftwise.drafters.ngram_companion import load_companion
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -330,7 +332,7 @@ def run_profile_sv(args: argparse.Namespace) -> int:
                              f"{', '.join(registry.companion_targets())})")
     target = load_model(args.target, dtype=args.dtype)
     draft = load_draft(draft_name, target, dtype=args.dtype)
-    companion = load_model(companion_name, dtype=args.dtype)
+    companion = load_companion(companion_name, target, dtype=args.dtype)
     for model in (draft, companion):
         check_same_tokenizer(target, model)
     vocab = min(m.vocab_size for m in (target, draft, companion))

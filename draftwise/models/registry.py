@@ -376,3 +376,38 @@ def trained_files_listing() -> list[str]:
 
 
 _TRAINED_FILES[(SMOLLM2, "smollm2-135m-draft")] = (0.0, 1.0)
+
+
+# --- n-gram companions of Speculative Verification (drafters/ngram_companion.py) ------------------------------
+# No weights: n-gram counts over each row's context and the target's own answers (`draftwise train-data --answers`
+# chunks under data/answers/<target>), counted when first used. `plan` resolves these names to an NgramCompanion.
+
+ANSWERS_DIR = Path(__file__).resolve().parents[2] / "data" / "answers"
+_NGRAM_COMPANIONS: dict[str, Path] = {}  # registry name -> the answers it counts
+
+
+def ngram_companion_corpus(name: str) -> Path | None:
+    """The answers directory of a registry n-gram companion (None: `name` is not one)."""
+    return _NGRAM_COMPANIONS.get(name)
+
+
+def _register_ngram_companion(target: str) -> None:
+    name, directory = f"{target}-ngram", ANSWERS_DIR / target
+
+    def state() -> str:
+        return "ready" if any(directory.glob("answers-*.npz")) else f"no answer chunks in {directory}"
+
+    def resolve() -> Path:
+        if state() != "ready":
+            raise ModelNotAvailableError(f"{name}: {state()} (`draftwise train-data --answers` writes them)")
+        return directory
+
+    register(RegistryEntry(
+        name=name, role="companion", resolve=resolve, cached=state,
+        description=f"n-gram companion for {target} (Speculative Verification): Witten-Bell n-grams (orders 1-4) "
+        f"over each row's context and {target}'s own answers in data/answers; costs no forward"))
+    _NGRAM_COMPANIONS[name] = directory
+    _COMPANIONS[target] = name
+
+
+_register_ngram_companion(QWEN_TARGET)

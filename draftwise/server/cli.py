@@ -97,6 +97,7 @@ def _positive(name: str, value: float) -> None:
 def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
     from draftwise import plan
     from draftwise.models import registry
+    from draftwise.drafters.ngram_companion import load_companion
     from draftwise.heads.loading import load_draft
     from draftwise.models.loading import load_model
     from draftwise.server import ServerConfig, Service, bind, create_app, serve
@@ -142,7 +143,8 @@ def run_serve(args: argparse.Namespace, method_options: dict[str, Any]) -> int:
             companion_spec = registry.default_companion(target.name) if target.name in registry.names() else None
         companion = None
         if companion_spec is not None:
-            companion = load_model(companion_spec, device=args.device or target.device, dtype=target.dtype)
+            companion = load_companion(companion_spec, target, device=args.device or target.device,
+                                       dtype=target.dtype)
             plan.check_same_tokenizer(target, companion)
         config = ServerConfig(model_name=args.served_model_name or args.target, method=args.method, options=options,
                               gamma=args.gamma, api_key=api_key, max_batch_size=args.max_batch_size,
