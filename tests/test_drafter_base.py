@@ -175,3 +175,49 @@ def test_a_wrapper_hands_every_hook_to_the_drafter_it_wraps():
                      ("observe", (0, 0, "states")), ("update", ("rows", [2]))]
     with pytest.raises(NotImplementedError):
         Drafter().propose([], [])
+
+
+@pytest.mark.parametrize("keep_raw", [False, True])
+def test_the_draft_loop_stops_each_row_at_its_limit_eos_or_policy_and_reads_no_flag_back(keep_raw, monkeypatch):
+    """draft_chains over scripted logits: row b drafts the argmax of each step's logits until its limit, until it
+    drafted EOS, or until the confidence policy stops it (top probability below the threshold); a head's draft
+    vocabulary (`ids`) maps its tokens. The loop keeps its per-row flags on the host: no tensor is read as a bool.
+    keep_raw takes the path that builds the distributions; the tokens and counts are the same."""
+    from draftwise.drafters.base import draft_chains
+    from draftwise.drafters.policies import ConfidenceStop
+
+    rows_n, width, vocab = 5, 4, 12
+    ids = torch.arange(vocab) * 2 + 1  # a head's draft vocabulary inside a target vocabulary of 2 * vocab + 1
+    eos = int(ids[11])
+    logits = [torch.zeros(rows_n, vocab) for _ in range(width)]  # all zeros: top probability 1/12, unconfident
+    for step in range(width):
+        for b in range(rows_n):
+            if not (b == 4 and step == 1):  # row 4 is unconfident at its second token (and stays stopped)
+                logits[step][b, 11 if (b, step) == (2, 1) else (b + 3 * step) % 11] = 10.0  # row 2 drafts EOS second
+    limits = [4, 2, 4, 0, 3]
+    threshold = 0.6
+    rows = [SimpleNamespace(request=SimpleNamespace(sampling=GREEDY), grammar=None, sequence=[1]) for _ in limits]
+    expected = []
+    for b, limit in enumerate(limits):
+        drafted = []
+        for step in range(width):
+            if len(drafted) >= limit or torch.softmax(logits[step][b], -1).max() < threshold:
+                break
+            drafted.append(int(ids[logits[step][b].argmax()]))
+            if drafted[-1] == eos:
+                break
+        expected.append(drafted)
+    assert [len(d) for d in expected] == [4, 2, 2, 0, 1] and expected[2][-1] == eos  # limit, limit, EOS, -, policy
+    fed = []
+
+    def advance(token):
+        fed.append(token.tolist())
+        return logits[len(fed)], None
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: pytest.fail("a tensor read as a bool"))
+    draft = draft_chains(rows, limits, (logits[0], None), advance, vocab_size=2 * vocab + 1,
+                         eos=torch.tensor([eos]), policy=ConfidenceStop(threshold), keep_raw=keep_raw, ids=ids)
+    assert draft.counts == [len(d) for d in expected]
+    assert [draft.tokens[b, :c].tolist() for b, c in enumerate(draft.counts)] == expected
+    assert len(fed) == max(map(len, expected)) - 1  # no forward past the last row's last token
+    assert (draft.q is None) != keep_raw

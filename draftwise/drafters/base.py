@@ -302,11 +302,13 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
     configs = [r.request.sampling for r in rows]
     greedy = [c.greedy for c in configs]
     draws = None  # the rows' keyed draws (engine.keyed), built when a row samples
-    fast = all(greedy) and not keep_raw and not policy.needs_hidden \
-        and not any(getattr(r, "grammar", None) is not None for r in rows)
-    active = torch.tensor([limit > 0 for limit in limits], device=device)  # [rows] still drafting
-    limit_t = torch.tensor(list(limits), device=device)
-    drafted = torch.zeros(n, dtype=torch.long, device=device)
+    grammar = any(getattr(r, "grammar", None) is not None for r in rows)
+    fast = all(greedy) and not keep_raw and not policy.needs_hidden and not grammar
+    # which rows still draft, and how many tokens each has drafted, are kept on the host: each step's tokens and
+    # stop flags come over in one copy each, rather than a tensor op per condition and a read-back per step
+    active = [limit > 0 for limit in limits]
+    drafted = [0] * n
+    stop_tokens = frozenset(eos.tolist())
     tokens, probs, raws, verdicts = [], [], [], []
     policy.start(n, device)
     logits, state = first
@@ -315,16 +317,18 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
         if fast:  # the argmax only: no full-vocabulary tensor
             if policy.needs_raw:  # stop rules read the max / entropy: over V, the same as over the vocabulary
                 raw = torch.softmax(logits.float(), dim=-1)
-                active &= ~policy.stop_before(raw)
+                active = _unstopped(active, policy.stop_before(raw))
             pick = argmax_last(logits)  # [rows]
             token = pick if ids is None else ids[pick]
         else:
             # zero probability outside a head's draft vocabulary (and past a padded target vocabulary): exact
             full = logits if ids is None else full_vocabulary_logits(logits, ids, vocab_size)  # [rows, vocab]
-            full, active = mask_rows(rows, full, active)  # a grammar row drafts only what it allows
+            if grammar:  # a grammar row drafts only what it allows
+                full, allowed = mask_rows(rows, full, torch.tensor(active, device=device))
+                active = allowed.tolist()
             raw = unwarped(full) if keep_raw or policy.needs_raw else None  # [rows, vocab]
             if policy.needs_raw:
-                active &= ~policy.stop_before(raw)
+                active = _unstopped(active, policy.stop_before(raw))
             if keep_raw:
                 raws.append(raw)
             step_probs = warp_rows(full, configs)  # [rows, vocab]
@@ -332,26 +336,32 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
                 draws = row_draws(rows, device)
             # the token at position len(sequence) + step: keyed there (Gumbel rows share the target's noise)
             token = argmax_last(step_probs) if draws is None else sample_rows(step_probs, draws, step, greedy)
-            active = push_rows(rows, token, active)
+            if grammar:
+                active = push_rows(rows, token, torch.tensor(active, device=device)).tolist()
             probs.append(step_probs)
-        drafted += active.long()
+        drafted = [d + a for d, a in zip(drafted, active)]
         tokens.append(token)
         stop, verdict = policy.after(state if policy.needs_hidden else None, token, raw)
         if verdict is not None:
             verdicts.append(verdict)
         # a row stops after drafting EOS, on its policy's word, or at its limit; the rest go on
-        active &= ~torch.isin(token, eos) & ~stop & (drafted < limit_t)
+        active = [a and t not in stop_tokens and d < limit
+                  for a, t, d, limit in zip(_unstopped(active, stop), token.tolist(), drafted, limits)]
         if step + 1 < width:
-            if not bool(active.any()):
+            if not any(active):
                 break
             logits, state = advance(token)
-    counts = drafted.tolist()
-    k = max(counts, default=0)
+    k = max(drafted, default=0)
     if k == 0:
         return empty_draft(n, vocab_size, device)
-    return RowsDraft(torch.stack(tokens, 1)[:, :k], None if fast else torch.stack(probs, 1)[:, :k], counts,
+    return RowsDraft(torch.stack(tokens, 1)[:, :k], None if fast else torch.stack(probs, 1)[:, :k], drafted,
                      torch.stack(raws, 1)[:, :k] if keep_raw else None,
                      torch.stack(verdicts, 1)[:, :k] if verdicts else None, vocab_size=vocab_size)
+
+
+def _unstopped(active: list[bool], stop: torch.Tensor) -> list[bool]:
+    """`active` without the rows a length policy stops (`stop`: [rows] bool)."""
+    return [a and not s for a, s in zip(active, stop.tolist())]
 
 
 def prefill_row(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:
