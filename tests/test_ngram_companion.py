@@ -112,7 +112,7 @@ def test_a_position_does_not_read_the_tokens_fed_after_it():
     for tail in ([3, 1], [7, 9]):
         runner.cache.reset_row(0)
         outs.append(runner.forward_rows(torch.tensor([prefix + tail]), [7],
-                                        logits_at=torch.tensor([[3, 4, 5, 6]])).logits)
+                                        logits_at=torch.tensor([[3, 4, 5, 6]])).logits.clone())  # (its buffer)
     assert torch.equal(outs[0][0, :2], outs[1][0, :2])  # positions 3 and 4: the same prefix
     assert not torch.equal(outs[0][0, 2:], outs[1][0, 2:])  # positions after the tails differ
     # a padded position (past a row's fed tokens) is uniform

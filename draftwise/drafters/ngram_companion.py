@@ -91,11 +91,11 @@ def _decrement(counts: dict[int, int], token: int) -> None:
 
 @dataclass
 class Corpus:
-    """Counts over fixed sequences (the target's answers), shared by every row; unigrams also as a dense
-    [vocab] vector."""
+    """Counts over fixed sequences (the target's answers), shared by every row; unigrams also as tensors."""
 
     counts: Counts
-    dense: torch.Tensor  # [vocab] float32 unigram counts
+    ids: torch.Tensor  # [types] sorted token ids seen
+    counts_vector: torch.Tensor  # [types] float32: their counts
     sequences: int = 0
 
     @classmethod
@@ -106,10 +106,9 @@ class Corpus:
             for end in range(1, len(seq) + 1):
                 counts.add(seq, end)
             n += 1
-        dense = torch.zeros(vocab_size)
-        if counts.unigrams:
-            dense[torch.tensor(list(counts.unigrams))] = torch.tensor(list(counts.unigrams.values()), dtype=torch.float32)
-        return cls(counts, dense, n)
+        ids = sorted(counts.unigrams)
+        return cls(counts, torch.tensor(ids, dtype=torch.long),
+                   torch.tensor([counts.unigrams[t] for t in ids], dtype=torch.float32), n)
 
 
 @dataclass
@@ -155,7 +154,7 @@ class _Rows:
 
 @dataclass(frozen=True)
 class NgramOutput:
-    logits: torch.Tensor  # [rows, m, vocab] log-probabilities
+    logits: torch.Tensor  # [rows, m, vocab] log-probabilities (the runner's buffer: read before its next call)
     hidden: None = None
 
 
@@ -175,6 +174,9 @@ class NgramRunner:
         self.cache = _Rows(order)
         self.calls = 0
         self.tokens_processed = 0
+        # the logits buffer, reused: a fresh [rows, m, vocab] tensor a call costs more than filling it (page faults
+        # on 48 MB at batch 16 and Qwen's vocabulary); a call's logits are valid until the next call
+        self._out: torch.Tensor | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -206,38 +208,58 @@ class NgramRunner:
         self.calls += 1
         self.tokens_processed += sum(counts)
         self.cache.ensure(begin + rows)
-        base = self._dense_unigrams(begin, rows)  # [rows, vocab]: counts before this call
-        alpha = torch.zeros(rows, m, dtype=torch.float64)
-        beta = torch.zeros(rows, m, dtype=torch.float64)
-        sparse_at: list[tuple[int, int, int]] = []
-        sparse_value: list[float] = []
+        if self._out is None or self._out.shape != (rows, m, self.vocab_size):
+            self._out = torch.empty(rows, m, self.vocab_size)
         for b in range(rows):
-            state = self.cache.states[begin + b]
-            by_position: dict[int, list[int]] = {}
-            for q, position in enumerate(wanted[b]):
-                by_position.setdefault(int(position), []).append(q)
-            added: dict[int, int] = {}  # tokens counted in this call (not in `base`)
-            for j in range(counts[b]):
-                token = fed[b][j]
-                self._push(state, token)
-                added[token] = added.get(token, 0) + 1
-                if j in by_position:
-                    a, bv, extra = self._mixture(state, added)
-                    for q in by_position[j]:
-                        alpha[b, q], beta[b, q] = a, bv
-                        for t, v in extra.items():
-                            sparse_at.append((b, q, t))
-                            sparse_value.append(v)
-            for position, qs in by_position.items():
-                if position >= counts[b]:
-                    for q in qs:
-                        alpha[b, q], beta[b, q] = _FLOOR_ONLY
-        probs = alpha.float()[:, :, None] * base[:, None, :] + (beta.float() / self.vocab_size)[:, :, None]
-        if sparse_at:
-            index = torch.tensor(sparse_at).T
-            probs.index_put_((index[0], index[1], index[2]), torch.tensor(sparse_value, dtype=torch.float32),
-                             accumulate=True)
-        return NgramOutput(probs.log_().to(self.device))
+            self._row_logits(self.cache.states[begin + b], fed[b][: counts[b]], [int(p) for p in wanted[b]],
+                             self._out[b])
+        return NgramOutput(self._out if self.device.type == "cpu" else self._out.to(self.device))
+
+    def _row_logits(self, state: _RowState, fed: list[int], wanted: list[int], out: torch.Tensor) -> None:
+        """Feed `fed` to a row; writes log-probabilities at those positions of `fed` to `out` [len(wanted), vocab].
+
+        Each distribution is alpha x (unigram counts before this call) + beta / V + sparse extras (`_mixture`): it
+        is beta / V at every token neither the corpus nor the row has seen, so only the tokens seen (the support)
+        are computed; the rest of the vocabulary is one fill."""
+        m, vocab = len(wanted), self.vocab_size
+        row_ids = torch.tensor(list(state.counts.unigrams), dtype=torch.long)  # counts before this call
+        row_counts = torch.tensor(list(state.counts.unigrams.values()), dtype=torch.float32)
+        by_position: dict[int, list[int]] = {}
+        for q, position in enumerate(wanted):
+            by_position.setdefault(position, []).append(q)
+        alpha, beta = [_FLOOR_ONLY[0]] * m, [_FLOOR_ONLY[1]] * m  # a position past the fed tokens: uniform
+        extra_q: list[int] = []
+        extra_token: list[int] = []
+        extra_value: list[float] = []
+        added: dict[int, int] = {}  # tokens counted in this call (not in row_counts)
+        for j, token in enumerate(fed):
+            self._push(state, token)
+            added[token] = added.get(token, 0) + 1
+            if j in by_position:
+                a, bv, extra = self._mixture(state, added)
+                for q in by_position[j]:
+                    alpha[q], beta[q] = a, bv
+                    extra_q.extend([q] * len(extra))
+                    extra_token.extend(extra)
+                    extra_value.extend(extra.values())
+        parts = [row_ids, torch.tensor(fed, dtype=torch.long)]
+        if self.corpus is not None:
+            parts.append(self.corpus.ids)
+        support = torch.unique(torch.cat(parts))  # sorted
+        support = support[support < vocab]
+        base = torch.zeros(len(support))  # [support] unigram counts before this call
+        keep = row_ids < vocab
+        base[torch.searchsorted(support, row_ids[keep])] += row_counts[keep]
+        if self.corpus is not None:
+            base[torch.searchsorted(support, self.corpus.ids)] += self.corpus.counts_vector
+        alpha_t = torch.tensor(alpha, dtype=torch.float64).float()[:, None]
+        floor = torch.tensor(beta, dtype=torch.float64).float()[:, None] / vocab  # [m, 1]
+        probs = alpha_t * base[None] + floor  # [m, support]
+        if extra_q:
+            probs.index_put_((torch.tensor(extra_q), torch.searchsorted(support, torch.tensor(extra_token))),
+                             torch.tensor(extra_value, dtype=torch.float32), accumulate=True)
+        out.copy_(floor.log().expand(m, vocab))
+        out[:, support] = probs.log_()
 
     # ---- counting ----------------------------------------------------------------
 
@@ -257,20 +279,8 @@ class NgramRunner:
     def _in_corpus(self, token: int) -> bool:
         return self.corpus is not None and token in self.corpus.counts.unigrams
 
-    def _dense_unigrams(self, begin: int, rows: int) -> torch.Tensor:
-        """[rows, vocab] unigram counts (corpus plus row) of each row as it stands."""
-        base = torch.zeros(rows, self.vocab_size) if self.corpus is None else \
-            self.corpus.dense[: self.vocab_size].expand(rows, -1).clone()
-        for b in range(rows):
-            unigrams = self.cache.states[begin + b].counts.unigrams
-            if unigrams:
-                ids = torch.tensor(list(unigrams))
-                keep = ids < self.vocab_size
-                base[b, ids[keep]] += torch.tensor(list(unigrams.values()), dtype=torch.float32)[keep]
-        return base
-
     def _mixture(self, state: _RowState, added: dict[int, int]) -> tuple[float, float, dict[int, float]]:
-        """The distribution after the row's tokens as alpha x (the dense unigram counts before this call) +
+        """The distribution after the row's tokens as alpha x (the unigram counts before this call) +
         beta / V + sparse extra probabilities (Witten-Bell over orders 1 .. order)."""
         corpus = self.corpus.counts if self.corpus is not None else None
         total = state.counts.total + (corpus.total if corpus else 0)
