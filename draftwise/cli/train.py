@@ -63,7 +63,8 @@ def add_train_verifier(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="the target's and draft's format, as they serve: " + DTYPE_HELP)
-    p.add_argument("--data", default=None, help="cache of collected examples (reused when the settings match)")
+    p.add_argument("--data", default=None, help="cache of collected examples (reused when the settings match); each "
+                   "prompt's examples are kept in DATA.parts/ as it finishes, so a run cut off resumes there")
     p.add_argument("--out", required=True, help="verifier file to write")
     p.add_argument("--json", default=None, help="training report (all lambdas)")
     p.add_argument("--plot", default=None, help="ROC curves for --lambdas")
@@ -99,8 +100,13 @@ def run_train_verifier(args: argparse.Namespace) -> int:
     if data is None:
         prompts = load_prompts("spec-bench", split="train", num_prompts=args.num_prompts)
         ids = [encode_bench_prompt(target, p) for p in prompts]
+        timings: dict[str, float] = {}
         with tqdm(total=len(ids), desc="collect", unit="prompt", file=sys.stderr) as bar:
-            data = collect(target, draft, ids, data_config, vocab_size=vocab, progress=bar.update)
+            data = collect(target, draft, ids, data_config, vocab_size=vocab, progress=bar.update, meta=meta,
+                           parts=Path(args.data + ".parts") if args.data else None, timings=timings)
+        if timings:
+            print(f"collected: {timings['decode']:.0f} s decoding, {timings['label']:.0f} s in labelling forwards",
+                  file=sys.stderr)
         if args.data:
             save_data(data, meta, Path(args.data))
     base = spec_base(draft, args.draft, data_config, target, args.target)

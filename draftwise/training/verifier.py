@@ -67,72 +67,149 @@ def _head_outputs(target, head, ids: torch.Tensor, vocab_size: int) -> tuple[tor
     return states, logits
 
 
+FIELDS = ("hidden", "embedding", "stats", "q_x", "p_x", "prompt", "kind")
+PART_VERSION = 1
+
+
 @torch.inference_mode()
 def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataConfig, *, vocab_size: int,
-            progress: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+            progress: Callable[[int], None] | None = None, parts: Path | None = None,
+            meta: dict | None = None, timings: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
     """Verifier examples from `prompts` (token ids): a dict of tensors, one row per example.
 
     target, draft: LoadedModel. Keys: hidden, embedding, stats (features), q_x, p_x, prompt, kind.
+    parts: a directory where each prompt's examples are written as it finishes (`NNNNN.pt`, atomically, with the
+    random generator's state after it); a later call with the same directory and `meta` (the settings) loads those
+    prompts instead of collecting them again, so a run cut off resumes where it stopped and gives the data an
+    uninterrupted run gives. The parts of the first n prompts serve any run over those n prompts or more.
+    timings: accumulates seconds spent decoding ("decode": the ar, sd and draft-only completions) and in the
+    labelling forwards ("label"), for the prompts collected in this call.
     """
-    from draftwise.api import generate
-
-    from draftwise.heads.eagle import DraftHead
-
-    sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
     generator = make_generator(config.seed)
-    rows: dict[str, list[torch.Tensor]] = {k: [] for k in ("hidden", "embedding", "stats", "q_x", "p_x", "prompt", "kind")}
-    is_head = isinstance(draft, DraftHead)
-    embedding = (target.model if is_head else draft.model).get_input_embeddings()  # a head reads the target's
-    device = target.device if is_head else draft.device
-    common = dict(max_new_tokens=config.continuation, temperature=config.temperature, top_k=config.top_k,
-                  top_p=config.top_p, ignore_eos=True)
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in FIELDS}
+    stamp = _parts_stamp(parts, meta, config) if parts is not None else None
     for index, ids in enumerate(prompts):
-        seed = config.seed * 100_003 + index
-        completions = {
-            "target": generate(target, ids, method="ar", seed=seed, **common).token_ids,
-            "mixed": generate(target, ids, draft=draft, method="sd", gamma=config.gamma, seed=seed, **common).token_ids,
-        }
-        if not is_head:  # a head cannot decode without the target: no draft-only completions (kind b)
-            completions["draft"] = generate(draft, ids, method="ar", seed=seed, **common).token_ids
-        sequences = {"prompt": list(ids)} | {k: list(ids) + v for k, v in completions.items()}
-        for kind_index, kind in enumerate(KINDS):
-            if kind not in sequences:
-                continue
-            seq = sequences[kind]
-            # prefix lengths: inside the prompt (its second half) for kind a, inside the completion otherwise;
-            # a head predicts from the second position on (it reads the target's features of the one before)
-            low, high = (max(1 + is_head, len(ids) // 2), len(ids)) if kind == "prompt" else (len(ids), len(seq))
-            if high <= low:
-                continue
-            count = min(config.per_kind, high - low)
-            ends = (low + torch.randperm(high - low, generator=generator)[:count]).sort().values  # prefix lengths
-            x_ids = torch.tensor([seq], device=device)
-            t_logits = target.model(input_ids=x_ids.to(target.device)).logits[0, :, :vocab_size]
-            rows_at = ends - 1  # the row that predicts the token after the prefix
-            if is_head:
-                states, q_all = _head_outputs(target, draft, x_ids[0], vocab_size)
-                hidden, q_logits = states[rows_at - 1], q_all[rows_at - 1]  # head row i predicts token i + 2
-            else:
-                d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
-                hidden, q_logits = d_out.hidden_states[-1][0, rows_at], d_out.logits[0, rows_at, :vocab_size]
-            if getattr(draft, "output_ids", None) is not None:  # a restricted output vocabulary, as when decoding
-                out_ids = draft.output_ids.to(q_logits.device)
-                q_logits = full_vocabulary_logits(q_logits[:, out_ids], out_ids, q_logits.shape[-1])
-            q_w, p_w = warp(q_logits, sampling), warp(t_logits[rows_at.to(t_logits.device)], sampling)
-            x = q_w.argmax(-1) if sampling.greedy else sample(q_w, generator)  # [count]
-            feats = {name: verifier_features((name,), hidden, x, unwarped(q_logits), embedding)
-                     for name in FEATURES}
-            for name in FEATURES:
-                rows[name].append(feats[name].cpu())
-            rows["q_x"].append(q_w.gather(-1, x[:, None]).squeeze(-1).double().cpu())
-            rows["p_x"].append(p_w.gather(-1, x[:, None].to(p_w.device)).squeeze(-1).double().cpu())
-            rows["prompt"].append(torch.full((count,), index, dtype=torch.long))
-            rows["kind"].append(torch.full((count,), kind_index, dtype=torch.long))
+        path = parts / f"{index:05d}.pt" if parts is not None else None
+        part = _load_part(path, stamp, ids) if path is not None else None
+        if part is None:
+            part = {"data": _prompt_examples(target, draft, index, ids, config, generator, vocab_size, timings)}
+            if path is not None:
+                atomic_save({"stamp": stamp, "prompt": list(ids), "data": part["data"],
+                             "generator": generator.get_state()}, path)
+        else:
+            generator.set_state(part["generator"])
+        for k in FIELDS:
+            if k in part["data"]:
+                rows[k].append(part["data"][k])
         if progress:
             progress(1)
     if not rows["q_x"]:
         raise DraftwiseError("no verifier examples were collected (empty prompts?)")
     return {k: torch.cat(v) for k, v in rows.items()}
+
+
+def _parts_stamp(parts: Path, meta: dict | None, config: VerifierDataConfig) -> str:
+    """The settings a parts directory was collected with (written once as stamp.json; a different one is an
+    error, so parts of two settings never mix)."""
+    import json
+
+    from draftwise.atomic import write_text
+
+    settings = {k: v for k, v in (meta or {}).items() if k != "num_prompts"} | vars(config)
+    stamp = hashlib.sha256(json.dumps({"version": PART_VERSION, **settings}, sort_keys=True,
+                                      default=str).encode()).hexdigest()[:16]
+    parts.mkdir(parents=True, exist_ok=True)
+    written = parts / "stamp.json"
+    if written.exists():
+        try:
+            old = json.loads(written.read_text()).get("stamp")
+        except (OSError, ValueError, AttributeError):
+            old = None
+        if old != stamp:
+            raise DraftwiseError(f"{parts} holds verifier data collected with other settings (see its stamp.json): "
+                                 "give another --data path or remove that directory")
+    else:
+        write_text(written, json.dumps({"stamp": stamp, **settings}, sort_keys=True, default=str, indent=1) + "\n")
+    return stamp
+
+
+def _load_part(path: Path, stamp: str, ids: Sequence[int]) -> dict | None:
+    """A prompt's finished part, or None if it has none yet; a part of another prompt or setting is an error."""
+    if not path.exists():
+        return None
+    try:
+        part = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a part is written atomically: a damaged one was damaged after, say so
+        raise DraftwiseError(f"{path}: not a readable verifier data part ({type(e).__name__}); remove it to "
+                             "collect that prompt again") from None
+    if part.get("stamp") != stamp or part.get("prompt") != list(ids):
+        raise DraftwiseError(f"{path} was collected for another prompt or setting: give another --data path")
+    return part
+
+
+def _prompt_examples(target, draft, index: int, ids: list[int], config: VerifierDataConfig,
+                     generator: torch.Generator, vocab_size: int, timings: dict[str, float] | None
+                     ) -> dict[str, torch.Tensor]:
+    """One prompt's examples (every kind), drawing prefixes and tokens from `generator`."""
+    import time
+
+    from draftwise.api import generate
+    from draftwise.heads.eagle import DraftHead
+
+    sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in FIELDS}
+    is_head = isinstance(draft, DraftHead)
+    embedding = (target.model if is_head else draft.model).get_input_embeddings()  # a head reads the target's
+    device = target.device if is_head else draft.device
+    common = dict(max_new_tokens=config.continuation, temperature=config.temperature, top_k=config.top_k,
+                  top_p=config.top_p, ignore_eos=True)
+    started = time.perf_counter()
+    seed = config.seed * 100_003 + index
+    completions = {
+        "target": generate(target, ids, method="ar", seed=seed, **common).token_ids,
+        "mixed": generate(target, ids, draft=draft, method="sd", gamma=config.gamma, seed=seed, **common).token_ids,
+    }
+    if not is_head:  # a head cannot decode without the target: no draft-only completions (kind b)
+        completions["draft"] = generate(draft, ids, method="ar", seed=seed, **common).token_ids
+    decoded = time.perf_counter()
+    sequences = {"prompt": list(ids)} | {k: list(ids) + v for k, v in completions.items()}
+    for kind_index, kind in enumerate(KINDS):
+        if kind not in sequences:
+            continue
+        seq = sequences[kind]
+        # prefix lengths: inside the prompt (its second half) for kind a, inside the completion otherwise;
+        # a head predicts from the second position on (it reads the target's features of the one before)
+        low, high = (max(1 + is_head, len(ids) // 2), len(ids)) if kind == "prompt" else (len(ids), len(seq))
+        if high <= low:
+            continue
+        count = min(config.per_kind, high - low)
+        ends = (low + torch.randperm(high - low, generator=generator)[:count]).sort().values  # prefix lengths
+        x_ids = torch.tensor([seq], device=device)
+        t_logits = target.model(input_ids=x_ids.to(target.device)).logits[0, :, :vocab_size]
+        rows_at = ends - 1  # the row that predicts the token after the prefix
+        if is_head:
+            states, q_all = _head_outputs(target, draft, x_ids[0], vocab_size)
+            hidden, q_logits = states[rows_at - 1], q_all[rows_at - 1]  # head row i predicts token i + 2
+        else:
+            d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
+            hidden, q_logits = d_out.hidden_states[-1][0, rows_at], d_out.logits[0, rows_at, :vocab_size]
+        if getattr(draft, "output_ids", None) is not None:  # a restricted output vocabulary, as when decoding
+            out_ids = draft.output_ids.to(q_logits.device)
+            q_logits = full_vocabulary_logits(q_logits[:, out_ids], out_ids, q_logits.shape[-1])
+        q_w, p_w = warp(q_logits, sampling), warp(t_logits[rows_at.to(t_logits.device)], sampling)
+        x = q_w.argmax(-1) if sampling.greedy else sample(q_w, generator)  # [count]
+        feats = {name: verifier_features((name,), hidden, x, unwarped(q_logits), embedding)
+                 for name in FEATURES}
+        for name in FEATURES:
+            rows[name].append(feats[name].cpu())
+        rows["q_x"].append(q_w.gather(-1, x[:, None]).squeeze(-1).double().cpu())
+        rows["p_x"].append(p_w.gather(-1, x[:, None].to(p_w.device)).squeeze(-1).double().cpu())
+        rows["prompt"].append(torch.full((count,), index, dtype=torch.long))
+        rows["kind"].append(torch.full((count,), kind_index, dtype=torch.long))
+    if timings is not None:
+        timings["decode"] = timings.get("decode", 0.0) + decoded - started
+        timings["label"] = timings.get("label", 0.0) + time.perf_counter() - decoded
+    return {k: torch.cat(v) for k, v in rows.items() if v}
 
 
 def labels(data: dict[str, torch.Tensor], lam: float) -> torch.Tensor:
