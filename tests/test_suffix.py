@@ -93,6 +93,51 @@ def test_speculation_follows_the_longest_matched_suffix_and_its_most_frequent_co
     assert score == pytest.approx(expected_score)
 
 
+def _walk(trie, pattern):
+    node = trie.root
+    for token in pattern:
+        node = node.children.get(token)
+        if node is None:
+            return None
+    return node
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matched_suffixes_kept_from_step_to_step_equal_a_fresh_walk(seed):
+    """A request's matched suffix nodes in its own trie and in the shared one, extended as tokens commit, are the
+    nodes a walk from the root finds for each suffix, also after the shared trie gains and loses sequences."""
+    rng = random.Random(seed)
+    depth = 6
+    store = GlobalSuffix(depth, max_tokens=40)
+    state = RequestSuffix(depth, store.trie)
+    sequence = [rng.randrange(4) for _ in range(9)]
+    state.extend(sequence)
+    checked_shared = 0
+    for step in range(60):
+        if step % 7 == 3:  # another request leaves: the shared trie changes (and evicts once it holds 40 tokens)
+            store.add([rng.randrange(4) for _ in range(rng.randint(3, 12))])
+        new = [rng.randrange(4) for _ in range(rng.randint(0, 3))]
+        sequence += new
+        state.extend(new)
+        (own, own_nodes), (shared, shared_nodes) = state.matches()
+        assert shared is store.trie
+        for trie, nodes, longest in ((own, own_nodes, depth), (shared, shared_nodes, depth - 1)):
+            expected = []
+            for length in range(1, min(longest, len(sequence)) + 1):
+                node = _walk(trie, sequence[-length:])
+                if node is None:
+                    break
+                expected.append(node)
+            assert len(nodes) == len(expected) and all(a is b for a, b in zip(nodes, expected))
+            assert all(_walk(trie, sequence[-n:]) is None for n in range(len(expected) + 1, longest + 1))
+        checked_shared += len(shared_nodes)
+        # the speculation from the kept nodes is the one from the context
+        for trie, nodes in state.matches():
+            assert trie.speculate_from(nodes, 4, factor=2.0, min_prob=0.0) == trie.speculate(sequence, 4, factor=2.0,
+                                                                                             min_prob=0.0)
+    assert checked_shared > 0
+
+
 def test_adaptive_length_and_min_prob_cut_the_speculation():
     trie = SuffixTrie(16)
     trie.add([1, 2, 3, 4, 5, 6, 7, 8, 1, 2])

@@ -20,7 +20,7 @@ least `threshold` expected tokens, and from an EAGLE head for the others.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -31,10 +31,31 @@ from draftwise.drafters.tree_growth import tree_draft
 from draftwise.errors import DraftwiseError
 
 
-@dataclass
 class _Node:
-    count: int = 0
-    children: dict[int, "_Node"] = field(default_factory=dict)
+    """A trie node: how often its path occurred, and its children by token (a trie makes about depth of them per
+    token it counts, so a node is kept small and quick to make)."""
+
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+def _extend_match(nodes: list[_Node], root: _Node, token: int, longest: int) -> list[_Node]:
+    """The nodes of a trie reached by a sequence's suffixes (lengths 1, 2, .. while present; at most `longest`), after
+    `token` joins the sequence, from the same list before it did: a suffix of length j + 1 is the one of length j
+    followed by `token`. (A trie holds every substring of what it counts, so the present lengths are 1.. up to one.)"""
+    node = root.children.get(token) if longest > 0 else None
+    if node is None:
+        return []
+    found = [node]
+    for shorter in nodes[: longest - 1]:
+        node = shorter.children.get(token)
+        if node is None:
+            break
+        found.append(node)
+    return found
 
 
 class SuffixTrie:
@@ -45,10 +66,12 @@ class SuffixTrie:
             raise DraftwiseError(f"suffix depth must be >= 1, got {depth}")
         self.depth = depth
         self.root = _Node()
+        self.version = 0  # changes with every add or removal (a `TrieMatch` then walks its suffixes anew)
 
     def add(self, tokens: Sequence[int], *, sign: int = 1) -> None:
         """Add (sign=1) or remove (sign=-1) every substring of `tokens` up to `depth` long."""
         tokens = list(tokens)
+        self.version += 1
         for start in range(len(tokens)):
             node = self.root
             for token in tokens[start : start + self.depth]:
@@ -63,23 +86,28 @@ class SuffixTrie:
                     break
                 node = child
 
-    def find(self, pattern: Sequence[int]) -> _Node | None:
-        node = self.root
-        for token in pattern:
-            node = node.children.get(token)
-            if node is None:
-                return None
-        return node
+    def matched(self, context: Sequence[int]) -> list[_Node]:
+        """The nodes of the suffixes of `context` held here, shortest first (at most depth - 1 long: the
+        speculations match no longer)."""
+        nodes: list[_Node] = []
+        for token in context[max(0, len(context) - (self.depth - 1)):]:
+            nodes = _extend_match(nodes, self.root, token, self.depth - 1)
+        return nodes
 
     def speculate(self, context: Sequence[int], limit: int, *, factor: float, min_prob: float,
                   min_match: int = 1) -> tuple[list[int], float, int]:
         """(tokens, score, matched length): the draft from the longest matched suffix with continuations."""
+        return self.speculate_from(self.matched(context), limit, factor=factor, min_prob=min_prob,
+                                   min_match=min_match)
+
+    def speculate_from(self, matched: Sequence[_Node], limit: int, *, factor: float, min_prob: float,
+                       min_match: int = 1) -> tuple[list[int], float, int]:
+        """`speculate` from the context's matched suffix nodes (`matched`, shortest first, as `matched` gives)."""
         if limit <= 0:
             return [], 0.0, 0
-        longest = min(self.depth - 1, len(context))
-        for length in range(longest, min_match - 1, -1):
-            node = self.find(context[len(context) - length :])
-            if node is None or not node.children:
+        for length in range(min(self.depth - 1, len(matched)), min_match - 1, -1):
+            node = matched[length - 1] if length else self.root  # min_match 0: the empty suffix
+            if not node.children:
                 continue
             budget = min(limit, max(1, int(factor * length)))
             tokens: list[int] = []
@@ -104,14 +132,19 @@ class SuffixTrie:
         product of its children's empirical frequencies), best first, at most `nodes` of them and `max_depth` (at
         most `factor` x the matched length) deep, none scoring below `min_prob`. Parents precede children; siblings
         are ordered most frequent first."""
+        return self.speculate_tree_from(self.matched(context), nodes, max_depth, factor=factor, min_prob=min_prob,
+                                        min_match=min_match)
+
+    def speculate_tree_from(self, matched: Sequence[_Node], nodes: int, max_depth: int, *, factor: float,
+                            min_prob: float, min_match: int = 1) -> tuple[list[int], list[int], float, list[float]]:
+        """`speculate_tree` from the context's matched suffix nodes (`matched`, shortest first)."""
         import heapq
 
         if nodes <= 0 or max_depth <= 0:
             return [], [], 0.0, []
-        longest = min(self.depth - 1, len(context))
-        for length in range(longest, min_match - 1, -1):
-            node = self.find(context[len(context) - length:])
-            if node is None or not node.children:
+        for length in range(min(self.depth - 1, len(matched)), min_match - 1, -1):
+            node = matched[length - 1] if length else self.root  # min_match 0: the empty suffix
+            if not node.children:
                 continue
             depth_limit = min(max_depth, max(1, int(factor * length)))
             tokens: list[int] = []
@@ -143,26 +176,60 @@ class SuffixTrie:
         return [], [], 0.0, []
 
 
-class RequestSuffix:
-    """One request's trie, kept in step with its committed tokens (appending is O(depth) per token)."""
+class TrieMatch:
+    """A growing token sequence's matched suffix nodes (`SuffixTrie.matched`) in a trie it does not own (the global
+    store's), kept from call to call: each new token extends them in O(depth) rather than every suffix being walked
+    again. When the trie has changed since (its `version`), the next call walks the last depth - 1 tokens anew."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, trie: SuffixTrie) -> None:
+        self.trie = trie
+        self.nodes: list[_Node] = []
+        self.seen = 0  # tokens of the sequence the nodes cover
+        self.version = -1  # the trie's version they were found in
+
+    def follow(self, tokens: Sequence[int]) -> list[_Node]:
+        """The matched nodes of `tokens`: the sequence so far, which extends the one of the last call."""
+        trie = self.trie
+        if self.version != trie.version or len(tokens) < self.seen:
+            self.nodes, self.version = trie.matched(tokens), trie.version
+        else:
+            for token in tokens[self.seen:]:
+                self.nodes = _extend_match(self.nodes, trie.root, token, trie.depth - 1)
+        self.seen = len(tokens)
+        return self.nodes
+
+
+class RequestSuffix:
+    """One request's trie, kept in step with its committed tokens (appending is O(depth) per token), and where its
+    tokens' suffixes stand in a `shared` trie (the global store's) when given."""
+
+    def __init__(self, depth: int, shared: SuffixTrie | None = None) -> None:
         self.trie = SuffixTrie(depth)
         self.tokens: list[int] = []
         self.prompt_length = 0
         self._active: list[_Node] = []  # nodes of the suffixes ending at the last token (shortest first)
+        self.shared = TrieMatch(shared) if shared is not None else None
+
+    def matches(self) -> list[tuple[SuffixTrie, list[_Node]]]:
+        """The tries this request drafts from, its own first, each with its tokens' matched suffix nodes there."""
+        own = (self.trie, self._active)  # every suffix of its tokens is in its own trie
+        return [own] if self.shared is None else [own, (self.shared.trie, self.shared.follow(self.tokens))]
 
     def extend(self, tokens: Sequence[int]) -> None:
+        root, keep = self.trie.root, self.trie.depth - 1
+        active = self._active
         for token in tokens:
-            active = []
-            for node in [self.trie.root, *self._active[: self.trie.depth - 1]]:
-                child = node.children.get(token)
+            grown = []
+            for node in (root, *active[:keep]):
+                children = node.children
+                child = children.get(token)
                 if child is None:
-                    child = node.children[token] = _Node()
+                    child = children[token] = _Node()
                 child.count += 1
-                active.append(child)
-            self._active = active
-            self.tokens.append(token)
+                grown.append(child)
+            active = grown
+        self._active = active
+        self.tokens.extend(tokens)
 
 
 class GlobalSuffix:
@@ -208,14 +275,15 @@ class SuffixOptions:
             raise DraftwiseError(f"suffix min_match must be in [1, depth), got {self.min_match}")
 
 
-def best_speculation(tries: Sequence[SuffixTrie], context: Sequence[int], limit: int, options: SuffixOptions
+def best_speculation(matches: Sequence[tuple[SuffixTrie, Sequence[_Node]]], limit: int, options: SuffixOptions
                      ) -> tuple[list[int], float]:
-    """The speculation of the trie that scores best on `context` (the first on a tie; ([], 0.0) when none scores
-    above 0): the matching shared by the engine's drafter and the vLLM proposer."""
+    """The speculation of the trie that scores best (the first on a tie; ([], 0.0) when none scores above 0), each
+    trie given with the context's matched suffix nodes there (`RequestSuffix.matches`): the matching shared by the
+    engine's drafter and the vLLM proposer."""
     best: tuple[list[int], float] = ([], 0.0)
-    for trie in tries:
-        tokens, score, _ = trie.speculate(context, limit, factor=options.factor, min_prob=options.min_prob,
-                                          min_match=options.min_match)
+    for trie, matched in matches:
+        tokens, score, _ = trie.speculate_from(matched, limit, factor=options.factor, min_prob=options.min_prob,
+                                               min_match=options.min_match)
         if score > best[1]:
             best = (tokens, score)
     return best
@@ -234,7 +302,7 @@ class SuffixRowsDrafter(RetiringRows, Drafter):
         self.last_scores: list[float] = []
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
-        state = RequestSuffix(self.options.depth)
+        state = RequestSuffix(self.options.depth, self.store.trie)
         state.extend(prompt_ids)
         state.prompt_length = len(prompt_ids)
         self.put(row, state)
@@ -244,7 +312,7 @@ class SuffixRowsDrafter(RetiringRows, Drafter):
         for b, (row, limit) in enumerate(zip(rows, limits)):
             state = self.rows[b]
             state.extend(row.sequence[len(state.tokens) :])  # the tokens committed since the last step
-            tokens, score = best_speculation((state.trie, self.store.trie), row.sequence, limit, self.options)
+            tokens, score = best_speculation(state.matches(), limit, self.options)
             for i, token in enumerate(tokens):  # nothing is drafted past an end-of-sequence token
                 if token in self.eos:
                     tokens = tokens[: i + 1]
@@ -272,9 +340,9 @@ class SuffixRowsDrafter(RetiringRows, Drafter):
             state = self.rows[b]
             state.extend(row.sequence[len(state.tokens):])
             best: tuple[list[int], list[int], float, list[float]] = ([], [], 0.0, [])
-            for trie in (state.trie, self.store.trie):
-                found = trie.speculate_tree(row.sequence, nodes, limit, factor=o.factor,
-                                            min_prob=max(o.min_prob, min_prob), min_match=o.min_match)
+            for trie, matched in state.matches():
+                found = trie.speculate_tree_from(matched, nodes, limit, factor=o.factor,
+                                                 min_prob=max(o.min_prob, min_prob), min_match=o.min_match)
                 if found[2] > best[2]:
                     best = found
             tokens, parents, scores = _cut_after_eos(best[0], best[1], best[3], self.eos)

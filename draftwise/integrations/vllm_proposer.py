@@ -112,7 +112,7 @@ class SuffixProposer(_Proposer):
             self.store.add(state.tokens[state.prompt_length:])  # another request took the row
             state = None
         if state is None:
-            state = RequestSuffix(self.suffix.depth)
+            state = RequestSuffix(self.suffix.depth, self.store.trie)
             state.prompt_length = len(tokens)
             state.prefix = np.empty(0, dtype=tokens.dtype)
             self.rows[row] = state
@@ -125,4 +125,4 @@ class SuffixProposer(_Proposer):
         from draftwise.drafters.suffix import best_speculation
 
         state = self._state(row, tokens)
-        return best_speculation((state.trie, self.store.trie), state.tokens, limit, self.suffix)[0]
+        return best_speculation(state.matches(), limit, self.suffix)[0]
