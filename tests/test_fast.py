@@ -347,7 +347,22 @@ def _perturb_qkv(fast: FastModel, monkeypatch) -> None:
 def _swap_rope(fast: FastModel, monkeypatch) -> None:
     """cos and sin tables exchanged."""
     rope = fast._rope
-    monkeypatch.setattr(fast, "_rope", lambda positions: rope(positions)[::-1])
+    monkeypatch.setattr(fast, "_rope", lambda positions, bound: rope(positions, bound)[::-1])
+
+
+def test_rope_tables_cover_the_bound_without_reading_the_positions(monkeypatch):
+    """The rotary tables grow to the host bound a forward gives (the keys it reads), not to a maximum read back from
+    the positions; the rows returned are the rotary embedding's at those positions (sin with rotate_half's sign)."""
+    fast = _runner(tiny_llama(0), monkeypatch, fast=True).fast
+    positions = torch.tensor([0, 300, 1029, 7])
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "max", lambda *args, **kwargs: pytest.fail("the positions were read back"))
+        cos, sin = fast._rope(positions, 1030)
+    assert fast._rope_len >= 1030
+    reference_cos, reference_sin = fast.rotary(torch.zeros(1, 1, fast.head_dim, dtype=fast.dtype), positions[None])
+    half = fast.head_dim // 2
+    assert torch.equal(cos, reference_cos[0])
+    assert torch.equal(sin, torch.cat([-reference_sin[0, :, :half], reference_sin[0, :, half:]], -1))
 
 
 @pytest.mark.parametrize("mutation", [_perturb_qkv, _swap_rope], ids=["qkv-weight", "rope-swap"])

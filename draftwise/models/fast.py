@@ -138,9 +138,10 @@ class FastModel:
 
     # ---- pieces -------------------------------------------------------------
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [tokens, head_dim] for flat positions, from tables grown by doubling."""
-        need = int(positions.max()) + 1
+    def _rope(self, positions: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [tokens, head_dim] for flat positions, from tables grown by doubling. `bound` (a host int) is
+        above every position: the tables cover it without the positions being read back from the device."""
+        need = bound
         if need > self._rope_len:
             length = max(256, self._rope_len)
             while length < need:
@@ -178,7 +179,9 @@ class FastModel:
             h = F.embedding(pack.flat(ids), self.embed) if self.embed is not None else self._lookup(pack.flat(ids))
         else:
             h = pack.flat(embeds).to(self.dtype)
-        cos, sin = self._rope(flat_pos)
+        # a position id never passes its slot in the cache (padding repeats its row's last real position, a tree node
+        # sits at its row's length plus its depth), and every slot is below the keys the forward reads
+        cos, sin = self._rope(flat_pos, step.kv_length)
         cos, sin = cos[:, None], sin[:, None]  # [tokens, 1, d]; sin carries rotate_half's sign
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_end = (heads + kv_heads) * d  # q is qkv[:, :heads * d]
