@@ -61,7 +61,7 @@ import draftwise
 import draftwise.rules.acceptance as acceptance
 import draftwise.engine.sampler as batched
 from draftwise.engine.protocols import StepDistributions
-from draftwise.rules.acceptance import ExactRule, Rule, output_distribution
+from draftwise.rules.acceptance import Rule, output_distribution
 from draftwise.engine.sampling import SamplingConfig, warp
 
 from conftest import sweep, tiny_llama
@@ -313,9 +313,14 @@ def test_control_reseeded_walk_is_rejected_for_deterministic_drafts(method: str,
 
 
 def test_control_accept_everything_is_rejected(monkeypatch):
-    """A rule that keeps every drafted token (pi = draft) must fail the same test."""
+    """A rule that keeps every drafted token (pi = draft) in place of sd's must fail the same test. (The engine
+    takes pi = the target for a rule that declares `exact` without calling it, so the broken rule is sd's rule.)"""
+    import dataclasses
+
+    from draftwise.methods import METHODS
+
     case = CONTROL_CASES["sd"]
-    monkeypatch.setattr(ExactRule, "__call__", lambda self, step: step.draft_probs)
+    monkeypatch.setitem(METHODS, "sd", dataclasses.replace(METHODS["sd"], make_rule=lambda options: AcceptEverything()))
     counts, totals = sample_joint(N_CONTROL, case.length, case.vocab, **case.generate_kwargs())
     assert totals["accepted"] == totals["drafted"] > 0
     p_value = pooled_chisquare(counts, case.exact())

@@ -192,8 +192,8 @@ class Draws:
         return uniforms(self._seeds_t, self.positions(offsets), purpose)
 
     def own(self, probs: torch.Tensor, offsets: torch.Tensor, greedy: Sequence[bool]) -> torch.Tensor:
-        """The target's own draw at each offset: probs [rows, n, vocab] (one-hot for greedy rows), offsets [rows, n]
-        -> [rows, n]. Gumbel rows: argmax(log p + G); rejection rows: inverse CDF with u(BONUS) (`ar`'s draw under
+        """The target's own draw at each offset: probs [rows, n, vocab] (greedy rows: any scores, read for their
+        argmax), offsets [rows, n] -> [rows, n]. Gumbel rows: argmax(log p + G); rejection rows: inverse CDF with u(BONUS) (`ar`'s draw under
         that coupling); greedy rows: the argmax."""
         return self._draw(probs, offsets, greedy, BONUS)
 

@@ -43,37 +43,59 @@ def residual_rows(pi: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     return torch.where(mass < ZERO_RESIDUAL, pi, leftover)
 
 
+def residual_at(pi: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`residual_rows(pi, one_hot(tokens))` without the one-hot: a deterministic draft (q(x) = 1 at its token x)
+    leaves pi with x's entry lowered by 1 (to 0 for any pi(x) <= 1); bit for bit the same numbers.
+    pi [rows, vocab], tokens [rows] -> [rows, vocab]."""
+    at_x = (pi.gather(-1, tokens[:, None]) - 1.0).clamp(min=0.0)
+    leftover = pi.clamp(min=0.0).scatter(-1, tokens[:, None], at_x)
+    mass = leftover.sum(-1, keepdim=True)
+    return torch.where(mass < ZERO_RESIDUAL, pi, leftover)
+
+
 def speculative_sample_rows(
     draft_tokens: torch.Tensor,  # [rows, k] int64 (padding past num_drafted[b]: any valid id)
-    draft_probs: torch.Tensor,  # [rows, k, vocab]
+    draft_probs: torch.Tensor | None,  # [rows, k, vocab]; None: deterministic drafts, q(x) = 1 at each token
     pi: torch.Tensor,  # [rows, k, vocab] target distribution at the drafted positions
     bonus_probs: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],  # [rows, k + 1, vocab]: row b's bonus
     num_drafted: Sequence[int],  # [rows] host ints                      comes from position num_drafted[b];
     draws: Draws | Sequence[torch.Generator],  # the rows' keyed draws   or a callable given the rows that need
     greedy: Sequence[bool] | None = None,  # [rows] temperature-0 rows    a bonus ([rows] bool), run only if any do
     stage: int = 0,  # added to the purposes (keyed.STAGED: a companion's own acceptance before the target's)
+    greedy_argmax: bool = False,  # greedy rows' pi and bonus are scores (their logits) whose argmax decides
 ) -> RowsAcceptance:
-    assert draft_tokens.ndim == 2 and draft_probs.ndim == 3 and pi.ndim == 3
+    """Without draft distributions (`draft_probs` None: lookup, suffix, greedy and beam drafts) a token x is
+    accepted when u < pi(x) and the residual is pi with x's entry lowered by 1, the numbers the one-hot gives,
+    without building it (vLLM's rejection sampler treats such drafts alike).
+
+    Greedy rows draw nothing: their draft and target distributions are one-hot, so a token is accepted exactly
+    when pi gives it mass 1 (any u < 1 decides alike; they take 0.5), and the recovered or bonus token is the
+    argmax. With `greedy_argmax` (the exact rule, whose pi is the target) their rows of pi and bonus may be any
+    scores with the target's argmax, its logits: a drafted token is accepted where it is that argmax, and the
+    next token is the argmax at the first rejection or after the draft, the outcome the one-hots give."""
+    assert draft_tokens.ndim == 2 and pi.ndim == 3 and (draft_probs is None or draft_probs.ndim == 3)
     rows, k = draft_tokens.shape
     device = draft_tokens.device
     draws = as_draws(draws, rows, device)
     counts = torch.tensor(list(num_drafted), dtype=torch.long, device=device)  # [rows]
-    # Greedy rows need no randomness: their draft and target distributions are one-hot, so a token is
-    # accepted exactly when pi gives it mass 1 (any u < 1 decides alike), and the recovered or bonus
-    # distribution is one-hot too (its argmax is the draw). They take 0.5.
     greedy = list(greedy) if greedy is not None else [False] * rows
+    greedy_mask = torch.tensor(greedy, device=device) if any(greedy) else None
     offsets = torch.arange(k + 1, device=device)
     if all(greedy):
         uniforms = torch.full((rows, k + 1), 0.5, dtype=torch.float64, device=device)
     else:
         uniforms = draws.uniforms(offsets[:k], ACCEPT + stage).to(device)  # [rows, k] at positions start + j
-        if any(greedy):
-            uniforms[torch.tensor(greedy, device=device)] = 0.5
+        if greedy_mask is not None:
+            uniforms[greedy_mask] = 0.5
     if k:
-        draft_at_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
         pi_at_x = pi.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
-        # u < pi/q written without the division; q(x) > 0 because x was drawn from q.
-        accepted = uniforms[:, :k] * draft_at_x < pi_at_x  # [rows, k]
+        if draft_probs is None:  # q(x) = 1
+            accepted = uniforms[:, :k] < pi_at_x
+        else:  # u < pi/q written without the division; q(x) > 0 because x was drawn from q
+            draft_at_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [rows, k]
+            accepted = uniforms[:, :k] * draft_at_x < pi_at_x  # [rows, k]
+        if greedy_argmax and greedy_mask is not None:
+            accepted = torch.where(greedy_mask[:, None], draft_tokens == argmax_last(pi), accepted)
         accepted &= torch.arange(k, device=device)[None] < counts[:, None]
         num_accepted = accepted.long().cumprod(1).sum(1)  # [rows]
     else:
@@ -84,21 +106,28 @@ def speculative_sample_rows(
     if callable(bonus_probs):
         bonus_probs = bonus_probs(~rejected)
     bonus = bonus_probs[index, num_accepted.clamp(max=k)]  # [rows, vocab] (== position counts[b] when not rejected)
-    if k:
-        recover = residual_rows(pi[index, at], draft_probs[index, at])  # [rows, vocab]
-        probs = torch.where(rejected[:, None], recover, bonus)
+    if greedy_argmax and all(greedy):  # scores: the argmax at the rejection, or the bonus's
+        probs = torch.where(rejected[:, None], pi[index, at], bonus) if k else bonus
+        next_tokens = argmax_last(probs)
     else:
-        probs = bonus
-    if all(greedy):
-        next_tokens = argmax_last(probs)  # [rows]
-    else:
-        # the recovered (or bonus) token decides position start + num_accepted: its uniform is keyed there
-        at_next = num_accepted[:, None]
-        last = torch.where(rejected[:, None], draws.uniforms(at_next, RESIDUAL + stage).to(device),
-                           draws.uniforms(at_next, BONUS + stage).to(device))  # [rows, 1]
-        next_tokens = invert_cdf(probs, last)
-        if any(greedy):
-            next_tokens = torch.where(torch.tensor(greedy, device=device), argmax_last(probs), next_tokens)
+        if k:
+            recover = (residual_at(pi[index, at], draft_tokens[index, at]) if draft_probs is None
+                       else residual_rows(pi[index, at], draft_probs[index, at]))  # [rows, vocab]
+            probs = torch.where(rejected[:, None], recover, bonus)
+        else:
+            probs = bonus
+        if all(greedy):
+            next_tokens = argmax_last(probs)  # [rows]
+        else:
+            # the recovered (or bonus) token decides position start + num_accepted: its uniform is keyed there
+            at_next = num_accepted[:, None]
+            last = torch.where(rejected[:, None], draws.uniforms(at_next, RESIDUAL + stage).to(device),
+                               draws.uniforms(at_next, BONUS + stage).to(device))  # [rows, 1]
+            next_tokens = invert_cdf(probs, last)
+            if greedy_mask is not None:
+                if greedy_argmax and k:
+                    probs = torch.where(rejected[:, None], pi[index, at], bonus)
+                next_tokens = torch.where(greedy_mask, argmax_last(probs), next_tokens)
     both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
 
@@ -154,15 +183,18 @@ def accept_own_draws(draft_tokens: torch.Tensor, num_drafted: Sequence[int], tar
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
 
 
-def warp_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:
-    """Warp row b of logits [rows, ..., vocab] with configs[b]; rows sharing a config warp together."""
+def warp_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], greedy_scores: bool = False
+              ) -> torch.Tensor:
+    """Warp row b of logits [rows, ..., vocab] with configs[b]; rows sharing a config warp together. With
+    `greedy_scores` a greedy row keeps its logits (float32) in place of the one-hot at their argmax: for readers that
+    take only a greedy row's argmax (the exact rule's acceptance), so no one-hot is built."""
     if len(set(configs)) == 1:
-        return warp(logits, configs[0])
+        return logits.float() if greedy_scores and configs[0].greedy else warp(logits, configs[0])
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     groups: dict[SamplingConfig, list[int]] = {}
     for b, config in enumerate(configs):
         groups.setdefault(config, []).append(b)
     for config, members in groups.items():
         index = torch.tensor(members, device=logits.device)
-        out[index] = warp(logits[index], config)
+        out[index] = logits[index].float() if greedy_scores and config.greedy else warp(logits[index], config)
     return out

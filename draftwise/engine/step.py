@@ -16,7 +16,7 @@ from draftwise.engine.protocols import RowsDraft, StepDistributions, pad_rows
 from draftwise.engine.rows import Event, Row
 from draftwise.engine.sampler import RowsAcceptance, accept_greedy, accept_own_draws, speculative_sample_rows, warp_rows
 from draftwise.engine.sampling import SamplingConfig
-from draftwise.engine.tree import accept_tree, depths, verify_mask
+from draftwise.engine.tree import TreeAcceptance, accept_tree, depths, verify_mask
 from draftwise.errors import DraftwiseError
 from draftwise.models.runner import RowsOutput
 
@@ -94,10 +94,7 @@ class Stepper:
         if grammars:  # the target's distribution at every verified position, masked by the grammar there
             target_logits = self._grammar_masked(rows, grammars, draft, target_logits)
         drafted = draft.counts
-        if self.argmax_accept and all(batch.greedy):  # temperature 0: no distribution built
-            outcome = accept_greedy(draft.tokens, draft.counts, target_logits)
-        else:
-            outcome, draft = self._accept(batch, draft, target_logits)
+        outcome, draft = self._accept(batch, draft, target_logits)
         drafter_calls = self.drafter.calls - drafter_calls  # drafting forwards of this step, over every row
         verdicts_host = draft.verdicts.tolist() if draft.verdicts is not None else None
         committed = [batch.tokens[b][:a] + [t] for b, (a, t) in enumerate(zip(outcome.num_accepted,
@@ -111,29 +108,49 @@ class Stepper:
                                  counts, proposed, drafter_calls, verified.hidden, plan, started)
 
     def _accept(self, batch: StepBatch, draft: RowsDraft, target_logits: torch.Tensor
-                ) -> tuple[RowsAcceptance, RowsDraft]:
-        """The accept phase with distributions: pi = rule(draft, target) at the drafted positions (one rule call with
-        per-row greedy flags), then the speculative sampler; the selector observes what the target said. Returns the
-        outcome and the draft it decided (a rule that cuts drafts shortens it)."""
+                ) -> tuple[RowsAcceptance | TreeAcceptance, RowsDraft]:
+        """The accept phase, for chains and trees and any mix of greedy and sampled rows. Returns the outcome and the
+        draft it decided (a rule that cuts drafts shortens it).
+
+        - Under the exact rule nothing is built that only restates the target or a draft: pi is the target itself,
+          a draft without distributions (`RowsDraft.q` None) is read as q(x) = 1 at its tokens, and (unless the
+          selector reads the target's distributions) greedy rows keep their logits, of which only the argmax is
+          read. No one-hot is made; an all-greedy chain step compares argmax tokens (`accept_greedy`).
+        - Trees walk each row by the target's own draw (`tree.accept_tree`).
+        - Chains: the target's own draw at each position (`accept_own_draws`) for Gumbel-coupled and deterministic
+          drafts under the exact rule, otherwise the speculative sampler with pi = rule(draft, target) (one rule
+          call with per-row greedy flags); the selector observes what the target said."""
         rows = batch.rows
-        target_probs = warp_rows(target_logits, batch.samplings)
-        greedy = batch.greedy_mask(target_probs.device)
+        scores = self.argmax_accept  # greedy rows' distributions are read only for their argmax
+        if draft.parents is not None:  # trees need the exact rule and no select phase (Engine.__init__)
+            target_probs = warp_rows(target_logits, batch.samplings, greedy_scores=True)
+            tokens_host = [t[:c] for t, c in zip(batch.tokens, draft.counts)]
+            return accept_tree(draft.parents, tokens_host, target_probs, row_draws(rows, target_probs.device),
+                               batch.greedy), draft
+        if scores and all(batch.greedy):  # temperature 0: no distribution built
+            return accept_greedy(draft.tokens, draft.counts, target_logits), draft
+        target_probs = warp_rows(target_logits, batch.samplings, greedy_scores=scores)
         k = draft.width
-        if self.rule.cuts_draft and k:  # MTAD: the rule keeps a prefix of each draft; the target's token follows it
-            draft = draft.prefix(self.rule.prefix(self._step_distributions(draft, target_probs, target_logits,
-                                                                           greedy), greedy))
-            k = draft.width
-        pi = self.rule(self._step_distributions(draft, target_probs, target_logits, greedy)) if k \
-            else target_probs[:, :0]
+        if self.exact:
+            pi = target_probs[:, :k]  # the exact rule's pi (rules.acceptance.ExactRule), read by nothing else
+        else:
+            greedy = batch.greedy_mask(target_probs.device)
+            if self.rule.cuts_draft and k:  # MTAD: the rule keeps a prefix of each draft; the target's token follows
+                draft = draft.prefix(self.rule.prefix(self._step_distributions(draft, target_probs, target_logits,
+                                                                               greedy), greedy))
+                k = draft.width
+            pi = self.rule(self._step_distributions(draft, target_probs, target_logits, greedy)) if k \
+                else target_probs[:, :0]
         bonus: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] = target_probs
         if self.rule.bonus_from_pi:  # Algorithm 4: the bonus comes from pi = T(q, p) after the last drafted token
-            bonus = self._bonus_maker(batch, draft, target_probs, target_logits, greedy)
+            bonus = self._bonus_maker(batch, draft, target_probs, target_logits, batch.greedy_mask(target_probs.device))
         draws = row_draws(rows, target_probs.device)
         if self.exact and (self.gumbel or draft.deterministic):  # the target's own draw at each position: Gumbel
             # coupled drafts, and deterministic ones (lookup, suffix) under either coupling
             outcome = accept_own_draws(draft.tokens, draft.counts, target_probs, draws, batch.greedy)
         else:
-            outcome = speculative_sample_rows(draft.tokens, draft.probs, pi, bonus, draft.counts, draws, batch.greedy)
+            outcome = speculative_sample_rows(draft.tokens, draft.q, pi, bonus, draft.counts, draws, batch.greedy,
+                                              greedy_argmax=scores)
         self.selector.observe(rows, draft, target_probs, target_logits, outcome.num_accepted)
         return outcome, draft
 
@@ -184,11 +201,8 @@ class Stepper:
         starts = self.target.lengths[: len(rows)]
         verified, plan = self._verify(rows, draft, counts, tree=True)
         target_logits = self._processed(batch, draft, verified.logits)  # [rows, k + 1, vocab]
-        # greedy rows walk the tree by the target's argmax: its logits serve, no distribution is built
-        target_probs = target_logits if all(batch.greedy) else warp_rows(target_logits, batch.samplings)
+        outcome, _ = self._accept(batch, draft, target_logits)
         tokens_host = [t[:c] for t, c in zip(batch.tokens, draft.counts)]
-        outcome = accept_tree(draft.parents, tokens_host, target_probs, row_draws(rows, target_probs.device),
-                              batch.greedy)
         drafter_calls = self.drafter.calls - drafter_calls
         slots = [[0] + [i + 1 for i in path] for path in outcome.paths]  # the pending token's and the path's
         if self.drafter.wants_features:  # the target's features of the pending token and the accepted path

@@ -98,7 +98,8 @@ def accept_tree(parents: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]
                 draws: Draws | Sequence[torch.Generator], greedy: Sequence[bool]) -> TreeAcceptance:
     """Walk each row's tree by taking the target's own token at every node (see the module docstring).
 
-    target_probs [rows, 1 + k, vocab]: the warped target distribution at each slot (one-hot for greedy rows).
+    target_probs [rows, 1 + k, vocab]: the warped target distribution at each slot (for greedy rows any scores with
+    the target's argmax: their logits).
     At depth d a walking row takes the target's own draw at its node, keyed by position starts[b] + d
     (`Draws.own`); a child carrying that token is accepted and the walk goes on from it, otherwise the token is the
     row's next token. A row's draws are keyed by position, not by the tree: its tokens do not depend on the tree's
