@@ -141,10 +141,9 @@ class FastModel:
     def _rope(self, positions: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [tokens, head_dim] for flat positions, from tables grown by doubling. `bound` (a host int) is
         above every position: the tables cover it without the positions being read back from the device."""
-        need = bound
-        if need > self._rope_len:
+        if bound > self._rope_len:
             length = max(256, self._rope_len)
-            while length < need:
+            while length < bound:
                 length *= 2
             x = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(x, torch.arange(length, device=self.device)[None])
