@@ -295,7 +295,7 @@ def add_profile_sv(sub: argparse._SubParsersAction) -> None:
                    help="time the latency again (this machine) and rewrite --out's latency model, keeping its samples' "
                    "tables and report")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
 
 
