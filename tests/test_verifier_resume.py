@@ -121,3 +121,21 @@ def test_train_verifier_keeps_parts_and_a_rerun_collects_nothing(tmp_path, capsy
     second = torch.load(data, weights_only=True)
     assert second["meta"] == first["meta"] and all(torch.equal(second["data"][k], first["data"][k])
                                                    for k in first["data"])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_sharing_the_prompt_in_the_labelling_forwards_keeps_the_examples(pair, monkeypatch, temperature):
+    """The labelling forwards feed the prompt once and each completion after a copy of its cache: the same
+    prefixes and tokens (the embedding feature is the drafted token's, exactly equal) and the same features and
+    probabilities up to float rounding, against one transformers forward per whole sequence."""
+    target, draft = pair
+    config = VerifierDataConfig(continuation=8, per_kind=3, temperature=temperature)
+    shared = collect(target, draft, PROMPTS, config, vocab_size=64)
+    monkeypatch.setattr(verifier, "SHARED_PREFIX", False)
+    whole = collect(target, draft, PROMPTS, config, vocab_size=64)
+    assert sorted(shared) == sorted(whole) and len(whole["q_x"]) == 3 * 4 * len(PROMPTS)
+    for key in ("prompt", "kind", "embedding"):
+        assert torch.equal(shared[key], whole[key]), key
+    for key in ("hidden", "stats", "q_x", "p_x"):
+        assert torch.allclose(shared[key].double(), whole[key].double(), atol=1e-4, rtol=1e-4), key
+    assert not torch.equal(shared["hidden"], whole["hidden"])  # two computations, not one path run twice

@@ -68,7 +68,7 @@ def _head_outputs(target, head, ids: torch.Tensor, vocab_size: int) -> tuple[tor
 
 
 FIELDS = ("hidden", "embedding", "stats", "q_x", "p_x", "prompt", "kind")
-PART_VERSION = 1
+PART_VERSION = 2  # 2: labelling forwards share the prompt (other float rounding than 1)
 
 
 @torch.inference_mode()
@@ -147,6 +147,46 @@ def _load_part(path: Path, stamp: str, ids: Sequence[int]) -> dict | None:
     return part
 
 
+SHARED_PREFIX = True  # the labelling forwards read the prompt once (False: one whole forward per sequence)
+
+
+@torch.inference_mode()
+def _sequence_outputs(loaded, sequences: dict[str, list[int]], prompt_len: int, vocab_size: int, *, hidden: bool
+                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per sequence, a model's logits [len, vocab] at every position (-inf outside a draft's restricted output
+    vocabulary) and, with `hidden`, its last-layer states [len, H].
+
+    Every sequence starts with the same prompt of `prompt_len` tokens: it is fed once and its cache copied to one
+    row per completion, which then feeds only its own tokens (the prompt's share of the labelling forwards was 4x
+    before: one whole forward per kind)."""
+    from draftwise.models.runner import draft_runner
+
+    if not SHARED_PREFIX:  # the transformers forward over each whole sequence (how examples were made before)
+        out = {}
+        for kind, seq in sequences.items():
+            result = loaded.model(input_ids=torch.tensor([seq], device=loaded.device), output_hidden_states=hidden)
+            out[kind] = (result.logits[0, :, :vocab_size], result.hidden_states[-1][0] if hidden else None)
+        return out
+    runner = draft_runner(loaded, vocab_size=vocab_size)
+    device = runner.device
+    prompt = next(iter(sequences.values()))[:prompt_len]
+    runner.cache.reset_row(0)
+    head = runner.forward_rows(torch.tensor([prompt], device=device), [prompt_len], hidden=hidden, prompt=True)
+    out = {}
+    for row, (kind, seq) in enumerate(sequences.items(), start=1):
+        assert seq[:prompt_len] == prompt, "every sequence continues the prompt"
+        if len(seq) == prompt_len:
+            out[kind] = (head.logits[0], head.hidden[0] if hidden else None)
+            continue
+        runner.cache.reset_row(row)
+        runner.cache.move_row(0, row)  # the prompt's keys and values, copied
+        tail = runner.forward_rows(torch.tensor([seq[prompt_len:]], device=device), [len(seq) - prompt_len],
+                                   begin=row, hidden=hidden, prompt=True)
+        out[kind] = (torch.cat([head.logits[0], tail.logits[0]]),
+                     torch.cat([head.hidden[0], tail.hidden[0]]) if hidden else None)
+    return out
+
+
 def _prompt_examples(target, draft, index: int, ids: list[int], config: VerifierDataConfig,
                      generator: torch.Generator, vocab_size: int, timings: dict[str, float] | None
                      ) -> dict[str, torch.Tensor]:
@@ -173,6 +213,8 @@ def _prompt_examples(target, draft, index: int, ids: list[int], config: Verifier
         completions["draft"] = generate(draft, ids, method="ar", seed=seed, **common).token_ids
     decoded = time.perf_counter()
     sequences = {"prompt": list(ids)} | {k: list(ids) + v for k, v in completions.items()}
+    target_out = _sequence_outputs(target, sequences, len(ids), vocab_size, hidden=False)
+    draft_out = None if is_head else _sequence_outputs(draft, sequences, len(ids), vocab_size, hidden=True)
     for kind_index, kind in enumerate(KINDS):
         if kind not in sequences:
             continue
@@ -184,15 +226,14 @@ def _prompt_examples(target, draft, index: int, ids: list[int], config: Verifier
             continue
         count = min(config.per_kind, high - low)
         ends = (low + torch.randperm(high - low, generator=generator)[:count]).sort().values  # prefix lengths
-        x_ids = torch.tensor([seq], device=device)
-        t_logits = target.model(input_ids=x_ids.to(target.device)).logits[0, :, :vocab_size]
+        t_logits = target_out[kind][0]
         rows_at = ends - 1  # the row that predicts the token after the prefix
         if is_head:
-            states, q_all = _head_outputs(target, draft, x_ids[0], vocab_size)
+            states, q_all = _head_outputs(target, draft, torch.tensor(seq, device=device), vocab_size)
             hidden, q_logits = states[rows_at - 1], q_all[rows_at - 1]  # head row i predicts token i + 2
         else:
-            d_out = draft.model(input_ids=x_ids, output_hidden_states=True)
-            hidden, q_logits = d_out.hidden_states[-1][0, rows_at], d_out.logits[0, rows_at, :vocab_size]
+            d_logits, d_hidden = draft_out[kind]
+            hidden, q_logits = d_hidden[rows_at.to(d_hidden.device)], d_logits[rows_at.to(d_logits.device)]
         if getattr(draft, "output_ids", None) is not None:  # a restricted output vocabulary, as when decoding
             out_ids = draft.output_ids.to(q_logits.device)
             q_logits = full_vocabulary_logits(q_logits[:, out_ids], out_ids, q_logits.shape[-1])
