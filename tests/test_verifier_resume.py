@@ -1,6 +1,7 @@
 """SPRINTER's data collection resumes (training/verifier.py `collect(parts=...)`): a run cut off after some prompts,
 run again, gives the same examples as an uninterrupted run, tensor for tensor, collecting only the prompts it had
-not finished; parts of another setting or prompt are refused with one line; `train-verifier --data` keeps them."""
+not finished; parts of another setting or prompt are refused with one line; `train-verifier --data` keeps them.
+Its two speed-ups keep the examples: prompts decoded together, and the labelling forwards reading the prompt once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import dataclasses
 
 import pytest
 import torch
+
+import draftwise
 
 from conftest import tiny_llama
 from draftwise.engine.sampling import make_generator
@@ -139,3 +142,32 @@ def test_sharing_the_prompt_in_the_labelling_forwards_keeps_the_examples(pair, m
     for key in ("hidden", "stats", "q_x", "p_x"):
         assert torch.allclose(shared[key].double(), whole[key].double(), atol=1e-4, rtol=1e-4), key
     assert not torch.equal(shared["hidden"], whole["hidden"])  # two computations, not one path run twice
+
+
+def one_by_one(target, draft, prompts, indices, config, timings):
+    """The completions as collect made them before prompts were decoded together: `generate` per prompt, with
+    the seed of its index."""
+    common = dict(max_new_tokens=config.continuation, temperature=config.temperature, top_k=config.top_k,
+                  top_p=config.top_p, ignore_eos=True)
+    out = []
+    for ids, index in zip(prompts, indices):
+        seed = config.seed * 100_003 + index
+        out.append({"target": draftwise.generate(target, ids, method="ar", seed=seed, **common).token_ids,
+                    "mixed": draftwise.generate(target, ids, draft=draft, method="sd", gamma=config.gamma, seed=seed,
+                                                **common).token_ids,
+                    "draft": draftwise.generate(draft, ids, method="ar", seed=seed, **common).token_ids})
+    return out
+
+
+def test_decoding_prompts_together_keeps_the_examples(pair, monkeypatch):
+    """Prompts are decoded DECODE_BATCH at a time, each with its own seed: the examples equal those of prompts
+    decoded one by one (`generate` alone per prompt), tensor for tensor, at T=1 and T=0."""
+    target, draft = pair
+    for temperature in (1.0, 0.0):
+        config = VerifierDataConfig(continuation=8, per_kind=3, temperature=temperature)
+        together = collect(target, draft, PROMPTS, config, vocab_size=64)
+        monkeypatch.setattr(verifier, "_completions", one_by_one)
+        alone = collect(target, draft, PROMPTS, config, vocab_size=64)
+        monkeypatch.undo()
+        for key in alone:
+            assert torch.equal(together[key], alone[key]), (temperature, key)

@@ -88,11 +88,18 @@ def collect(target, draft, prompts: Sequence[list[int]], config: VerifierDataCon
     generator = make_generator(config.seed)
     rows: dict[str, list[torch.Tensor]] = {k: [] for k in FIELDS}
     stamp = _parts_stamp(parts, meta, config) if parts is not None else None
+    decoded: dict[int, dict[str, list[int]]] = {}  # completions of prompts decoded but not yet labelled
     for index, ids in enumerate(prompts):
         path = parts / f"{index:05d}.pt" if parts is not None else None
         part = _load_part(path, stamp, ids) if path is not None else None
         if part is None:
-            part = {"data": _prompt_examples(target, draft, index, ids, config, generator, vocab_size, timings)}
+            if index not in decoded:  # decode this prompt and the next unfinished ones together
+                chunk = [j for j in range(index, min(len(prompts), index + DECODE_BATCH))
+                         if j == index or parts is None or not (parts / f"{j:05d}.pt").exists()]
+                decoded.update(zip(chunk, _completions(target, draft, [prompts[j] for j in chunk], chunk, config,
+                                                       timings)))
+            part = {"data": _prompt_examples(target, draft, index, ids, decoded.pop(index), config, generator,
+                                             vocab_size, timings)}
             if path is not None:
                 atomic_save({"stamp": stamp, "prompt": list(ids), "data": part["data"],
                              "generator": generator.get_state()}, path)
@@ -187,13 +194,56 @@ def _sequence_outputs(loaded, sequences: dict[str, list[int]], prompt_len: int, 
     return out
 
 
-def _prompt_examples(target, draft, index: int, ids: list[int], config: VerifierDataConfig,
-                     generator: torch.Generator, vocab_size: int, timings: dict[str, float] | None
-                     ) -> dict[str, torch.Tensor]:
-    """One prompt's examples (every kind), drawing prefixes and tokens from `generator`."""
+DECODE_BATCH = 4  # prompts decoded together (one engine per kind of completion); each keeps its own seed
+
+
+def _completions(target, draft, prompts: Sequence[list[int]], indices: Sequence[int], config: VerifierDataConfig,
+                 timings: dict[str, float] | None) -> list[dict[str, list[int]]]:
+    """The completions of kinds c (target), d (mixed: sd) and b (draft-only; not for a feature head, which cannot
+    decode without the target) of some prompts, decoded as a batch: prompt i with seed `seed * 100_003 +
+    indices[i]`, giving the tokens it gives alone (draws are keyed by seed and position, engine/keyed.py)."""
     import time
 
-    from draftwise.api import generate
+    from draftwise.heads.eagle import DraftHead
+
+    started = time.perf_counter()
+    kinds = [("target", target, None, "ar"), ("mixed", target, draft, "sd")]
+    if not isinstance(draft, DraftHead):
+        kinds.append(("draft", draft, None, "ar"))
+    seeds = [config.seed * 100_003 + i for i in indices]
+    out: list[dict[str, list[int]]] = [{} for _ in prompts]
+    for kind, model, helper, method in kinds:
+        for completion, tokens in zip(out, _decode(model, helper, method, prompts, seeds, config)):
+            completion[kind] = tokens
+    if timings is not None:
+        timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - started
+    return out
+
+
+def _decode(model, draft, method: str, prompts: Sequence[list[int]], seeds: Sequence[int],
+            config: VerifierDataConfig) -> list[list[int]]:
+    """`generate(model, prompt, draft=draft, method=method, seed=seed)` for each prompt and its seed, in one engine."""
+    import dataclasses
+
+    from draftwise.builder import build_engine
+    from draftwise.plan import make_plan, request_for
+
+    plan = make_plan(target=model, prompt=list(prompts[0]), draft=draft, method=method,
+                     max_new_tokens=config.continuation, temperature=config.temperature, top_k=config.top_k,
+                     top_p=config.top_p, seed=seeds[0], gamma=config.gamma, stop=None, ignore_eos=True,
+                     method_options={})
+    engine = build_engine(plan, len(prompts), prefill_first=True)
+    ids = [engine.submit(dataclasses.replace(request_for(plan, list(p)), seed=seed)) for p, seed in zip(prompts, seeds)]
+    engine.run()
+    return [list(engine.result(i).token_ids) for i in ids]
+
+
+def _prompt_examples(target, draft, index: int, ids: list[int], completions: dict[str, list[int]],
+                     config: VerifierDataConfig, generator: torch.Generator, vocab_size: int,
+                     timings: dict[str, float] | None) -> dict[str, torch.Tensor]:
+    """One prompt's examples (every kind) from its completions, drawing prefixes and tokens from `generator`."""
+    import time
+
     from draftwise.heads.eagle import DraftHead
 
     sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
@@ -201,16 +251,6 @@ def _prompt_examples(target, draft, index: int, ids: list[int], config: Verifier
     is_head = isinstance(draft, DraftHead)
     embedding = (target.model if is_head else draft.model).get_input_embeddings()  # a head reads the target's
     device = target.device if is_head else draft.device
-    common = dict(max_new_tokens=config.continuation, temperature=config.temperature, top_k=config.top_k,
-                  top_p=config.top_p, ignore_eos=True)
-    started = time.perf_counter()
-    seed = config.seed * 100_003 + index
-    completions = {
-        "target": generate(target, ids, method="ar", seed=seed, **common).token_ids,
-        "mixed": generate(target, ids, draft=draft, method="sd", gamma=config.gamma, seed=seed, **common).token_ids,
-    }
-    if not is_head:  # a head cannot decode without the target: no draft-only completions (kind b)
-        completions["draft"] = generate(draft, ids, method="ar", seed=seed, **common).token_ids
     decoded = time.perf_counter()
     sequences = {"prompt": list(ids)} | {k: list(ids) + v for k, v in completions.items()}
     target_out = _sequence_outputs(target, sequences, len(ids), vocab_size, hidden=False)
@@ -248,7 +288,6 @@ def _prompt_examples(target, draft, index: int, ids: list[int], config: Verifier
         rows["prompt"].append(torch.full((count,), index, dtype=torch.long))
         rows["kind"].append(torch.full((count,), kind_index, dtype=torch.long))
     if timings is not None:
-        timings["decode"] = timings.get("decode", 0.0) + decoded - started
         timings["label"] = timings.get("label", 0.0) + time.perf_counter() - decoded
     return {k: torch.cat(v) for k, v in rows.items() if v}
 
