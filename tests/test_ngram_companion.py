@@ -30,20 +30,16 @@ from draftwise.drafters.base import ModelRowsDrafter
 from draftwise.drafters.companion import CompanionRowsDrafter
 from draftwise.drafters.ngram_companion import (NgramCompanion, NgramRunner, Corpus, companion_runner,
                                                 load_companion)
-from draftwise.engine.core import Engine
-from draftwise.engine.rows import Request
-from draftwise.engine.sampling import SamplingConfig, unwarped, warp
+from draftwise.engine.sampling import SamplingConfig, warp
 from draftwise.errors import DraftwiseError
 from draftwise.models import registry
 from draftwise.models.runner import ModelRunner
-from draftwise.rules.acceptance import ExactRule
 from draftwise.selectors import sv
-from draftwise.selectors.selection import GoodputSelector
 from draftwise.training.answers import Answer, write_chunk
+import test_sv
 from test_exactness import ALPHA
-from test_sv import (GAMMA, GREEDY, GREEDY_COST, PLAIN, PROMPTS64, ROWS, V, VERIFY_COST, WARPED,
-                     ActualAGoodputSelector, NotTargetDistribution, Row, Watch, check_select_phase_worked,
-                     linear_latency, p_values, trio, trio64)
+from test_sv import (GAMMA, GREEDY_COST, PLAIN, PROMPTS64, V, VERIFY_COST, WARPED, GREEDY, NotTargetDistribution,
+                     Row, check_select_phase_worked, linear_latency, p_values, trio, trio64)
 
 ORDER = 4
 
@@ -139,34 +135,18 @@ def ngram_profile(size: int, temperature: float, cost: float) -> sv.SVProfile:
     return sv_profile.build_profile(samples, linear_latency(cost), setting)
 
 
-def run_rows_ngram(kind: str, n: int, batch: int, coupling: str = "gumbel"):
-    target, draft, _ = trio()
+def run_rows_ngram(monkeypatch, kind: str, n: int, batch: int, coupling: str = "gumbel"):
+    """test_sv's `run_rows` (its ragged rows, engine and counts) with the n-gram companion in place of the model
+    companion, and the profile built with it."""
     profile = ngram_profile(V, 1.0, VERIFY_COST)
-    table, latency = profile.table("adaptive"), profile.latency
-    inner = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
-    drafter = CompanionRowsDrafter(inner, NgramRunner(V), V)
-    selector = {"sv": GoodputSelector, "actual-a": ActualAGoodputSelector}[kind](table, latency, lookahead=None)
-    watch = Watch(selector)
-    engine = Engine(ModelRunner(target.model, vocab_size=V, rows=0), drafter, ExactRule(coupling=coupling),
-                    gamma=GAMMA, max_batch_size=batch, selector=watch, stream_text=False)
-    ids = []
-    for i in range(n):
-        for b, (prompt, sampling, budget) in enumerate(ROWS):
-            if not sampling.greedy or i % 4 == 0:
-                ids.append((b, engine.submit(Request(prompt, sampling, max_new_tokens=budget,
-                                                     seed=i * len(ROWS) + b))))
-    engine.run()
-    counts = [np.zeros((V, V), dtype=np.int64) for _ in ROWS]
-    totals = Counter()
-    for b, rid in ids:
-        result = engine.result(rid)
-        counts[b][tuple(result.token_ids[:2])] += 1
-        totals.update({k: result.stats.get(k, 0) for k in ("drafted", "accepted", "proposed")})
-    return counts, totals, watch
+    monkeypatch.setattr(test_sv, "built_profile", lambda size, temperature: (profile, None))
+    monkeypatch.setattr(test_sv, "CompanionRowsDrafter",
+                        lambda inner, model_runner, vocab: CompanionRowsDrafter(inner, NgramRunner(vocab), vocab))
+    return test_sv.run_rows(kind, n, batch, coupling=coupling)
 
 
-def test_sv_with_the_ngram_companion_follows_the_target_distribution():
-    counts, totals, watch = run_rows_ngram("sv", 1000, 24)
+def test_sv_with_the_ngram_companion_follows_the_target_distribution(monkeypatch):
+    counts, totals, watch = run_rows_ngram(monkeypatch, "sv", 1000, 24)
     assert 0 < totals["accepted"] < totals["drafted"] < totals["proposed"], totals
     check_select_phase_worked(watch, 24)
     ps = p_values(counts)
@@ -175,8 +155,8 @@ def test_sv_with_the_ngram_companion_follows_the_target_distribution():
         raise NotTargetDistribution(f"sv with the n-gram companion: p-values per row {ps}")
 
 
-def test_control_the_actual_a_selection_with_the_ngram_companion_is_rejected():
-    counts, totals, _ = run_rows_ngram("actual-a", 600, 24, coupling="rejection")
+def test_control_the_actual_a_selection_with_the_ngram_companion_is_rejected(monkeypatch):
+    counts, totals, _ = run_rows_ngram(monkeypatch, "actual-a", 600, 24, coupling="rejection")
     assert totals["proposed"] > totals["drafted"] > 0
     ps = p_values(counts)
     print(totals, ps)

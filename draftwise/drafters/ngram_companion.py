@@ -33,7 +33,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 import torch
 
 from draftwise.errors import DraftwiseError
