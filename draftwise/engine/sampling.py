@@ -52,13 +52,17 @@ class SamplingConfig:
         return is_greedy(self.temperature)
 
 
+SMALL_ARGMAX = 16384  # elements up to which PyTorch's own argmax is quicker than the two block passes (one head row:
+# 29 against 109 microseconds, measured on Zen 3)
+
+
 def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)`, the same indices (the first on ties; a NaN counts as the largest), faster on CPU for a
     vocabulary: PyTorch's argmax walks each row with its index in scalar steps, while a block maximum is vectorised.
     The block holding the first maximum is found from the blocks' maxima, then the first maximum inside it."""
     size = x.shape[-1]
     block = next((b for b in (256, 128, 64, 32) if size % b == 0 and size >= 8 * b), 0)
-    if not block or x.device.type != "cpu":
+    if not block or x.device.type != "cpu" or x.numel() <= SMALL_ARGMAX:
         return x.argmax(-1)
     blocks = x.reshape(*x.shape[:-1], size // block, block)
     first = blocks.amax(-1).argmax(-1, keepdim=True)  # [..., 1] the first block holding the maximum
