@@ -160,15 +160,21 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _timed_forward(runner: ModelRunner, rows: int, width: int, context: int, repeats: int, vocab: int, *,
-                   long_row: bool = False) -> float:
-    """Median latency of one forward feeding `width` tokens to each of `rows` rows that hold `context` tokens
-    (logits at every fed position, as verification asks); `long_row`: only the last row feeds `width`, the
-    others one token."""
+def _filled(runner: ModelRunner, rows: int, context: int, vocab: int) -> None:
+    """Empty the runner's cache, then give each of `rows` rows `context` tokens (one forward)."""
     generator = torch.Generator().manual_seed(0)
     runner.cache.drop_rows(0)
     prompt = torch.randint(0, vocab, (rows, context), generator=generator)
     runner.forward_rows(prompt, [context] * rows, logits_at=torch.zeros(rows, 1, dtype=torch.long))
+
+
+def _timed_forward(runner: ModelRunner, rows: int, width: int, context: int, repeats: int, vocab: int, *,
+                   long_row: bool = False) -> float:
+    """Median latency of one forward feeding `width` tokens to each of `rows` rows that hold `context` tokens
+    (logits at every fed position, as verification asks); `long_row`: only the last row feeds `width`, the
+    others one token. The rows must hold their context already (`_filled`): each timed forward is trimmed off
+    again, so one fill serves every width."""
+    generator = torch.Generator().manual_seed(width)
     feed = torch.randint(0, vocab, (rows, width), generator=generator)
     counts = [1] * (rows - 1) + [width] if long_row else [width] * rows
 
@@ -192,7 +198,10 @@ def measure_latency(target: Any, draft: Any, companion: Any | None, *, gamma: in
     d_runner = draft_runner(draft, vocab_size=vocab_size)
     c_runner = companion_runner(companion, vocab_size=vocab_size) if companion is not None else None
     with torch.inference_mode():
-        for r in rows:
+        for r in rows:  # each runner's rows filled once per batch size (a fill of 16 rows is most of a minute)
+            for runner in (t_runner, d_runner, c_runner):
+                if runner is not None:
+                    _filled(runner, r, context, vocab_size)
             verify.append([_timed_forward(t_runner, r, n, context, repeats, vocab_size) for n in range(1, gamma + 2)])
             if packed:
                 verify_long.append([verify[-1][0]] + [
