@@ -15,91 +15,14 @@ A chunk is one `answers-<tag>-NNNNN.npz` (numpy, compressed), written to a tempo
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
-from draftwise.atomic import atomic_path
-from draftwise.errors import DraftwiseError
-
-CHUNK_GLOB = "answers-*.npz"
-
-
-@dataclass(frozen=True)
-class Answer:
-    uid: str
-    source: str
-    category: str
-    tag: str
-    prompt_ids: list[int]
-    answer_ids: list[int]
-    finish_reason: str = ""
-
-
-def write_chunk(path: Path, answers: Sequence[Answer], meta: dict[str, Any]) -> None:
-    """`answers` to `path`, atomically."""
-    tokens: list[int] = []
-    offsets = [0]
-    for a in answers:
-        tokens.extend(a.prompt_ids)
-        tokens.extend(a.answer_ids)
-        offsets.append(len(tokens))
-    dtype = np.uint16 if not tokens or max(tokens) < 2**16 else np.int32
-    info = dict(meta, uids=[a.uid for a in answers], sources=[a.source for a in answers],
-                categories=[a.category for a in answers], tags=[a.tag for a in answers],
-                finish_reasons=[a.finish_reason for a in answers])
-    with atomic_path(path, suffix=".npz") as tmp:
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, tokens=np.asarray(tokens, dtype=dtype), offsets=np.asarray(offsets, np.int64),
-                                prompt_lens=np.asarray([len(a.prompt_ids) for a in answers], np.int32),
-                                meta=np.frombuffer(json.dumps(info).encode(), dtype=np.uint8))
-
-
-def chunk_paths(directory: Path | str) -> list[Path]:
-    return sorted(Path(directory).glob(CHUNK_GLOB))
-
-
-def read_chunk(path: Path) -> tuple[dict[str, Any], list[Answer]]:
-    """A chunk's metadata and answers; a damaged file is a one-line error naming it."""
-    try:
-        with np.load(path) as z:
-            meta = json.loads(z["meta"].tobytes().decode())
-            tokens, offsets, prompt_lens = z["tokens"].astype(np.int64), z["offsets"], z["prompt_lens"]
-    except (OSError, ValueError, KeyError) as e:
-        raise DraftwiseError(f"{path}: not a readable answers chunk ({type(e).__name__}: {e})") from None
-    answers = []
-    for i, uid in enumerate(meta["uids"]):
-        seq = tokens[offsets[i]: offsets[i + 1]].tolist()
-        cut = int(prompt_lens[i])
-        answers.append(Answer(uid, meta["sources"][i], meta["categories"][i], meta["tags"][i], seq[:cut], seq[cut:],
-                              meta.get("finish_reasons", [""] * len(meta["uids"]))[i]))
-    return meta, answers
-
-
-def read_answers(directory: Path | str, *, tags: Sequence[str] | None = None,
-                 sources: Collection[str] | None = None) -> Iterator[Answer]:
-    """Every answer of the chunks in `directory` (only those tagged one of `tags`, and answering a prompt of one
-    of `sources`, when given)."""
-    paths = chunk_paths(directory)
-    if not paths:
-        raise DraftwiseError(f"no answer chunks ({CHUNK_GLOB}) in {directory}: run `draftwise train-data --answers`")
-    for path in paths:
-        for answer in read_chunk(path)[1]:
-            if (tags is None or answer.tag in tags) and (sources is None or answer.source in sources):
-                yield answer
-
-
-def done_keys(directory: Path | str) -> set[tuple[str, str]]:
-    keys: set[tuple[str, str]] = set()
-    for path in chunk_paths(directory):
-        meta = read_chunk(path)[0]
-        keys.update(zip(meta["uids"], meta["tags"]))
-    return keys
+from draftwise.answer_chunks import (CHUNK_GLOB, Answer, chunk_paths, done_keys, read_answers,  # noqa: F401
+                                     read_chunk, write_chunk)
 
 
 def generate_answers_chunks(
