@@ -339,7 +339,7 @@ class NgramCompanion:
     def _corpus(self, vocab: int) -> Corpus | None:
         if self.corpus_dir is None:
             return None
-        from draftwise.training.answers import read_answers
+        from draftwise.answer_chunks import read_answers
 
         return _corpus_cache(self.corpus_dir, self.order, vocab, self.held_out,
                              lambda: (a.answer_ids for a in read_answers(self.corpus_dir)
