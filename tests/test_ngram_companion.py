@@ -25,12 +25,11 @@ import pytest
 import torch
 
 import draftwise
-from draftwise.bench import sv_profile
 from draftwise.drafters.base import ModelRowsDrafter
 from draftwise.drafters.companion import CompanionRowsDrafter
 from draftwise.drafters.ngram_companion import (NgramCompanion, NgramRunner, Corpus, companion_runner,
                                                 load_companion)
-from draftwise.engine.sampling import SamplingConfig, warp
+from draftwise.engine.sampling import warp
 from draftwise.errors import DraftwiseError
 from draftwise.models import registry
 from draftwise.models.runner import ModelRunner
@@ -39,7 +38,7 @@ from draftwise.training.answers import Answer, write_chunk
 import test_sv
 from test_exactness import ALPHA
 from test_sv import (GAMMA, GREEDY_COST, PLAIN, PROMPTS64, V, VERIFY_COST, WARPED, GREEDY, NotTargetDistribution,
-                     Row, check_select_phase_worked, linear_latency, p_values, trio, trio64)
+                     Row, check_select_phase_worked, p_values, trio64)
 
 ORDER = 4
 
@@ -124,15 +123,7 @@ def test_a_position_does_not_read_the_tokens_fed_after_it():
 
 def ngram_profile(size: int, temperature: float, cost: float) -> sv.SVProfile:
     """A profile built by the real pipeline with the n-gram companion (the context only)."""
-    target, draft, _ = trio() if size == V else trio64()
-    companion = load_companion("ngram", target)
-    sampling = SamplingConfig(temperature=temperature)
-    prompts = [[i % size, (3 * i + 1) % size, (5 * i + 2) % size] for i in range(16)]
-    samples = sv_profile.collect_samples(target, draft, companion, prompts, sampling=sampling, gamma=GAMMA,
-                                         max_new_tokens=12, batch_size=8, vocab_size=size,
-                                         eos_token_ids=frozenset())
-    setting = sv.profile_setting(target.name, draft.name, companion.name, sampling)
-    return sv_profile.build_profile(samples, linear_latency(cost), setting)
+    return test_sv.built_profile(size, temperature, cost, "ngram")[0]
 
 
 def run_rows_ngram(monkeypatch, kind: str, n: int, batch: int, coupling: str = "gumbel"):

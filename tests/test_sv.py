@@ -106,9 +106,15 @@ def linear_latency(cost: float, gamma: int = GAMMA) -> sv.LatencyModel:
 
 
 @lru_cache(maxsize=None)
-def built_profile(size: int, temperature: float, cost: float = VERIFY_COST) -> tuple[sv.SVProfile, dict]:
-    """A profile built by the real pipeline (collect_samples, build_profile) for a trio, with linear_latency."""
+def built_profile(size: int, temperature: float, cost: float = VERIFY_COST, companion_name: str = ""
+                  ) -> tuple[sv.SVProfile, dict]:
+    """A profile built by the real pipeline (collect_samples, build_profile) for a trio, with linear_latency;
+    `companion_name`: load that companion for the trio's target in place of the trio's (e.g. "ngram")."""
     target, draft, companion = trio() if size == V else trio64()
+    if companion_name:
+        from draftwise.drafters.ngram_companion import load_companion
+
+        companion = load_companion(companion_name, target)
     sampling = SamplingConfig(temperature=temperature)
     prompts = [[i % size, (3 * i + 1) % size, (5 * i + 2) % size] for i in range(16)]
     samples = sv_profile.collect_samples(target, draft, companion, prompts, sampling=sampling, gamma=GAMMA,
