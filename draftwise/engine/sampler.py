@@ -110,9 +110,10 @@ def speculative_sample_rows(
         probs = torch.where(rejected[:, None], pi[index, at], bonus) if k else bonus
         next_tokens = argmax_last(probs)
     else:
+        pi_at = pi[index, at] if k else None  # [rows, vocab] pi at each row's rejected position
         if k:
-            recover = (residual_at(pi[index, at], draft_tokens[index, at]) if draft_probs is None
-                       else residual_rows(pi[index, at], draft_probs[index, at]))  # [rows, vocab]
+            recover = (residual_at(pi_at, draft_tokens[index, at]) if draft_probs is None
+                       else residual_rows(pi_at, draft_probs[index, at]))  # [rows, vocab]
             probs = torch.where(rejected[:, None], recover, bonus)
         else:
             probs = bonus
@@ -126,7 +127,7 @@ def speculative_sample_rows(
             next_tokens = invert_cdf(probs, last)
             if greedy_mask is not None:
                 if greedy_argmax and k:
-                    probs = torch.where(rejected[:, None], pi[index, at], bonus)
+                    probs = torch.where(rejected[:, None], pi_at, bonus)
                 next_tokens = torch.where(greedy_mask, argmax_last(probs), next_tokens)
     both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
