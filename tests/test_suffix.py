@@ -22,10 +22,11 @@ def _brute_count(seqs, pattern):
     return sum(len(_occurrences(s, pattern)) for s in seqs)
 
 
-def _all_nodes(node, prefix=()):
-    for token, child in node.children.items():
-        yield prefix + (token,), child
-        yield from _all_nodes(child, prefix + (token,))
+def _all_nodes(trie, node=SuffixTrie.root, prefix=()):
+    """(path, count) of every node below `node`."""
+    for token, child in trie.children[node].items():
+        yield prefix + (token,), trie.counts[child]
+        yield from _all_nodes(trie, child, prefix + (token,))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -35,10 +36,10 @@ def test_trie_counts_equal_brute_force_substring_counts(seed):
     trie = SuffixTrie(depth=5)
     for s in seqs:
         trie.add(s)
-    nodes = dict(_all_nodes(trie.root))
-    for path, node in nodes.items():
+    nodes = dict(_all_nodes(trie))
+    for path, count in nodes.items():
         assert len(path) <= 5
-        assert node.count == _brute_count(seqs, path) > 0
+        assert count == _brute_count(seqs, path) > 0
     # every substring up to depth is in the trie
     for s in seqs:
         for i in range(len(s)):
@@ -56,7 +57,7 @@ def test_incremental_request_trie_equals_one_built_at_once(seed):
         state.extend(seq[i : i + 5])
     batch = SuffixTrie(depth=6)
     batch.add(seq)
-    assert {p: n.count for p, n in _all_nodes(state.trie.root)} == {p: n.count for p, n in _all_nodes(batch.root)}
+    assert dict(_all_nodes(state.trie)) == dict(_all_nodes(batch))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -96,7 +97,7 @@ def test_speculation_follows_the_longest_matched_suffix_and_its_most_frequent_co
 def _walk(trie, pattern):
     node = trie.root
     for token in pattern:
-        node = node.children.get(token)
+        node = trie.children[node].get(token)
         if node is None:
             return None
     return node
@@ -128,7 +129,7 @@ def test_matched_suffixes_kept_from_step_to_step_equal_a_fresh_walk(seed):
                 if node is None:
                     break
                 expected.append(node)
-            assert len(nodes) == len(expected) and all(a is b for a, b in zip(nodes, expected))
+            assert nodes == expected
             assert all(_walk(trie, sequence[-n:]) is None for n in range(len(expected) + 1, longest + 1))
         checked_shared += len(shared_nodes)
         # the speculation from the kept nodes is the one from the context
@@ -136,6 +137,27 @@ def test_matched_suffixes_kept_from_step_to_step_equal_a_fresh_walk(seed):
             assert trie.speculate_from(nodes, 4, factor=2.0, min_prob=0.0) == trie.speculate(sequence, 4, factor=2.0,
                                                                                              min_prob=0.0)
     assert checked_shared > 0
+
+
+def test_tries_make_nothing_the_cycle_collector_tracks():
+    """A trie's nodes are integers in int-to-int dictionaries, which CPython's cycle collector does not track: adding
+    tens of thousands of nodes triggers no collection passes (node objects made the collector walk all of them)."""
+    import gc
+
+    rng = random.Random(0)
+    trie = SuffixTrie(24)
+    state = RequestSuffix(24, trie)
+    tokens = [rng.randrange(50_000) for _ in range(600)]
+    trie.add(tokens)
+    state.extend(tokens)
+    assert trie.size > 10_000 and state.trie.size > 10_000
+    for one in (trie, state.trie):
+        assert not any(gc.is_tracked(kids) for kids in one.children)
+    gc.collect()
+    before = len(gc.get_objects())
+    trie.add(tokens[::-1])
+    state.extend(tokens[:300])
+    assert len(gc.get_objects()) - before < 50  # a few lists grow; no object per node
 
 
 def test_adaptive_length_and_min_prob_cut_the_speculation():
@@ -158,7 +180,11 @@ def test_global_store_evicts_oldest_and_leaves_no_empty_nodes():
     fresh = SuffixTrie(4)
     fresh.add([5, 6, 7])
     fresh.add([1, 2, 9, 9, 9])
-    assert {p: n.count for p, n in _all_nodes(store.trie.root)} == {p: n.count for p, n in _all_nodes(fresh.root)}
+    assert dict(_all_nodes(store.trie)) == dict(_all_nodes(fresh))
+    assert store.trie.size == fresh.size  # the evicted nodes were freed (and are reused)
+    made = len(store.trie.counts)
+    store.add([5, 6, 7, 1])  # evicts [5, 6, 7]: new nodes reuse freed ones
+    assert len(store.trie.counts) == made
     with pytest.raises(DraftwiseError, match="never added"):
         store.trie.add([4, 4, 4], sign=-1)
 

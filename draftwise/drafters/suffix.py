@@ -31,27 +31,19 @@ from draftwise.drafters.tree_growth import tree_draft
 from draftwise.errors import DraftwiseError
 
 
-class _Node:
-    """A trie node: how often its path occurred, and its children by token (a trie makes about depth of them per
-    token it counts, so a node is kept small and quick to make)."""
-
-    __slots__ = ("count", "children")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] = {}
+ROOT = 0  # every trie's root node
 
 
-def _extend_match(nodes: list[_Node], root: _Node, token: int, longest: int) -> list[_Node]:
+def _extend_match(nodes: list[int], children: list[dict[int, int]], token: int, longest: int) -> list[int]:
     """The nodes of a trie reached by a sequence's suffixes (lengths 1, 2, .. while present; at most `longest`), after
     `token` joins the sequence, from the same list before it did: a suffix of length j + 1 is the one of length j
     followed by `token`. (A trie holds every substring of what it counts, so the present lengths are 1.. up to one.)"""
-    node = root.children.get(token) if longest > 0 else None
+    node = children[ROOT].get(token) if longest > 0 else None
     if node is None:
         return []
     found = [node]
     for shorter in nodes[: longest - 1]:
-        node = shorter.children.get(token)
+        node = children[shorter].get(token)
         if node is None:
             break
         found.append(node)
@@ -59,39 +51,76 @@ def _extend_match(nodes: list[_Node], root: _Node, token: int, longest: int) -> 
 
 
 class SuffixTrie:
-    """Counts of every substring of up to `depth` tokens of the sequences added."""
+    """Counts of every substring of up to `depth` tokens of the sequences added.
+
+    A node is an integer: `counts[node]` is how often its path occurred and `children[node]` maps a token to the
+    child's node. A trie makes about `depth` nodes per token it counts; held as integers in int-to-int dictionaries
+    (which Python's cycle collector does not track), they cost no garbage-collection passes, where node objects made
+    the collector walk every one of them again and again. Freed nodes are reused."""
 
     def __init__(self, depth: int = 24) -> None:
         if depth < 1:
             raise DraftwiseError(f"suffix depth must be >= 1, got {depth}")
         self.depth = depth
-        self.root = _Node()
+        self.counts: list[int] = [0]
+        self.children: list[dict[int, int]] = [{}]
+        self._free: list[int] = []  # nodes removed, to be reused
         self.version = 0  # changes with every add or removal (a `TrieMatch` then walks its suffixes anew)
+
+    root = ROOT
+
+    def node(self) -> int:
+        """A new node, counted 0, without children."""
+        if self._free:
+            node = self._free.pop()
+            self.counts[node] = 0
+            self.children[node] = {}
+            return node
+        self.counts.append(0)
+        self.children.append({})
+        return len(self.counts) - 1
+
+    def _drop(self, node: int) -> None:
+        """Free `node` and every node below it."""
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            stack.extend(self.children[node].values())
+            self.children[node] = {}
+            self._free.append(node)
+
+    @property
+    def size(self) -> int:
+        """Nodes held, the root included."""
+        return len(self.counts) - len(self._free)
 
     def add(self, tokens: Sequence[int], *, sign: int = 1) -> None:
         """Add (sign=1) or remove (sign=-1) every substring of `tokens` up to `depth` long."""
         tokens = list(tokens)
         self.version += 1
+        counts, children = self.counts, self.children
         for start in range(len(tokens)):
-            node = self.root
+            node = ROOT
             for token in tokens[start : start + self.depth]:
-                child = node.children.get(token)
+                kids = children[node]
+                child = kids.get(token)
                 if child is None:
                     if sign < 0:
                         raise DraftwiseError("removing a sequence that was never added")
-                    child = node.children[token] = _Node()
-                child.count += sign
-                if child.count == 0:
-                    del node.children[token]
+                    child = kids[token] = self.node()
+                counts[child] += sign
+                if counts[child] == 0:
+                    del kids[token]
+                    self._drop(child)
                     break
                 node = child
 
-    def matched(self, context: Sequence[int]) -> list[_Node]:
+    def matched(self, context: Sequence[int]) -> list[int]:
         """The nodes of the suffixes of `context` held here, shortest first (at most depth - 1 long: the
         speculations match no longer)."""
-        nodes: list[_Node] = []
+        nodes: list[int] = []
         for token in context[max(0, len(context) - (self.depth - 1)):]:
-            nodes = _extend_match(nodes, self.root, token, self.depth - 1)
+            nodes = _extend_match(nodes, self.children, token, self.depth - 1)
         return nodes
 
     def speculate(self, context: Sequence[int], limit: int, *, factor: float, min_prob: float,
@@ -100,22 +129,24 @@ class SuffixTrie:
         return self.speculate_from(self.matched(context), limit, factor=factor, min_prob=min_prob,
                                    min_match=min_match)
 
-    def speculate_from(self, matched: Sequence[_Node], limit: int, *, factor: float, min_prob: float,
+    def speculate_from(self, matched: Sequence[int], limit: int, *, factor: float, min_prob: float,
                        min_match: int = 1) -> tuple[list[int], float, int]:
         """`speculate` from the context's matched suffix nodes (`matched`, shortest first, as `matched` gives)."""
         if limit <= 0:
             return [], 0.0, 0
+        counts, children = self.counts, self.children
         for length in range(min(self.depth - 1, len(matched)), min_match - 1, -1):
-            node = matched[length - 1] if length else self.root  # min_match 0: the empty suffix
-            if not node.children:
+            node = matched[length - 1] if length else ROOT  # min_match 0: the empty suffix
+            if not children[node]:
                 continue
             budget = min(limit, max(1, int(factor * length)))
             tokens: list[int] = []
             score, expected = 1.0, 0.0
-            while node.children and len(tokens) < budget:
-                total = sum(child.count for child in node.children.values())
-                token, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
-                score *= child.count / total
+            while children[node] and len(tokens) < budget:
+                kids = children[node]
+                total = sum(counts[child] for child in kids.values())
+                token, child = max(kids.items(), key=lambda item: (counts[item[1]], -item[0]))
+                score *= counts[child] / total
                 if score < min_prob:
                     break
                 tokens.append(token)
@@ -135,30 +166,32 @@ class SuffixTrie:
         return self.speculate_tree_from(self.matched(context), nodes, max_depth, factor=factor, min_prob=min_prob,
                                         min_match=min_match)
 
-    def speculate_tree_from(self, matched: Sequence[_Node], nodes: int, max_depth: int, *, factor: float,
+    def speculate_tree_from(self, matched: Sequence[int], nodes: int, max_depth: int, *, factor: float,
                             min_prob: float, min_match: int = 1) -> tuple[list[int], list[int], float, list[float]]:
         """`speculate_tree` from the context's matched suffix nodes (`matched`, shortest first)."""
         import heapq
 
         if nodes <= 0 or max_depth <= 0:
             return [], [], 0.0, []
+        counts, children = self.counts, self.children
         for length in range(min(self.depth - 1, len(matched)), min_match - 1, -1):
-            node = matched[length - 1] if length else self.root  # min_match 0: the empty suffix
-            if not node.children:
+            node = matched[length - 1] if length else ROOT  # min_match 0: the empty suffix
+            if not children[node]:
                 continue
             depth_limit = min(max_depth, max(1, int(factor * length)))
             tokens: list[int] = []
             parents: list[int] = []
             scores: list[float] = []
             expected = 0.0
-            heap: list[tuple[float, int, int, int, _Node]] = []
+            heap: list[tuple[float, int, int, int, int, int]] = []
             serial = 0
 
-            def push(parent_node: _Node, parent: int, score: float, depth: int) -> None:
+            def push(parent_node: int, parent: int, score: float, depth: int) -> None:
                 nonlocal serial
-                total = sum(child.count for child in parent_node.children.values())
-                for token, child in parent_node.children.items():
-                    p = score * child.count / total
+                kids = children[parent_node]
+                total = sum(counts[child] for child in kids.values())
+                for token, child in kids.items():
+                    p = score * counts[child] / total
                     if p >= min_prob:
                         heapq.heappush(heap, (-p, serial, token, parent, depth, child))
                         serial += 1
@@ -170,7 +203,7 @@ class SuffixTrie:
                 parents.append(parent)
                 scores.append(-neg)
                 expected += -neg
-                if depth < depth_limit and child.children:
+                if depth < depth_limit and children[child]:
                     push(child, len(tokens) - 1, -neg, depth + 1)
             return tokens, parents, expected, scores
         return [], [], 0.0, []
@@ -179,22 +212,23 @@ class SuffixTrie:
 class TrieMatch:
     """A growing token sequence's matched suffix nodes (`SuffixTrie.matched`) in a trie it does not own (the global
     store's), kept from call to call: each new token extends them in O(depth) rather than every suffix being walked
-    again. When the trie has changed since (its `version`), the next call walks the last depth - 1 tokens anew."""
+    again. When the trie has changed since (its `version`: nodes may have been freed and reused), the next call walks
+    the last depth - 1 tokens anew."""
 
     def __init__(self, trie: SuffixTrie) -> None:
         self.trie = trie
-        self.nodes: list[_Node] = []
+        self.nodes: list[int] = []
         self.seen = 0  # tokens of the sequence the nodes cover
         self.version = -1  # the trie's version they were found in
 
-    def follow(self, tokens: Sequence[int]) -> list[_Node]:
+    def follow(self, tokens: Sequence[int]) -> list[int]:
         """The matched nodes of `tokens`: the sequence so far, which extends the one of the last call."""
         trie = self.trie
         if self.version != trie.version or len(tokens) < self.seen:
             self.nodes, self.version = trie.matched(tokens), trie.version
         else:
             for token in tokens[self.seen:]:
-                self.nodes = _extend_match(self.nodes, trie.root, token, trie.depth - 1)
+                self.nodes = _extend_match(self.nodes, trie.children, token, trie.depth - 1)
         self.seen = len(tokens)
         return self.nodes
 
@@ -207,25 +241,26 @@ class RequestSuffix:
         self.trie = SuffixTrie(depth)
         self.tokens: list[int] = []
         self.prompt_length = 0
-        self._active: list[_Node] = []  # nodes of the suffixes ending at the last token (shortest first)
+        self._active: list[int] = []  # nodes of the suffixes ending at the last token (shortest first)
         self.shared = TrieMatch(shared) if shared is not None else None
 
-    def matches(self) -> list[tuple[SuffixTrie, list[_Node]]]:
+    def matches(self) -> list[tuple[SuffixTrie, list[int]]]:
         """The tries this request drafts from, its own first, each with its tokens' matched suffix nodes there."""
         own = (self.trie, self._active)  # every suffix of its tokens is in its own trie
         return [own] if self.shared is None else [own, (self.shared.trie, self.shared.follow(self.tokens))]
 
     def extend(self, tokens: Sequence[int]) -> None:
-        root, keep = self.trie.root, self.trie.depth - 1
+        trie = self.trie
+        keep, counts, children = trie.depth - 1, trie.counts, trie.children
         active = self._active
         for token in tokens:
             grown = []
-            for node in (root, *active[:keep]):
-                children = node.children
-                child = children.get(token)
+            for node in (ROOT, *active[:keep]):
+                kids = children[node]
+                child = kids.get(token)
                 if child is None:
-                    child = children[token] = _Node()
-                child.count += 1
+                    child = kids[token] = trie.node()
+                counts[child] += 1
                 grown.append(child)
             active = grown
         self._active = active
@@ -275,7 +310,7 @@ class SuffixOptions:
             raise DraftwiseError(f"suffix min_match must be in [1, depth), got {self.min_match}")
 
 
-def best_speculation(matches: Sequence[tuple[SuffixTrie, Sequence[_Node]]], limit: int, options: SuffixOptions
+def best_speculation(matches: Sequence[tuple[SuffixTrie, Sequence[int]]], limit: int, options: SuffixOptions
                      ) -> tuple[list[int], float]:
     """The speculation of the trie that scores best (the first on a tie; ([], 0.0) when none scores above 0), each
     trie given with the context's matched suffix nodes there (`RequestSuffix.matches`): the matching shared by the
