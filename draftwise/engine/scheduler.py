@@ -9,7 +9,7 @@ import torch
 
 from draftwise.engine.protocols import PREFILL_CHUNK, PREFILL_TOKENS, pad_rows
 from draftwise.engine.rows import Row, token_logprobs
-from draftwise.models.kvcache import release_heap
+from draftwise.models.kvcache import TRIM_AFTER_BYTES, release_heap
 
 
 LONG_PIECE = 8  # a long prompt beside decoding rows advances this many tokens at least (a piece reads its whole
@@ -232,6 +232,12 @@ class Scheduler:
         self.target.cache.drop_rows(begin + len(self.prefilling))
 
     def _free(self, index: int) -> None:
+        self._unseat(index)
+        self._release_rows()
+
+    def _unseat(self, index: int) -> None:
+        """Live row `index` leaves: the last live row takes its place (and the last prefilling row the last live
+        slot). The caches' rows past the new ones stay until `_release_rows`."""
         last = len(self.live) - 1
         if index != last:
             self.target.cache.move_row(last, index)
@@ -241,17 +247,23 @@ class Scheduler:
         if self.prefilling:  # the prefilling rows follow the live ones: the last of them fills the hole
             self.target.cache.move_row(last + len(self.prefilling), last)
             self.prefilling.insert(0, self.prefilling.pop())
+
+    def _release_rows(self) -> None:
+        """The caches drop the rows past the live and prefilling ones, and give back what those rows held."""
         self.target.cache.drop_rows(len(self.live) + len(self.prefilling))
         self.drafter.release(len(self.live))
         if not self.live and not self.prefilling:
+            held = self.target.cache.allocated_bytes
             self.target.cache.shrink()  # idle: a long prompt's memory goes back
-            if not self.waiting:
+            if not self.waiting and held >= TRIM_AFTER_BYTES:
                 release_heap()
         else:  # a long row's memory goes back when it ends, though others go on
             self.target.cache.fit()
 
     def _end_step(self, done: list[int], started: float, plan: list[int]) -> None:
         for b in reversed(done):  # highest first: moving the last row never touches a pending index
-            self._free(b)
+            self._unseat(b)
+        if done:  # the caches drop and compact once for all the rows that ended
+            self._release_rows()
         self._timed(time.perf_counter() - started, sum(plan))
         self._start_decoding()

@@ -70,6 +70,10 @@ def _doubled(capacity: int, need: int) -> int:
     return -(-_doubling(capacity, need) // BLOCK) * BLOCK
 
 
+TRIM_AFTER_BYTES = 32 << 20  # an idle engine hands the heap back when its cache had grown to this (malloc_trim
+# walks the whole heap: about 9 ms on Zen 3, more than a short request's own loop costs)
+
+
 def release_heap() -> None:
     """Hand freed heap memory back to the system (glibc's malloc_trim; nothing elsewhere). An idle engine calls
     it after freeing its buffers, so a long prompt's memory does not stay in the allocator's free lists."""
@@ -354,6 +358,11 @@ class PositionCache(Cache):
             k[row, :, :n] = kv[layer, 0].to(k.dtype)
             v[row, :, :n] = kv[layer, 1].to(v.dtype)
         self.lengths[row] = n
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the key and value buffers allocated now."""
+        return sum(buf.numel() * buf.element_size() for store in (self.keys, self.values) for buf in store)
 
     def shrink(self) -> None:
         """Free the buffers (no row holds anything): the next forward allocates them at the size it needs."""
