@@ -117,17 +117,23 @@ class EagleRowsDrafter(Drafter):
         n = len(rows)
         dtype = self.head.fc.weight.dtype
         span = max(counts)
-        feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
-        nexts = torch.zeros(n, span, dtype=torch.long)
-        for b, row in enumerate(rows):
-            if b in bare:
-                continue
-            c, start = counts[b], self.cached[b]
-            feats[b, :c] = self.features[b][:c].to(dtype)
-            nexts[b, :c] = torch.tensor(row.sequence[start + 1 : start + 1 + c], dtype=torch.long)
-        states = self.runner.forward_states(self._embed_fuse(feats, nexts.to(self.device)), counts)
-        at = torch.tensor(counts, device=self.device)[:, None, None] - 1
-        predicted = states.gather(1, at.expand(-1, -1, states.shape[-1]))[:, 0]  # [rows, H]
+        nexts = [[] if b in bare else list(row.sequence[self.cached[b] + 1: self.cached[b] + 1 + counts[b]])
+                 for b, row in enumerate(rows)]
+        nexts = [tokens + [0] * (span - len(tokens)) for tokens in nexts]
+        if not bare and all(c == span for c in counts):  # the common step: one stack, no padding
+            feats = torch.stack([self.features[b][:span] for b in range(n)]).to(dtype)
+        else:
+            feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
+            for b in range(n):
+                if b not in bare:
+                    feats[b, :counts[b]] = self.features[b][:counts[b]].to(dtype)
+        nexts = torch.tensor(nexts, dtype=torch.long, device=self.device)
+        states = self.runner.forward_states(self._embed_fuse(feats, nexts), counts)
+        if all(c == span for c in counts):
+            predicted = states[:, span - 1]  # [rows, H]
+        else:
+            last = torch.tensor([c - 1 for c in counts], device=self.device)
+            predicted = states[torch.arange(n, device=self.device), last]  # [rows, H]
         for b in range(n):
             if b not in bare:
                 self.cached[b] += counts[b]

@@ -133,24 +133,22 @@ def speculative_sample_rows(
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
 
 
-def accept_greedy(draft_tokens: torch.Tensor, num_drafted: Sequence[int], target_logits: torch.Tensor
+def accept_greedy(draft_tokens: Sequence[Sequence[int]], num_drafted: Sequence[int], target_logits: torch.Tensor
                   ) -> RowsAcceptance:
     """Temperature-0 rows under the exact rule, without any distribution: a drafted token is accepted when it is
     the target's argmax there, and the next token is the argmax after the accepted prefix. The same outcome as
     `speculative_sample_rows` with one-hot draft and target distributions (a greedy draft's token has q(x) = 1).
-    draft_tokens [rows, k], target_logits [rows, k + 1, vocab]."""
-    rows, k = draft_tokens.shape
-    best = argmax_last(target_logits)  # [rows, k + 1]
-    if k:
-        counts = torch.tensor(list(num_drafted), dtype=torch.long, device=best.device)
-        match = (draft_tokens.to(best.device) == best[:, :k]) & (torch.arange(k, device=best.device)[None]
-                                                                 < counts[:, None])
-        num_accepted = match.long().cumprod(1).sum(1)  # [rows]
-    else:
-        num_accepted = torch.zeros(rows, dtype=torch.long, device=best.device)
-    next_tokens = best.gather(1, num_accepted[:, None])[:, 0]
-    both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
-    return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
+    draft_tokens: [rows][k] on the host (padding past num_drafted[b] is never read); target_logits
+    [rows, k + 1, vocab]. One device op and one copy to the host: the comparisons are a few host integers."""
+    best = argmax_last(target_logits).tolist()  # [rows][k + 1]
+    num_accepted, next_tokens = [], []
+    for tokens, count, argmaxes in zip(draft_tokens, num_drafted, best):
+        n = 0
+        while n < count and tokens[n] == argmaxes[n]:
+            n += 1
+        num_accepted.append(n)
+        next_tokens.append(argmaxes[n])
+    return RowsAcceptance(num_accepted=num_accepted, next_tokens=next_tokens)
 
 
 def sample_rows(probs: torch.Tensor, draws: Draws, offset: int, greedy: Sequence[bool]) -> torch.Tensor:

@@ -128,7 +128,7 @@ class Stepper:
             return accept_tree(draft.parents, tokens_host, target_probs, row_draws(rows, target_probs.device),
                                batch.greedy), draft
         if scores and all(batch.greedy):  # temperature 0: no distribution built
-            return accept_greedy(draft.tokens, draft.counts, target_logits), draft
+            return accept_greedy(batch.tokens, draft.counts, target_logits), draft
         target_probs = warp_rows(target_logits, batch.samplings, greedy_scores=scores)
         k = draft.width
         if self.exact:

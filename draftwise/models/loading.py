@@ -198,7 +198,8 @@ def load_model(
         loaded.model.to(resolve_device(device))
     if torch_dtype is not None and loaded.dtype != torch_dtype:
         loaded.model.to(torch_dtype)
-    loaded.model.eval()
+    if loaded.model.training:  # a model already in eval mode (a loaded one handed back) is not walked again
+        loaded.model.eval()
     asked = formats.entry(dtype)
     if isinstance(spec, (str, os.PathLike)):
         _attach_formats(loaded, chosen, loaded_gguf(str(spec)), explicit=asked is not None)
