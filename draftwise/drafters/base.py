@@ -319,7 +319,7 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
                 raw = torch.softmax(logits.float(), dim=-1)
                 active = _unstopped(active, policy.stop_before(raw))
             pick = argmax_last(logits)  # [rows]
-            token = pick if ids is None else ids[pick]
+            token = pick if ids is None else ids.index_select(0, pick)
         else:
             # zero probability outside a head's draft vocabulary (and past a padded target vocabulary): exact
             full = logits if ids is None else full_vocabulary_logits(logits, ids, vocab_size)  # [rows, vocab]
@@ -359,8 +359,10 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
                      torch.stack(verdicts, 1)[:, :k] if verdicts else None, vocab_size=vocab_size)
 
 
-def _unstopped(active: list[bool], stop: torch.Tensor) -> list[bool]:
-    """`active` without the rows a length policy stops (`stop`: [rows] bool)."""
+def _unstopped(active: list[bool], stop: torch.Tensor | None) -> list[bool]:
+    """`active` without the rows a length policy stops (`stop`: [rows] bool, None when it stops none)."""
+    if stop is None:
+        return active
     return [a and not s for a, s in zip(active, stop.tolist())]
 
 

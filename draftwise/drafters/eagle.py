@@ -41,6 +41,7 @@ class EagleRowsDrafter(Drafter):
         if hasattr(head, "pack_for_inference") and not head.training:
             head.pack_for_inference()
         self.runner = ModelRunner(head.body, rows=0)
+        self.dtype = head.fc.weight.dtype  # the head's input dtype (read every step: a module attribute chain is slow)
         self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
         self.policy = policy or FixedLength()
         self.keep_raw = keep_raw  # unwarped draft distributions for rules that read them (cascades)
@@ -80,8 +81,9 @@ class EagleRowsDrafter(Drafter):
     def observe(self, row: int, start: int, states: torch.Tensor) -> None:
         """The target's features of positions start .. start + n - 1 (earlier unread ones past `start` drop)."""
         keep = max(0, start - self.cached[row])
-        states = self.head.take_features(states)
-        self.features[row] = torch.cat([self.features[row][:keep], states.to(self.features[row].dtype)])
+        states = self.head.take_features(states).to(self.features[row].dtype)
+        # (the common case, nothing unread kept: the states themselves; `_read` copies what it reads)
+        self.features[row] = torch.cat([self.features[row][:keep], states]) if keep else states
         self.num_features[row] = start + states.shape[0]
 
     def _embed_fuse(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -115,7 +117,7 @@ class EagleRowsDrafter(Drafter):
         """The head reads counts[b] of row b's unread true features (a bare row: one dummy position); returns its
         predicted state after the last one read [rows, H]."""
         n = len(rows)
-        dtype = self.head.fc.weight.dtype
+        dtype = self.dtype
         span = max(counts)
         nexts = [[] if b in bare else list(row.sequence[self.cached[b] + 1: self.cached[b] + 1 + counts[b]])
                  for b, row in enumerate(rows)]
@@ -160,7 +162,7 @@ class EagleRowsDrafter(Drafter):
         state [m, H] and the token drafted from it [m]. Returns the next token's logits over the usable draft
         vocabulary [m, usable] and the new predicted states [m, H]."""
         assert states.ndim == 2 and tokens.ndim == 1, (states.shape, tokens.shape)
-        fused = self._embed_fuse(states[:, None].to(self.head.fc.weight.dtype), tokens[:, None])
+        fused = self._embed_fuse(states[:, None].to(self.dtype), tokens[:, None])
         states = self.runner.forward_states(fused, [1] * tokens.shape[0], begin=begin)[:, 0]
         return self._usable_logits(states), states
 
@@ -203,7 +205,7 @@ class EagleRowsDrafter(Drafter):
         (the head gives nothing else any probability); its token ids map to the target's at the end."""
         from draftwise.drafters.tree_growth import grow_on, tree_draft
 
-        dtype = self.head.fc.weight.dtype
+        dtype = self.dtype
         n = predicted.shape[0]
         fed_states: list[list[torch.Tensor]] = [[] for _ in range(n)]  # per row, the state at each fed region slot
 
@@ -253,7 +255,7 @@ class EagleRowsDrafter(Drafter):
             if count < 0 or count > self.features[b].shape[0]:
                 raise DraftwiseError(f"EAGLE head row {b}: no target features for a context of {len(context)} tokens")
             counts.append(count)
-        dtype = self.head.fc.weight.dtype
+        dtype = self.dtype
         span = max(max(counts, default=0), 1)
         feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
         nexts = torch.zeros(n, span, dtype=torch.long)

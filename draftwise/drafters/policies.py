@@ -34,8 +34,8 @@ class LengthPolicy(Protocol):
         """[rows, vocab] -> [rows] bool: stop before sampling the next token."""
 
     def after(self, hidden: torch.Tensor | None, tokens: torch.Tensor, q_raw: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (stop after this token [rows] bool, verdicts [rows] bool or None)."""
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> (stop after this token [rows] bool, or None when no row stops; verdicts [rows] bool or None)."""
 
 
 class FixedLength:
@@ -45,13 +45,13 @@ class FixedLength:
     needs_raw = False
 
     def start(self, rows: int, device: torch.device) -> None:
-        self._no = torch.zeros(rows, dtype=torch.bool, device=device)
+        self._rows, self._device = rows, device
 
     def stop_before(self, q_raw):
-        return self._no
+        return torch.zeros(self._rows, dtype=torch.bool, device=self._device)
 
     def after(self, hidden, tokens, q_raw):
-        return self._no, None
+        return None, None  # no row stops: nothing to read back
 
 
 class StopBefore(FixedLength):
