@@ -36,8 +36,11 @@ def _is_messages(value: Any) -> bool:
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and all(
-        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value)
+    if not isinstance(value, (list, tuple)):
+        return False
+    if all(type(t) is int for t in value):  # the common case, without an abstract-class check per token
+        return True
+    return all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value)
 
 
 def _as_array(value: Any) -> Any:
