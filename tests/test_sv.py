@@ -687,13 +687,14 @@ def _next_logits(model, sequence) -> torch.Tensor:
     return model(torch.tensor([list(sequence)])).logits[0, -1]
 
 
-def test_the_companion_never_changes_the_drafted_tokens_and_reads_every_position():
+@pytest.mark.parametrize("settings", [(PLAIN, WARPED, GREEDY), (PLAIN, PLAIN, PLAIN)], ids=["mixed", "all-plain"])
+def test_the_companion_never_changes_the_drafted_tokens_and_reads_every_position(settings):
     """CompanionRowsDrafter proposes exactly what its inner drafter proposes alone with the same seeds, and its
     companion distributions are the companion's after the sequence plus each drafted prefix (cache-free
-    forwards), over rounds of random acceptance and rewinds."""
+    forwards), over rounds of random acceptance and rewinds. When no row warps anything, the unwarped distributions
+    are the warped ones (one softmax), for the companion and the draft alike."""
     _, draft, companion = trio()
     rng = random.Random(2)
-    settings = [PLAIN, WARPED, GREEDY]
     prompts = [[1], [2, 3, 4], [5, 6]]
     bare = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
     paired = CompanionRowsDrafter(ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True),
@@ -708,6 +709,9 @@ def test_the_companion_never_changes_the_drafted_tokens_and_reads_every_position
         a, c = bare.propose(rows_a, limits), paired.propose(rows_b, limits)
         assert a.counts == c.counts and torch.equal(a.tokens, c.tokens) and torch.equal(a.probs, c.probs)
         assert c.companion_probs.shape == (3, c.width + 1, V) == c.companion_raw.shape
+        if settings == (PLAIN, PLAIN, PLAIN):
+            assert c.companion_raw is c.companion_probs
+            assert c.draft_raw is None or torch.equal(c.draft_raw, c.probs)
         for b, row in enumerate(rows_b):
             for i in range(c.counts[b] + 1):
                 logits = _next_logits(companion.model, row.sequence + c.tokens[b, :i].tolist())

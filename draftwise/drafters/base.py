@@ -13,7 +13,7 @@ from draftwise.engine.sampler import sample_rows, warp_rows
 from draftwise.engine.grammar import mask_rows, push_rows
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
 from draftwise.drafters.policies import FixedLength, LengthPolicy
-from draftwise.engine.sampling import SamplingConfig, argmax_last, unwarped
+from draftwise.engine.sampling import SamplingConfig, argmax_last, unwarped, warps_nothing
 from draftwise.engine.protocols import PREFILL_CHUNK, PREFILL_TOKENS, RowsDraft, empty_draft, one_hot_draft, pad_rows
 from draftwise.engine.rows import Row, cut_at_eos
 
@@ -326,12 +326,13 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
             if grammar:  # a grammar row drafts only what it allows
                 full, allowed = mask_rows(rows, full, torch.tensor(active, device=device))
                 active = allowed.tolist()
-            raw = unwarped(full) if keep_raw or policy.needs_raw else None  # [rows, vocab]
+            step_probs = warp_rows(full, configs)  # [rows, vocab]
+            if keep_raw or policy.needs_raw:  # [rows, vocab]; the warped ones where no row warps anything
+                raw = step_probs if all(warps_nothing(c) for c in configs) else unwarped(full)
             if policy.needs_raw:
                 active = _unstopped(active, policy.stop_before(raw))
             if keep_raw:
                 raws.append(raw)
-            step_probs = warp_rows(full, configs)  # [rows, vocab]
             if draws is None and not all(greedy):
                 draws = row_draws(rows, device)
             # the token at position len(sequence) + step: keyed there (Gumbel rows share the target's noise)

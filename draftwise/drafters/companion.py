@@ -14,7 +14,7 @@ from draftwise.engine.protocols import RowsDraft, pad_rows
 from draftwise.engine.rows import Row
 from draftwise.engine.keyed import STAGED, row_draws
 from draftwise.engine.sampler import speculative_sample_rows, warp_rows
-from draftwise.engine.sampling import unwarped
+from draftwise.engine.sampling import unwarped, warps_nothing
 from draftwise.models.runner import ModelRunner
 
 
@@ -49,7 +49,10 @@ class CompanionRowsDrafter(WrappingDrafter):
         at = torch.minimum(at, torch.tensor(counts, device=device)[:, None] - 1)  # past a row's draft: padding
         logits = self.companion.forward_rows(feed, counts, logits_at=at).logits  # [rows, k + 1, vocab]
         configs = [r.request.sampling for r in rows]
-        return replace(draft, companion_probs=warp_rows(logits, configs), companion_raw=unwarped(logits))
+        probs = warp_rows(logits, configs)
+        # rows that warp nothing: the warped distributions are the unwarped ones (one softmax, not two)
+        raw = probs if all(warps_nothing(c) for c in configs) else unwarped(logits)
+        return replace(draft, companion_probs=probs, companion_raw=raw)
 
     def rewind(self, row: int, keep: int) -> None:
         self.inner.rewind(row, keep)

@@ -171,6 +171,12 @@ def _top_p(probs: torch.Tensor, top_p: float, candidates: tuple[int, ...] = TOP_
     return (kept / kept.sum(dim=-1, keepdim=True)).reshape(probs.shape)
 
 
+def warps_nothing(config: SamplingConfig) -> bool:
+    """Whether `warp` under `config` gives the model's own distribution, `unwarped`'s, bit for bit (temperature 1,
+    no top-k, no top-p)."""
+    return config.temperature == 1.0 and config.top_k == 0 and config.top_p == 1.0
+
+
 def unwarped(logits: torch.Tensor) -> torch.Tensor:
     """The model's own distribution (temperature 1, no truncation): [..., vocab] float32.
 
