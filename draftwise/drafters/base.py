@@ -9,11 +9,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draftwise.engine.keyed import row_draws
-from draftwise.engine.sampler import sample_rows, warp_rows
+from draftwise.engine.sampler import sample_rows, warp_rows, warped_and_raw
 from draftwise.engine.grammar import mask_rows, push_rows
 from draftwise.models.runner import ModelRunner, full_vocabulary_logits
 from draftwise.drafters.policies import FixedLength, LengthPolicy
-from draftwise.engine.sampling import SamplingConfig, argmax_last, unwarped, warps_nothing
+from draftwise.engine.sampling import SamplingConfig, argmax_last
 from draftwise.engine.protocols import PREFILL_CHUNK, PREFILL_TOKENS, RowsDraft, empty_draft, one_hot_draft, pad_rows
 from draftwise.engine.rows import Row, cut_at_eos
 
@@ -259,8 +259,6 @@ class ModelRowsDrafter(Drafter):
     def next_distribution(self, contexts: Sequence[Sequence[int]], configs: Sequence[SamplingConfig]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """(unwarped, warped) draft distributions after each row's context: one forward over the rows."""
-        from draftwise.engine.sampling import unwarped
-
         lengths = self.runner.lengths
         for b, context in enumerate(contexts):  # rows that drafted past their own stop hold extra tokens
             if lengths[b] >= len(context):
@@ -268,7 +266,8 @@ class ModelRowsDrafter(Drafter):
         feed, counts = pad_rows([context[lengths[b]:] for b, context in enumerate(contexts)])
         at = torch.tensor(counts, device=self.runner.device)[:, None] - 1
         logits = self.runner.forward_rows(feed, counts, logits_at=at).logits[:, -1]  # [rows, vocab]
-        return unwarped(logits), warp_rows(logits, configs)
+        warped, raw = warped_and_raw(logits, configs)
+        return raw, warped
 
     def rewind(self, row: int, keep: int) -> None:
         # the last drafted token was never fed, so the row may already be shorter than `keep`
@@ -326,9 +325,10 @@ def draft_chains(rows: Sequence[Row], limits: Sequence[int], first: tuple[torch.
             if grammar:  # a grammar row drafts only what it allows
                 full, allowed = mask_rows(rows, full, torch.tensor(active, device=device))
                 active = allowed.tolist()
-            step_probs = warp_rows(full, configs)  # [rows, vocab]
-            if keep_raw or policy.needs_raw:  # [rows, vocab]; the warped ones where no row warps anything
-                raw = step_probs if all(warps_nothing(c) for c in configs) else unwarped(full)
+            if keep_raw or policy.needs_raw:  # [rows, vocab] each
+                step_probs, raw = warped_and_raw(full, configs)
+            else:
+                step_probs = warp_rows(full, configs)
             if policy.needs_raw:
                 active = _unstopped(active, policy.stop_before(raw))
             if keep_raw:

@@ -13,8 +13,7 @@ from draftwise.drafters.base import ModelRowsDrafter, WrappingDrafter, prefill_r
 from draftwise.engine.protocols import RowsDraft, pad_rows
 from draftwise.engine.rows import Row
 from draftwise.engine.keyed import STAGED, row_draws
-from draftwise.engine.sampler import speculative_sample_rows, warp_rows
-from draftwise.engine.sampling import unwarped, warps_nothing
+from draftwise.engine.sampler import speculative_sample_rows, warp_rows, warped_and_raw
 from draftwise.models.runner import ModelRunner
 
 
@@ -49,9 +48,7 @@ class CompanionRowsDrafter(WrappingDrafter):
         at = torch.minimum(at, torch.tensor(counts, device=device)[:, None] - 1)  # past a row's draft: padding
         logits = self.companion.forward_rows(feed, counts, logits_at=at).logits  # [rows, k + 1, vocab]
         configs = [r.request.sampling for r in rows]
-        probs = warp_rows(logits, configs)
-        # rows that warp nothing: the warped distributions are the unwarped ones (one softmax, not two)
-        raw = probs if all(warps_nothing(c) for c in configs) else unwarped(logits)
+        probs, raw = warped_and_raw(logits, configs)
         return replace(draft, companion_probs=probs, companion_raw=raw)
 
     def rewind(self, row: int, keep: int) -> None:

@@ -122,7 +122,8 @@ class EagleRowsDrafter(Drafter):
         nexts = [[] if b in bare else list(row.sequence[self.cached[b] + 1: self.cached[b] + 1 + counts[b]])
                  for b, row in enumerate(rows)]
         nexts = [tokens + [0] * (span - len(tokens)) for tokens in nexts]
-        if not bare and all(c == span for c in counts):  # the common step: one stack, no padding
+        even = all(c == span for c in counts)
+        if even and not bare:  # the common step: one stack, no padding
             feats = torch.stack([self.features[b][:span] for b in range(n)]).to(dtype)
         else:
             feats = torch.zeros(n, span, self.head.feature_size, dtype=dtype, device=self.device)
@@ -131,7 +132,7 @@ class EagleRowsDrafter(Drafter):
                     feats[b, :counts[b]] = self.features[b][:counts[b]].to(dtype)
         nexts = torch.tensor(nexts, dtype=torch.long, device=self.device)
         states = self.runner.forward_states(self._embed_fuse(feats, nexts), counts)
-        if all(c == span for c in counts):
+        if even:
             predicted = states[:, span - 1]  # [rows, H]
         else:
             last = torch.tensor([c - 1 for c in counts], device=self.device)

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from draftwise.engine.keyed import ACCEPT, BONUS, RESIDUAL, Draws, as_draws
-from draftwise.engine.sampling import SamplingConfig, argmax_last, invert_cdf, warp
+from draftwise.engine.sampling import SamplingConfig, argmax_last, invert_cdf, unwarped, warp, warps_nothing
 
 ZERO_RESIDUAL = 1e-5  # a residual mass below this draws the recovered token from norm(pi) (rules/acceptance.py says why)
 
@@ -180,6 +180,13 @@ def accept_own_draws(draft_tokens: torch.Tensor, num_drafted: Sequence[int], tar
     next_tokens = own.gather(1, num_accepted[:, None])[:, 0]
     both = torch.stack([num_accepted, next_tokens]).tolist()  # the one device-to-host copy
     return RowsAcceptance(num_accepted=both[0], next_tokens=both[1])
+
+
+def warped_and_raw(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`warp_rows(logits, configs)`, `unwarped(logits)`): one tensor for both where no row warps anything
+    (`warps_nothing`: the same softmax), for readers of the raw distributions beside the warped ones."""
+    probs = warp_rows(logits, configs)
+    return probs, probs if all(warps_nothing(c) for c in configs) else unwarped(logits)
 
 
 def warp_rows(logits: torch.Tensor, configs: Sequence[SamplingConfig], greedy_scores: bool = False
