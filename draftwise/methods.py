@@ -302,6 +302,9 @@ _COMPANION = Option("companion", "", model_spec, "companion model (registry name
                     "companion for a registry target)")
 _LOOKAHEAD = Option("lookahead", 1, int, "draft at most this many tokens past the most the request verified in "
                     "its last 4 steps (0: always draft gamma)", high=MAX_GAMMA)
+_PROBE = Option("probe", 16, int, "a request whose last 4 steps verified nothing drafts nothing, except once in "
+                "this many steps and when the batch shrinks (0: it keeps drafting `lookahead` tokens a step)",
+                high=1_000_000)
 _PROFILE = Option("profile", "", str, "SV profile from `draftwise profile-sv` (default: the shipped profile for "
                   "the registry's default trio and this sampling setting)")
 
@@ -309,6 +312,8 @@ _PROFILE = Option("profile", "", str, "SV profile from `draftwise profile-sv` (d
 def _lookahead_rule(options: dict[str, Any]) -> TargetRule:
     if options.get("lookahead", 0) < 0:
         raise DraftwiseError(f"lookahead must be >= 0 (0: always draft gamma), got {options['lookahead']!r}")
+    if options.get("probe", 0) < 0:
+        raise DraftwiseError(f"probe must be >= 0 (0: never stop drafting), got {options['probe']!r}")
     return ExactRule()
 
 
@@ -477,14 +482,14 @@ METHODS: dict[str, Method] = {
             drafter="companion", make_rule=_sv_rule, selector="sv",
             options=(_COMPANION, _PROFILE,
                      Option("bins", "adaptive", str, "P(accept | S, A) from 'adaptive' (quantile) or 'equal' bins"),
-                     _LOOKAHEAD),
+                     _LOOKAHEAD, _PROBE),
             reference="Kim et al. 2025, Kim et al. §4-§5",
             head_refusal="SV's companion reads the draft's unwarped distributions, which the head drafter does not expose",
         ),
         Method(
             "adaptive-verify", "the goodput scheduler with each slot scored by its request's acceptance history "
             "(vLLM-style adaptive verification, no companion; exact)",
-            drafter="model", make_rule=_lookahead_rule, selector="history", options=(_PROFILE, _LOOKAHEAD),
+            drafter="model", make_rule=_lookahead_rule, selector="history", options=(_PROFILE, _LOOKAHEAD, _PROBE),
             reference="Kim et al. §2; vLLM adaptive verification",
             head_refusal="the SV selectors are built for independent drafts",
         ),

@@ -704,16 +704,19 @@ def test_the_companion_never_changes_the_drafted_tokens_and_reads_every_position
     for b, row in enumerate(rows_a):
         bare.admit(b, row.sequence)
         paired.admit(b, row.sequence)
-    for _ in range(8):
-        limits = [rng.randint(0, GAMMA) for _ in rows_a]
+    for step in range(10):
+        limits = [0, 0, 0] if step in (2, 3) else [rng.randint(0, GAMMA) for _ in rows_a]  # two steps draft nothing
         a, c = bare.propose(rows_a, limits), paired.propose(rows_b, limits)
         assert a.counts == c.counts and torch.equal(a.tokens, c.tokens) and torch.equal(a.probs, c.probs)
-        assert c.companion_probs.shape == (3, c.width + 1, V) == c.companion_raw.shape
-        if settings == (PLAIN, PLAIN, PLAIN):
+        if not c.width:  # nothing drafted, nothing scored: the companion catches up in the next step that drafts
+            assert c.companion_probs is None and c.companion_raw is None
+        else:
+            assert c.companion_probs.shape == (3, c.width + 1, V) == c.companion_raw.shape
+        if settings == (PLAIN, PLAIN, PLAIN) and c.width:
             assert c.companion_raw is c.companion_probs
             assert c.draft_raw is None or torch.equal(c.draft_raw, c.probs)
         for b, row in enumerate(rows_b):
-            for i in range(c.counts[b] + 1):
+            for i in range(c.counts[b] + 1 if c.width else 0):
                 logits = _next_logits(companion.model, row.sequence + c.tokens[b, :i].tolist())
                 assert torch.allclose(c.companion_raw[b, i], unwarped(logits), atol=1e-5)
                 assert torch.allclose(c.companion_probs[b, i], warp(logits, row.request.sampling), atol=1e-5)
@@ -806,7 +809,7 @@ def test_lookahead_drafts_only_past_what_the_request_verified_lately():
     """A request drafts the full gamma until it has a history, then at most lookahead past the most it verified in
     its last `memory` steps; finished requests are forgotten."""
     latency = linear_latency(0.4)
-    selector = GoodputSelector(None, latency, lookahead=1, memory=3)
+    selector = GoodputSelector(None, latency, lookahead=1, memory=3, probe=0)  # quiet requests: the next test
     rows = [Row([1], PLAIN, 0), Row([2], PLAIN, 1)]
     rows[0].id, rows[1].id = 10, 11
     assert selector.limits(rows, [4, 4]) == [4, 4]
@@ -818,3 +821,45 @@ def test_lookahead_drafts_only_past_what_the_request_verified_lately():
     selector._remember(rows[:1], [0])  # request 11 finished
     assert 11 not in selector.selected and selector.limits(rows[:1], [4]) == [2]
     assert GoodputSelector(None, latency, lookahead=None).limits(rows, [4, 3]) == [4, 3]
+
+
+def test_a_request_that_verified_nothing_lately_drafts_only_to_probe():
+    """Last `memory` selections all 0: no draft, except a probe of `lookahead` tokens every `probe` steps and at once
+    when the batch shrank since its last selection; a selection above 0 ends the quiet."""
+    selector = GoodputSelector(None, linear_latency(0.4), lookahead=1, memory=2, probe=4)
+    rows = [Row([1], PLAIN, 0), Row([2], PLAIN, 1)]
+    rows[0].id, rows[1].id = 10, 11
+    for _ in range(2):
+        selector._remember(rows, [0, 1])
+    got = [selector.limits(rows, [4, 4]) for _ in range(9)]
+    assert got == [[0, 2]] * 3 + [[1, 2]] + [[0, 2]] * 3 + [[1, 2]] + [[0, 2]], got
+    assert selector.limits(rows[:1], [4]) == [1]  # request 11 finished: verifying one row costs less, probe now
+    assert 11 not in selector.selected and 11 not in selector.batch_at and 11 not in selector.idle
+    selector._remember(rows[:1], [1])  # the probe was verified: drafting resumes
+    assert selector.limits(rows[:1], [4]) == [2]
+
+
+@pytest.mark.parametrize("probe", [0, 8])
+def test_prohibitive_verification_stops_drafting_and_the_companion(probe):
+    """Where verifying never pays, a request drafts while its history fills (gamma, then lookahead past 0), then only
+    its probes; the companion runs only in steps that drafted. probe=0 keeps drafting a token a step (the control)."""
+    target, draft, companion = trio()
+    table = built_profile(V, 1.0)[0].table("adaptive")
+    inner = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
+    drafter = CompanionRowsDrafter(inner, ModelRunner(companion.model, vocab_size=V, rows=0), V)
+    memory, new_tokens = 4, 41
+    engine = Engine(ModelRunner(target.model, vocab_size=V, rows=0), drafter, ExactRule(), gamma=GAMMA,
+                    max_batch_size=4, selector=GoodputSelector(table, linear_latency(1e9), probe=probe))
+    rid = engine.submit(Request((1, 2, 3), PLAIN, max_new_tokens=new_tokens, seed=3))
+    engine.run()
+    stats = engine.result(rid).stats
+    assert stats["drafted"] == 0 and stats["steps"] == stats["new_tokens"] == new_tokens
+    steps = stats["steps"] - 1  # the last step's limit is 0: its budget leaves nothing to draft
+    if probe:
+        quiet = steps - memory  # steps after the history filled
+        drafting_steps = memory + quiet // probe
+        assert stats["proposed"] == GAMMA + (memory - 1) + quiet // probe
+    else:
+        drafting_steps = steps
+        assert stats["proposed"] == GAMMA + steps - 1
+    assert drafter.companion_calls == drafting_steps

@@ -38,9 +38,12 @@ class CompanionRowsDrafter(WrappingDrafter):
 
     def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
         draft = self.inner.propose(rows, limits)
+        if not draft.width:  # nothing to score: the companion catches up in the next step that drafts
+            return draft
         lengths = self.companion.lengths
         drafted = draft.tokens.tolist()
-        pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1 or 2 tokens a row
+        pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1 or 2 tokens a row, more after steps
+        # that drafted nothing
         feed, counts = pad_rows([r.sequence[lengths[b]:] + drafted[b][: draft.counts[b]] for b, r in enumerate(rows)])
         k = draft.width
         device = self.companion.device

@@ -47,6 +47,7 @@ def indicator_pair(rows: Sequence[Row], draft: RowsDraft) -> tuple[torch.Tensor,
     return indicators(q_d, q_c, draft.tokens)
 
 
+PROBE_EVERY = 16  # a request that verified nothing in its last selections drafts again once in this many steps
 BEFORE_DRAW_TOP = 32  # likeliest draft tokens scored one by one in the before-draw estimate
 
 
@@ -64,7 +65,7 @@ class GoodputSelector:
     uses_companion = True
 
     def __init__(self, table: AcceptanceTable, latency: LatencyModel, *, lookahead: int | None = 1,
-                 memory: int = 4) -> None:
+                 memory: int = 4, probe: int = PROBE_EVERY) -> None:
         self.table = table
         self.latency = latency
         self.last_estimates: list[list[float]] = []  # per row, for tests and diagnostics
@@ -73,26 +74,52 @@ class GoodputSelector:
         self.lookahead = lookahead  # None: always draft the full gamma
         self.selected: dict[int, deque] = {}  # request -> its last `memory` selections
         self.memory = memory
+        self.probe = probe  # 0: a request that verified nothing lately still drafts `lookahead` tokens a step
+        self.batch_at: dict[int, int] = {}  # request -> the batch size when its last selection was made
+        self.idle: dict[int, int] = {}  # request -> steps it has drafted nothing since it went quiet or probed
 
     def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         """Draft no more than the row verified lately, plus `lookahead`: tokens the scheduler keeps dropping
         are not worth drafting (a request starts at the full gamma and can grow by `lookahead` a step).
-        Reads only past selections, so exactness is untouched."""
+
+        A request whose last `memory` selections were all 0 (verifying costs more than it brings: at a batch where
+        a verification forward is compute-bound, say) drafts nothing, so its steps cost what target-only decoding's
+        do, except for a probe of `lookahead` tokens every `probe` steps and whenever the batch is smaller than at
+        its last selection (verification got cheaper). Reads only past selections, so exactness is untouched."""
         if self.lookahead is None:
             return limits
+        if len(self.selected) > len(rows):
+            self._forget({row.id for row in rows})
+        n = len(rows)
         out = []
         for row, limit in zip(rows, limits):
             history = self.selected.get(row.id)
-            out.append(min(limit, max(history) + self.lookahead) if history else limit)
+            if not history:
+                out.append(limit)
+                continue
+            if self.probe and len(history) == self.memory and not any(history):  # quiet
+                idle = self.idle.get(row.id, 0) + 1
+                if idle < self.probe and n >= self.batch_at.get(row.id, n):
+                    self.idle[row.id] = idle
+                    out.append(0)
+                    continue
+                self.idle[row.id] = 0  # probe
+            out.append(min(limit, max(history) + self.lookahead))
         return out
 
     def _remember(self, rows: Sequence[Row], chosen: Sequence[int]) -> None:
-        live = set()
+        n = len(rows)
         for row, count in zip(rows, chosen):
             self.selected.setdefault(row.id, deque(maxlen=self.memory)).append(count)
-            live.add(row.id)
-        for gone in set(self.selected) - live:  # finished requests
-            del self.selected[gone]
+            self.batch_at[row.id] = n
+        if len(self.selected) > n:
+            self._forget({row.id for row in rows})
+
+    def _forget(self, live: set[int]) -> None:
+        """Drop what finished requests left."""
+        for table in (self.selected, self.batch_at, self.idle):
+            for gone in [r for r in table if r not in live]:
+                del table[gone]
 
     def estimates(self, rows: Sequence[Row], draft: RowsDraft) -> list[list[float]]:
         """P(accept | S_i, A_i) per drafted token, from the token's actual A."""
@@ -146,8 +173,8 @@ class HistorySelector(GoodputSelector):
     uses_companion = False
 
     def __init__(self, latency: LatencyModel, gamma: int, *, prior: float = 0.5, prior_weight: float = 2.0,
-                 lookahead: int | None = 1) -> None:
-        super().__init__(None, latency, lookahead=lookahead)  # type: ignore[arg-type]
+                 lookahead: int | None = 1, probe: int = PROBE_EVERY) -> None:
+        super().__init__(None, latency, lookahead=lookahead, probe=probe)  # type: ignore[arg-type]
         self.gamma = gamma
         self.prior, self.prior_weight = prior, prior_weight
         self.reached: dict[int, list[int]] = {}
