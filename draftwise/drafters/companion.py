@@ -42,8 +42,7 @@ class CompanionRowsDrafter(WrappingDrafter):
             return draft
         lengths = self.companion.lengths
         drafted = draft.tokens.tolist()
-        pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1 or 2 tokens a row, more after steps
-        # that drafted nothing
+        pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1-2 a row; more after undrafted steps
         feed, counts = pad_rows([r.sequence[lengths[b]:] + drafted[b][: draft.counts[b]] for b, r in enumerate(rows)])
         k = draft.width
         device = self.companion.device
