@@ -123,3 +123,35 @@ def test_shipped_drafts_without_weights_explain_the_recipe(monkeypatch, tmp_path
     assert entry.cached() == "not trained yet"
     with pytest.raises(ModelNotAvailableError, match="distill"):
         entry.resolve()
+
+
+def test_a_wait_for_another_builder_is_said_with_its_pid():
+    """A second process (here a thread: flock locks each open file) waiting on a build says who holds the lock, then
+    reuses the first one's result; the holder's PID is not left in the lock file."""
+    import os
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    calls, lines = [], []
+
+    def slow_build(out):
+        calls.append(out)
+        started.set()
+        assert release.wait(10)
+        (out / "model.safetensors").write_bytes(b"w" * 10)
+
+    first = threading.Thread(target=cache.ensure_entry, args=("m", slow_build), kwargs={"log": lambda m: None})
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=cache.ensure_entry, args=("m", slow_build), kwargs={"log": lines.append})
+    second.start()
+    for _ in range(100):  # the waiter says so before it blocks
+        if lines:
+            break
+        threading.Event().wait(0.05)
+    assert lines == [f"draftwise: waiting for another draftwise process (PID {os.getpid()}) preparing m"]
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert len(calls) == 1 and cache.entry_problem(cache.entry_dir("m"), None) is None
+    assert (cache.cache_root() / "locks" / "m.lock").read_text() == ""

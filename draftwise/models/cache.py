@@ -71,14 +71,30 @@ def entry_problem(path: Path, source_sha256: str | None = None, *, verify: bool 
 
 
 @contextlib.contextmanager
-def _lock(name: str) -> Iterator[None]:
+def _lock(name: str, log: Callable[[str], None] | None = None) -> Iterator[None]:
+    """One builder of `name` at a time; the others wait, then reuse its result. A wait is said in one line naming
+    the holder's PID (written into the lock file while held): a holder that is paused (SIGSTOP) or slow is then
+    visible instead of a silent hang."""
     lock_dir = cache_root() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # one builder at a time; others wait, then reuse its result
+    with open(lock_dir / f"{name}.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            (log or (lambda m: print(m, file=sys.stderr)))(
+                f"draftwise: waiting for another draftwise process (PID {holder}) preparing {name}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
         try:
             yield
         finally:
+            handle.truncate(0)
+            handle.flush()
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -96,7 +112,7 @@ def ensure_entry(
     final = entry_dir(name)
     if entry_problem(final, source_sha256) is None:
         return final
-    with _lock(name):
+    with _lock(name, log):
         problem = entry_problem(final, source_sha256)
         if problem is None:  # another process built it while we waited
             return final

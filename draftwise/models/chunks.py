@@ -84,7 +84,7 @@ def assemble(spec: ChunkedFile, *, log: Callable[[str], None] | None = None, aga
     if again is None and state(spec) == "ready":
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(spec.name):
+    with _lock(spec.name, log):
         why = again or state(spec)
         if why == "ready":  # another process assembled it while we waited
             return path
