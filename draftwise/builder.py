@@ -135,11 +135,11 @@ def _selector(plan: Plan, gamma: int) -> Any:
 
     kind, profile = plan.method.selector, plan.sv_profile
     lookahead = plan.options.get("lookahead") or None  # 0: always draft gamma
-    probe = plan.options.get("probe", 0)
     if kind == "sv":
-        return GoodputSelector(profile.table(plan.options["bins"]), profile.latency, lookahead=lookahead, probe=probe)
+        return GoodputSelector(profile.table(plan.options["bins"]), profile.latency, lookahead=lookahead,
+                               probe=plan.options["probe"])
     if kind == "history":
-        return HistorySelector(profile.latency, gamma, lookahead=lookahead, probe=probe)
+        return HistorySelector(profile.latency, gamma, lookahead=lookahead, probe=plan.options["probe"])
     if kind == "smartspec":
         return SmartSpecSelector(profile.latency, gamma)
     return None

@@ -14,6 +14,7 @@ from draftwise.rules.acceptance import ExactRule, LossyGreedyRule, LossyRule
 from draftwise.rules.cascades import (CASCADE_RULES, AcceptDraftRule, BildRollbackRule, CascadeRule, FLyRule, chow_stop,
                        sequence_confidence)
 from draftwise.errors import DraftwiseError, did_you_mean, short
+from draftwise.selectors.selection import PROBE_EVERY, QUIET_AFTER
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ _COMPANION = Option("companion", "", model_spec, "companion model (registry name
                     "companion for a registry target)")
 _LOOKAHEAD = Option("lookahead", 1, int, "draft at most this many tokens past the most the request verified in "
                     "its last 4 steps (0: always draft gamma)", high=MAX_GAMMA)
-_PROBE = Option("probe", 16, int, "a request whose last 4 steps verified nothing drafts nothing, except once in "
+_PROBE = Option("probe", PROBE_EVERY, int, f"a request whose last {QUIET_AFTER} steps verified nothing drafts nothing, except once in "
                 "this many steps and when the batch shrinks (0: it keeps drafting `lookahead` tokens a step)",
                 high=1_000_000)
 _PROFILE = Option("profile", "", str, "SV profile from `draftwise profile-sv` (default: the shipped profile for "

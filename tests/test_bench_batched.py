@@ -51,6 +51,8 @@ def test_summarize_runs_hand_computed():
     assert m["latency_p90_s"] == pytest.approx((1.9 + 3.9) / 2)
     assert m["latency_p99_s"] == pytest.approx((1.99 + 3.99) / 2)
     assert m["ttft_p50_s"] == pytest.approx((0.3 + 0.7) / 2)
+    # TPOT: (wall - ttft) / (new - 1) ms: repeat 0 800/9 and 1600/29, repeat 1 2400/9 and 3200/29
+    assert m["tpot_p50_ms"] == pytest.approx(((800 / 9 + 1600 / 29) / 2 + (2400 / 9 + 3200 / 29) / 2) / 2)
     assert m["mean_accepted_length"] == pytest.approx(80 / 28)
     # decode-phase tokens: fed - (prompt - 1) = 12 and 35 per request -> 94 over 80 committed
     assert m["verified_per_committed"] == pytest.approx(94 / 80)
@@ -64,6 +66,14 @@ def test_ar_verifies_one_token_per_committed_token():
     m = summarize_runs([{"wall_time_s": 1.0, "requests": [req(8, 8, fed=6 + 8, prompt=7, wall=1.0)]}])
     assert m["mean_accepted_length"] == 1.0 and m["verified_per_committed"] == 1.0
     assert m["acceptance_rate"] is None
+    assert m["tpot_p50_ms"] == pytest.approx((1.0 - 0.1) / 7 * 1e3)
+
+
+def test_tpot_skips_one_token_answers():
+    one = {"wall_time_s": 1.0, "requests": [req(1, 1, fed=7, prompt=7, wall=1.0)]}
+    assert summarize_runs([one])["tpot_p50_ms"] is None
+    both = {"wall_time_s": 1.0, "requests": [req(1, 1, fed=7, prompt=7, wall=1.0), req(3, 3, 9, 7, wall=0.5)]}
+    assert summarize_runs([both])["tpot_p50_ms"] == pytest.approx(200.0)
 
 
 def test_batched_report_speed_ratios_and_identity():

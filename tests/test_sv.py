@@ -824,8 +824,9 @@ def test_lookahead_drafts_only_past_what_the_request_verified_lately():
 
 
 def test_a_request_that_verified_nothing_lately_drafts_only_to_probe():
-    """Last `memory` selections all 0: no draft, except a probe of `lookahead` tokens every `probe` steps and at once
-    when the batch shrank since its last selection; a selection above 0 ends the quiet."""
+    """Last `memory` selections all 0: no draft, except a probe of `lookahead` tokens in every `probe`-th step (all
+    quiet requests in the same steps) and at once when the batch shrank since its last selection; a selection above
+    0 ends the quiet."""
     selector = GoodputSelector(None, linear_latency(0.4), lookahead=1, memory=2, probe=4)
     rows = [Row([1], PLAIN, 0), Row([2], PLAIN, 1)]
     rows[0].id, rows[1].id = 10, 11
@@ -834,9 +835,22 @@ def test_a_request_that_verified_nothing_lately_drafts_only_to_probe():
     got = [selector.limits(rows, [4, 4]) for _ in range(9)]
     assert got == [[0, 2]] * 3 + [[1, 2]] + [[0, 2]] * 3 + [[1, 2]] + [[0, 2]], got
     assert selector.limits(rows[:1], [4]) == [1]  # request 11 finished: verifying one row costs less, probe now
-    assert 11 not in selector.selected and 11 not in selector.batch_at and 11 not in selector.idle
+    assert 11 not in selector.selected and 11 not in selector.batch_at
     selector._remember(rows[:1], [1])  # the probe was verified: drafting resumes
     assert selector.limits(rows[:1], [4]) == [2]
+
+
+def test_quiet_requests_probe_in_the_same_steps():
+    """Two requests that went quiet at different steps probe together (the draft model then runs once for both)."""
+    selector = GoodputSelector(None, linear_latency(0.4), lookahead=1, memory=2, probe=4)
+    rows = [Row([1], PLAIN, 0), Row([2], PLAIN, 1)]
+    rows[0].id, rows[1].id = 10, 11
+    for _ in range(2):
+        selector._remember(rows, [0, 1])  # 10 quiet, 11 verifying a token a step
+    assert [selector.limits(rows, [4, 4]) for _ in range(2)] == [[0, 2], [0, 2]]  # steps 1, 2
+    for _ in range(2):
+        selector._remember(rows, [0, 0])  # 11 goes quiet two steps after 10
+    assert [selector.limits(rows, [4, 4]) for _ in range(6)] == [[0, 0], [1, 1], [0, 0], [0, 0], [0, 0], [1, 1]]
 
 
 @pytest.mark.parametrize("probe", [0, 8])
@@ -856,9 +870,9 @@ def test_prohibitive_verification_stops_drafting_and_the_companion(probe):
     assert stats["drafted"] == 0 and stats["steps"] == stats["new_tokens"] == new_tokens
     steps = stats["steps"] - 1  # the last step's limit is 0: its budget leaves nothing to draft
     if probe:
-        quiet = steps - memory  # steps after the history filled
-        drafting_steps = memory + quiet // probe
-        assert stats["proposed"] == GAMMA + (memory - 1) + quiet // probe
+        probes = steps // probe - memory // probe  # the quiet steps (after the history filled) that are multiples
+        drafting_steps = memory + probes
+        assert stats["proposed"] == GAMMA + (memory - 1) + probes
     else:
         drafting_steps = steps
         assert stats["proposed"] == GAMMA + steps - 1

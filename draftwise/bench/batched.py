@@ -12,6 +12,10 @@ Metrics per method and batch size (pure functions below, hand-checked in tests):
 - latency_p50_s / p90 / p99: percentiles (linear interpolation, numpy's default) of the
   requests' `wall_time_s` (submit -> finish, queueing included) within a repeat; the
   reported value is the median over repeats. `ttft_p50_s` likewise for time to first token.
+- tpot_p50_ms: time per output token after the first (vLLM's TPOT), per request
+  (wall_time_s - time_to_first_token_s) / (new_tokens - 1), its p50 within a repeat, median over repeats: the
+  decode phase alone. Goodput over a short answer is mostly prefill (every method prefills the same prompts,
+  speculative ones the draft's too); TPOT shows what the decoding steps cost. None where no request has 2+ tokens.
 - mean_accepted_length: sum of new tokens / sum of target calls (verification steps each
   request took part in), all requests and repeats (`ar` = 1.0).
 - verified_per_committed: decode-phase tokens fed to the target per committed token,
@@ -81,6 +85,8 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
                for q in (50, 90, 99)}
     ttfts = [[r["time_to_first_token_s"] for r in run["requests"] if r.get("time_to_first_token_s") is not None]
              for run in runs]
+    tpots = [[(r["wall_time_s"] - r["time_to_first_token_s"]) / (r["new_tokens"] - 1) * 1e3 for r in run["requests"]
+              if r.get("time_to_first_token_s") is not None and r["new_tokens"] > 1] for run in runs]
     requests = [r for run in runs for r in run["requests"]]
     new = sum(r["new_tokens"] for r in requests)
     calls = sum(r["target_calls"] for r in requests)
@@ -100,6 +106,7 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "wall_time_s_per_repeat": [run["wall_time_s"] for run in runs],
         "latency_p50_s": latency[50], "latency_p90_s": latency[90], "latency_p99_s": latency[99],
         "ttft_p50_s": statistics.median(percentile(t, 50) for t in ttfts) if all(ttfts) else None,
+        "tpot_p50_ms": statistics.median(percentile(t, 50) for t in tpots) if all(tpots) else None,
         "mean_accepted_length": new / calls if calls else 0.0,
         "verified_per_committed": decode_fed / new if new else 0.0,
         "acceptance_rate": sum(r.get("accepted", 0) for r in requests) / drafted if drafted else None,
@@ -199,7 +206,7 @@ def run_batched(config: Any, target: Any, draft_of: dict[str, Any], encoded: lis
 def format_batched_table(batched: dict[str, Any]) -> str:
     """One row per method and batch size."""
     rows = [("method", "batch", "goodput tok/s", "vs ar", "vs ar@1", "p50 lat s", "p90 lat s", "p99 lat s",
-             "mean acc len", "acc rate", "verified/tok", "saved vs sd", "identical")]
+             "TPOT p50 ms", "mean acc len", "acc rate", "verified/tok", "saved vs sd", "identical")]
     for label, by_b in batched["methods"].items():
         for b, m in by_b.items():
             rows.append((
@@ -207,6 +214,7 @@ def format_batched_table(batched: dict[str, Any]) -> str:
                 f"{m['speedup_vs_ar']:.2f}x" if m.get("speedup_vs_ar") is not None else "-",
                 f"{m['speedup_vs_ar_b1']:.2f}x" if m.get("speedup_vs_ar_b1") is not None else "-",
                 f"{m['latency_p50_s']:.2f}", f"{m['latency_p90_s']:.2f}", f"{m['latency_p99_s']:.2f}",
+                f"{m['tpot_p50_ms']:.0f}" if m.get("tpot_p50_ms") is not None else "-",
                 f"{m['mean_accepted_length']:.2f}",
                 f"{m['acceptance_rate']:.2f}" if m.get("acceptance_rate") is not None else "-",
                 f"{m['verified_per_committed']:.2f}",

@@ -47,7 +47,8 @@ def indicator_pair(rows: Sequence[Row], draft: RowsDraft) -> tuple[torch.Tensor,
     return indicators(q_d, q_c, draft.tokens)
 
 
-PROBE_EVERY = 16  # a request that verified nothing in its last selections drafts again once in this many steps
+QUIET_AFTER = 4  # a request whose last this many selections were all 0 goes quiet (drafts nothing)
+PROBE_EVERY = 16  # a request that verified nothing in its last selections drafts again in every this-many-th step
 BEFORE_DRAW_TOP = 32  # likeliest draft tokens scored one by one in the before-draw estimate
 
 
@@ -65,7 +66,7 @@ class GoodputSelector:
     uses_companion = True
 
     def __init__(self, table: AcceptanceTable, latency: LatencyModel, *, lookahead: int | None = 1,
-                 memory: int = 4, probe: int = PROBE_EVERY) -> None:
+                 memory: int = QUIET_AFTER, probe: int = PROBE_EVERY) -> None:
         self.table = table
         self.latency = latency
         self.last_estimates: list[list[float]] = []  # per row, for tests and diagnostics
@@ -76,7 +77,7 @@ class GoodputSelector:
         self.memory = memory
         self.probe = probe  # 0: a request that verified nothing lately still drafts `lookahead` tokens a step
         self.batch_at: dict[int, int] = {}  # request -> the batch size when its last selection was made
-        self.idle: dict[int, int] = {}  # request -> steps it has drafted nothing since it went quiet or probed
+        self.steps = 0  # steps seen: every quiet request probes in the same steps (see `limits`)
 
     def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         """Draft no more than the row verified lately, plus `lookahead`: tokens the scheduler keeps dropping
@@ -84,10 +85,14 @@ class GoodputSelector:
 
         A request whose last `memory` selections were all 0 (verifying costs more than it brings: at a batch where
         a verification forward is compute-bound, say) drafts nothing, so its steps cost what target-only decoding's
-        do, except for a probe of `lookahead` tokens every `probe` steps and whenever the batch is smaller than at
-        its last selection (verification got cheaper). Reads only past selections, so exactness is untouched."""
+        do, except for a probe of `lookahead` tokens in every `probe`-th step and whenever the batch is smaller than
+        at its last selection (verification got cheaper). The quiet requests probe together, in the same steps: the
+        draft model runs for every row whenever one row drafts, so probes spread over the steps would run it in
+        most of them; together, it runs once in `probe` steps and catches every row up in one wide forward.
+        Reads only past selections, so exactness is untouched."""
         if self.lookahead is None:
             return limits
+        self.steps += 1
         if len(self.selected) > len(rows):
             self._forget({row.id for row in rows})
         n = len(rows)
@@ -97,13 +102,10 @@ class GoodputSelector:
             if not history:
                 out.append(limit)
                 continue
-            if self.probe and len(history) == self.memory and not any(history):  # quiet
-                idle = self.idle.get(row.id, 0) + 1
-                if idle < self.probe and n >= self.batch_at.get(row.id, n):
-                    self.idle[row.id] = idle
-                    out.append(0)
-                    continue
-                self.idle[row.id] = 0  # probe
+            quiet = self.probe and len(history) == self.memory and not any(history)
+            if quiet and self.steps % self.probe and n >= self.batch_at.get(row.id, n):
+                out.append(0)
+                continue
             out.append(min(limit, max(history) + self.lookahead))
         return out
 
@@ -117,7 +119,7 @@ class GoodputSelector:
 
     def _forget(self, live: set[int]) -> None:
         """Drop what finished requests left."""
-        for table in (self.selected, self.batch_at, self.idle):
+        for table in (self.selected, self.batch_at):
             for gone in [r for r in table if r not in live]:
                 del table[gone]
 
