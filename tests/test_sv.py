@@ -853,10 +853,29 @@ def test_quiet_requests_probe_in_the_same_steps():
     assert [selector.limits(rows, [4, 4]) for _ in range(6)] == [[0, 0], [1, 1], [0, 0], [0, 0], [0, 0], [1, 1]]
 
 
+def test_could_pay_follows_the_latency_model():
+    """A whole accepted draft of k tokens pays iff (1 + k) / (k draft + companion + verify(1 + k)) > 1 / verify(1)."""
+    cheap = GoodputSelector(None, linear_latency(0.4), lookahead=1)  # 2 rows, k = 1: 2 / 2.8 > 1 / 2
+    assert cheap.could_pay(2, 1) and cheap.could_pay(1, 4) and not cheap.could_pay(2, 0)
+    dear = GoodputSelector(None, linear_latency(1.0), lookahead=1)  # (1 + k) / (1 + k) per row: a tie never pays
+    assert not any(dear.could_pay(n, k) for n in (1, 2, 16) for k in range(5))
+    slow_draft = sv.LatencyModel(rows=[1, 2], verify=[[1.0] * 5, [2.0] * 5], draft=[0.5, 3.0], companion=[0.0, 0.0])
+    assert GoodputSelector(None, slow_draft).could_pay(1, 1)  # 2 / 1.5 > 1
+    assert not GoodputSelector(None, slow_draft).could_pay(2, 4)  # (1 + k) / (3k + 2) < 1 / 2 for every k
+    selector = GoodputSelector(None, slow_draft, lookahead=1, memory=2, probe=2)  # quiet at 2 rows: no probe
+    rows = [Row([1], PLAIN, 0), Row([2], PLAIN, 1)]
+    rows[0].id, rows[1].id = 10, 11
+    for _ in range(2):
+        selector._remember(rows, [0, 0])
+    assert [selector.limits(rows, [4, 4]) for _ in range(4)] == [[0, 0]] * 4
+    assert selector.limits(rows[:1], [4]) == [1]  # one row: a probe pays again, and the batch shrank
+
+
 @pytest.mark.parametrize("probe", [0, 8])
 def test_prohibitive_verification_stops_drafting_and_the_companion(probe):
-    """Where verifying never pays, a request drafts while its history fills (gamma, then lookahead past 0), then only
-    its probes; the companion runs only in steps that drafted. probe=0 keeps drafting a token a step (the control)."""
+    """Where verifying never pays, a request drafts while its history fills (gamma, then lookahead past 0), then
+    nothing: it does not probe, since not even a draft accepted whole would pay; the companion runs only in steps
+    that drafted. probe=0 keeps drafting a token a step (the control)."""
     target, draft, companion = trio()
     table = built_profile(V, 1.0)[0].table("adaptive")
     inner = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
@@ -869,10 +888,9 @@ def test_prohibitive_verification_stops_drafting_and_the_companion(probe):
     stats = engine.result(rid).stats
     assert stats["drafted"] == 0 and stats["steps"] == stats["new_tokens"] == new_tokens
     steps = stats["steps"] - 1  # the last step's limit is 0: its budget leaves nothing to draft
-    if probe:
-        probes = steps // probe - memory // probe  # the quiet steps (after the history filled) that are multiples
-        drafting_steps = memory + probes
-        assert stats["proposed"] == GAMMA + (memory - 1) + probes
+    if probe:  # no probe: even a draft accepted whole costs more than it brings here (`could_pay`)
+        drafting_steps = memory
+        assert stats["proposed"] == GAMMA + (memory - 1)
     else:
         drafting_steps = steps
         assert stats["proposed"] == GAMMA + steps - 1

@@ -78,6 +78,7 @@ class GoodputSelector:
         self.probe = probe  # 0: a request that verified nothing lately still drafts `lookahead` tokens a step
         self.batch_at: dict[int, int] = {}  # request -> the batch size when its last selection was made
         self.steps = 0  # steps seen: every quiet request probes in the same steps (see `limits`)
+        self._could_pay: dict[tuple[int, int], bool] = {}  # (batch size, longest draft) -> see `could_pay`
 
     def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         """Draft no more than the row verified lately, plus `lookahead`: tokens the scheduler keeps dropping
@@ -89,6 +90,8 @@ class GoodputSelector:
         at its last selection (verification got cheaper). The quiet requests probe together, in the same steps: the
         draft model runs for every row whenever one row drafts, so probes spread over the steps would run it in
         most of them; together, it runs once in `probe` steps and catches every row up in one wide forward.
+        A quiet request does not probe at a batch size where even a draft the target accepted whole would not pay
+        (`could_pay`): there the draft model would only be kept up to date for nothing.
         Reads only past selections, so exactness is untouched."""
         if self.lookahead is None:
             return limits
@@ -103,11 +106,26 @@ class GoodputSelector:
                 out.append(limit)
                 continue
             quiet = self.probe and len(history) == self.memory and not any(history)
-            if quiet and self.steps % self.probe and n >= self.batch_at.get(row.id, n):
+            if quiet and ((self.steps % self.probe and n >= self.batch_at.get(row.id, n))
+                          or not self.could_pay(n, min(limit, self.lookahead))):
                 out.append(0)
                 continue
             out.append(min(limit, max(history) + self.lookahead))
         return out
+
+    def could_pay(self, n: int, longest: int) -> bool:
+        """Whether, at a batch of `n` rows, drafting up to `longest` tokens a row that the target then accepted in
+        full would commit tokens faster than target-only decoding, by the profile's latency model (the drafting
+        forwards and the companion counted). False for longest 0."""
+        key = (n, longest)
+        if key not in self._could_pay:
+            lat = self.latency
+            companion = lat.companion_ms(n) if self.uses_companion else 0.0
+            alone = 1.0 / lat.verify_ms([1] * n)
+            self._could_pay[key] = any(
+                (1 + k) / (k * lat.draft_ms(n) + companion + lat.verify_ms([1 + k] * n)) > alone
+                for k in range(1, longest + 1))
+        return self._could_pay[key]
 
     def _remember(self, rows: Sequence[Row], chosen: Sequence[int]) -> None:
         n = len(rows)
