@@ -302,10 +302,10 @@ def model_spec(value: Any) -> Any:
 _COMPANION = Option("companion", "", model_spec, "companion model (registry name or path; default: the registry's "
                     "companion for a registry target)")
 _LOOKAHEAD = Option("lookahead", 1, int, "draft at most this many tokens past the most the request verified in "
-                    "its last 4 steps (0: always draft gamma)", high=MAX_GAMMA)
-_PROBE = Option("probe", PROBE_EVERY, int, f"a request whose last {QUIET_AFTER} steps verified nothing drafts nothing, except once in "
-                "this many steps and when the batch shrinks (0: it keeps drafting `lookahead` tokens a step)",
-                high=1_000_000)
+                    f"its last {QUIET_AFTER} steps (0: always draft gamma)", high=MAX_GAMMA)
+_PROBE = Option("probe", PROBE_EVERY, int, f"a request whose last {QUIET_AFTER} steps verified nothing drafts nothing, "
+                "except in every this-many-th step and when the batch shrinks, where a draft could pay (0: it keeps "
+                "drafting `lookahead` tokens a step)", high=1_000_000)
 _PROFILE = Option("profile", "", str, "SV profile from `draftwise profile-sv` (default: the shipped profile for "
                   "the registry's default trio and this sampling setting)")
 
