@@ -119,13 +119,16 @@ class GoodputSelector:
         forwards and the companion counted). False for longest 0."""
         key = (n, longest)
         if key not in self._could_pay:
-            lat = self.latency
-            companion = lat.companion_ms(n) if self.uses_companion else 0.0
-            alone = 1.0 / lat.verify_ms([1] * n)
-            self._could_pay[key] = any(
-                (1 + k) / (k * lat.draft_ms(n) + companion + lat.verify_ms([1 + k] * n)) > alone
-                for k in range(1, longest + 1))
+            alone = 1.0 / self.latency.verify_ms([1] * n)
+            self._could_pay[key] = any((1 + k) / self._step_ms(n, k, [1 + k] * n) > alone
+                                       for k in range(1, longest + 1))
         return self._could_pay[key]
+
+    def _step_ms(self, n: int, width: int, verified: Sequence[int]) -> float:
+        """A step's modelled time at a batch of `n` rows: `width` drafting forwards, the companion (when this
+        selector runs one) and verifying `verified` tokens a row."""
+        companion = self.latency.companion_ms(n) if self.uses_companion else 0.0
+        return width * self.latency.draft_ms(n) + companion + self.latency.verify_ms(verified)
 
     def _remember(self, rows: Sequence[Row], chosen: Sequence[int]) -> None:
         n = len(rows)
@@ -174,8 +177,7 @@ class GoodputSelector:
     def select(self, rows: Sequence[Row], draft: RowsDraft) -> list[int]:
         p = self.last_estimates = self.estimates(rows, draft)
         n = len(rows)  # drafting is paid already, but it is part of the step the goodput divides by
-        fixed = draft.width * self.latency.draft_ms(n) + (self.latency.companion_ms(n) if self.uses_companion else 0.0)
-        chosen = schedule(p, lambda chosen: fixed + self.latency.verify_ms([1 + c for c in chosen]),
+        chosen = schedule(p, lambda chosen: self._step_ms(n, draft.width, [1 + c for c in chosen]),
                           self.before_draw(rows, draft))
         self._sa = None
         self._remember(rows, chosen)
