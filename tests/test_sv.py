@@ -895,3 +895,32 @@ def test_prohibitive_verification_stops_drafting_and_the_companion(probe):
         drafting_steps = steps
         assert stats["proposed"] == GAMMA + steps - 1
     assert drafter.companion_calls == drafting_steps
+
+
+@pytest.mark.parametrize("probe", [4, 5])
+def test_a_quiet_request_probes_in_the_engine_every_probe_steps(probe):
+    """In the engine: where a draft accepted whole would pay (`could_pay`) but every estimate says verifying a
+    token does not (acceptance 0.1 against a token's verification at half a step), a request drafts while its
+    history fills (gamma, then 1 a step), then only a 1-token probe in the steps numbered a multiple of `probe`;
+    the companion runs exactly in the steps that drafted. Counted from the rule, so a probe schedule that drifts,
+    stops or runs every step fails."""
+    import dataclasses
+
+    target, draft, companion = trio()
+    table = built_profile(V, 1.0)[0].table("adaptive")
+    table = dataclasses.replace(table, mean=[[0.1] * len(row) for row in table.mean])
+    inner = ModelRowsDrafter(ModelRunner(draft.model, vocab_size=V, rows=0), V, keep_raw=True)
+    drafter = CompanionRowsDrafter(inner, ModelRunner(companion.model, vocab_size=V, rows=0), V)
+    selector = GoodputSelector(table, linear_latency(0.5), probe=probe)
+    assert selector.could_pay(1, 1)  # (1 + 1) / (1 + 0.5) > 1: a probe can pay at one row
+    memory, new_tokens = selector.memory, 41
+    engine = Engine(ModelRunner(target.model, vocab_size=V, rows=0), drafter, ExactRule(), gamma=GAMMA,
+                    max_batch_size=4, selector=selector)
+    rid = engine.submit(Request((1, 2, 3), PLAIN, max_new_tokens=new_tokens, seed=3))
+    engine.run()
+    stats = engine.result(rid).stats
+    assert stats["drafted"] == 0 and stats["steps"] == stats["new_tokens"] == new_tokens
+    # steps 1..memory: the history fills (gamma, then max(history) + 1 = 1 token); the last step drafts nothing
+    probes = [s for s in range(memory + 1, new_tokens) if s % probe == 0]
+    assert probes and stats["proposed"] == GAMMA + (memory - 1) + len(probes)
+    assert drafter.companion_calls == memory + len(probes)
