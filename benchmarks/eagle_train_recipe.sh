@@ -11,8 +11,11 @@
 # them, no float copy of the model). While the data job runs (its PID file names a live process), the training waits
 # for it, checking every 5 minutes (WAIT_FOR_DATA=0: start now): on 2 cores the two slow each other far more than 2x.
 # Cost, measured on a 2-core Zen 3 with the data job sharing the cores: 50-100 s a step at batch 2 of 1,024-token
-# sequences (an uncontended figure is still to be measured); STEPS=800 at batch 4 is about two passes over 600k
-# answer tokens.
+# sequences. Alone on a 2-core Zen 4 (bf16 autocast): 17 s a step at batch 4 with the 5-step training-time test,
+# 2.9 s with --ttt-steps 1 (sequences of 545 tokens on average). From scratch, the 5-step test learned slowly
+# there (held-out step-1 agreement 0.10 after 75 steps, 21 min); 500 steps of --ttt-steps 1 from that head
+# (--init-from) reached 0.45 in 31 min, but only 0.12 at step 2: a head that drafts chains needs the 5-step test
+# after it (benchmarks/README.md, issue 52's first head).
 #   mkdir -p out && (setsid nohup nice -n 19 benchmarks/eagle_train_recipe.sh >> out/eagle-train.log 2>&1 &)
 #   kill -STOP $(cat out/eagle-train.pid)   # while timing something; kill -CONT ... to go on
 #   kill $(cat out/eagle-train.pid)         # stop: the chunk in flight keeps its last checkpoint; re-run to resume
