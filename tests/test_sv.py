@@ -35,6 +35,7 @@ Runtime: about 35 s on one CPU thread (the five goodness-of-fit runs take about 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -904,8 +905,6 @@ def test_a_quiet_request_probes_in_the_engine_every_probe_steps(probe):
     history fills (gamma, then 1 a step), then only a 1-token probe in the steps numbered a multiple of `probe`;
     the companion runs exactly in the steps that drafted. Counted from the rule, so a probe schedule that drifts,
     stops or runs every step fails."""
-    import dataclasses
-
     target, draft, companion = trio()
     table = built_profile(V, 1.0)[0].table("adaptive")
     table = dataclasses.replace(table, mean=[[0.1] * len(row) for row in table.mean])

@@ -120,15 +120,16 @@ class GoodputSelector:
         key = (n, longest)
         if key not in self._could_pay:
             alone = 1.0 / self.latency.verify_ms([1] * n)
-            self._could_pay[key] = any((1 + k) / self._step_ms(n, k, [1 + k] * n) > alone
-                                       for k in range(1, longest + 1))
+            self._could_pay[key] = any(
+                (1 + k) / (self._drafting_ms(n, k) + self.latency.verify_ms([1 + k] * n)) > alone
+                for k in range(1, longest + 1))
         return self._could_pay[key]
 
-    def _step_ms(self, n: int, width: int, verified: Sequence[int]) -> float:
-        """A step's modelled time at a batch of `n` rows: `width` drafting forwards, the companion (when this
-        selector runs one) and verifying `verified` tokens a row."""
+    def _drafting_ms(self, n: int, width: int) -> float:
+        """The modelled time a step at a batch of `n` rows spends before verification: `width` drafting forwards
+        and the companion (when this selector runs one)."""
         companion = self.latency.companion_ms(n) if self.uses_companion else 0.0
-        return width * self.latency.draft_ms(n) + companion + self.latency.verify_ms(verified)
+        return width * self.latency.draft_ms(n) + companion
 
     def _remember(self, rows: Sequence[Row], chosen: Sequence[int]) -> None:
         n = len(rows)
@@ -177,7 +178,8 @@ class GoodputSelector:
     def select(self, rows: Sequence[Row], draft: RowsDraft) -> list[int]:
         p = self.last_estimates = self.estimates(rows, draft)
         n = len(rows)  # drafting is paid already, but it is part of the step the goodput divides by
-        chosen = schedule(p, lambda chosen: self._step_ms(n, draft.width, [1 + c for c in chosen]),
+        fixed = self._drafting_ms(n, draft.width)  # once a step: the schedule's search calls the cost many times
+        chosen = schedule(p, lambda chosen: fixed + self.latency.verify_ms([1 + c for c in chosen]),
                           self.before_draw(rows, draft))
         self._sa = None
         self._remember(rows, chosen)
