@@ -17,6 +17,13 @@
 # A shard is one chunk of about 4,096 fed tokens written atomically, so a kill loses at most that chunk.
 # Extra arguments go to benchmarks/eagle_data.py (--budget, --max-prompt, --max-len, --chunk-tokens, --count).
 #
+# OWN=1 runs the other half instead: the target's own answers, written by the target with its features captured as
+# it writes them (train-data --features: the batched engine at batch 16, about 50 answer tokens/s on a Zen 4, every
+# one of them the target's own), to ShareGPT's first user turns (the evaluation sets kept out) and to Python
+# docstrings asked as summaries (Spec-Bench's long-passage tasks), into $OWN_OUT (default out/eagle-own), resuming
+# by prompt; MINUTES (default 60) ends a run after its finished answers are written. Train on both directories:
+# DATA=out/eagle-data,out/eagle-own benchmarks/eagle_train_recipe.sh.
+#
 # The code it runs is the committed tree (HEAD's draftwise/ and this step, exported to $SRC at each start), not the
 # working tree: the checkout is shared, and a kernel edit in progress there (models/csrc) must not be compiled into
 # hours of features. Commit, then restart the job, to change what it runs.
@@ -46,5 +53,13 @@ if [ "$(cat "$SRC/.rev" 2>/dev/null)" != "$rev" ]; then  # same path each time: 
     rm -rf "$SRC" && mv "$SRC.new" "$SRC"
 fi
 echo $$ > "$PIDFILE"
+if [ "${OWN:-0}" = 1 ]; then
+    OWN_OUT=${OWN_OUT:-out/eagle-own}
+    echo "eagle data recipe (own answers): PID $$, code of $rev, output $OWN_OUT, ${MINUTES:-60} minutes, $(date -Is)"
+    # PYTHONSAFEPATH: the exported tree, not the checkout in the working directory
+    exec env PYTHONSAFEPATH=1 PYTHONPATH="$SRC" "$PY" -m draftwise train-data --target qwen2.5-coder-1.5b --features \
+        --sources sharegpt,docs --num-sharegpt 6000 --num-docs 300 --batch-size 16 --max-new-tokens 384 \
+        --shard-size 32 --minutes "${MINUTES:-60}" --out "$OWN_OUT" "$@"
+fi
 echo "eagle data recipe: PID $$, code of $rev, output $OUT, budget $BUDGET answer tokens, $(date -Is)"
 exec "$PY" "$SRC/benchmarks/eagle_data.py" --out "$OUT" --budget "$BUDGET" "$@"
