@@ -39,7 +39,7 @@ renice -n "$NICE" $$ >/dev/null 2>&1 || true
 # job started with setsid competes with every other session as an equal. The group's own nice fixes that.
 echo "$NICE" 2>/dev/null > /proc/self/autogroup || true
 mkdir -p "$(dirname "$PIDFILE")" "$OUT"
-if [ -s "$PIDFILE" ] && grep -qs eagle_data "/proc/$(cat "$PIDFILE")/cmdline"; then
+if [ -s "$PIDFILE" ] && grep -qsa -e eagle_data -e train-data "/proc/$(cat "$PIDFILE")/cmdline"; then
     echo "eagle data recipe: already running as PID $(cat "$PIDFILE") ($PIDFILE)" >&2
     exit 1
 fi

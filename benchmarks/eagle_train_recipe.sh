@@ -47,7 +47,7 @@ if ! ls "$DATA"/shard-*.safetensors >/dev/null 2>&1; then
     exit 2
 fi
 echo $$ > "$PIDFILE"
-while [ "$WAIT_FOR_DATA" = 1 ] && [ -s "$DATA_PIDFILE" ] && grep -qs eagle_data "/proc/$(cat "$DATA_PIDFILE")/cmdline"; do
+while [ "$WAIT_FOR_DATA" = 1 ] && [ -s "$DATA_PIDFILE" ] && grep -qsa -e eagle_data -e train-data "/proc/$(cat "$DATA_PIDFILE")/cmdline"; do
     echo "eagle train recipe: the data job (PID $(cat "$DATA_PIDFILE")) is running; waiting for it, $(date -Is)"
     sleep 300
 done
