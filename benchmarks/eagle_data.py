@@ -25,6 +25,9 @@ def main() -> int:
     p.add_argument("--dtype", default="auto", help="the target's format: auto = the GGUF's blocks, as it serves")
     p.add_argument("--out", default="out/eagle-data", help="directory of feature shards (git-ignored: ~12 KB a token)")
     p.add_argument("--answers", default="data/answers/qwen2.5-coder-1.5b", help="the target's answer chunks")
+    p.add_argument("--skip-shards", default="out/eagle-own",
+                   help="comma-separated shard directories whose sequences are not fed again (default: the own-answers "
+                   "run's, which captures its features while it decodes)")
     p.add_argument("--budget", type=int, default=600_000, help="answer tokens in the shards at which ShareGPT stops")
     p.add_argument("--max-prompt", type=int, default=512, help="ShareGPT: prompt tokens at most (older turns dropped)")
     p.add_argument("--max-len", type=int, default=1024, help="ShareGPT: prompt + answer tokens at most")

@@ -21,7 +21,9 @@
 # it writes them (train-data --features: the batched engine at batch 16, about 50 answer tokens/s on a Zen 4, every
 # one of them the target's own), to ShareGPT's first user turns (the evaluation sets kept out) and to Python
 # docstrings asked as summaries (Spec-Bench's long-passage tasks), into $OWN_OUT (default out/eagle-own), resuming
-# by prompt; MINUTES (default 60) ends a run after its finished answers are written. Train on both directories:
+# by prompt; MINUTES (default 60) ends a run after its finished answers are written. Each shard's answers are also
+# kept as token ids in data/answers/qwen2.5-coder-1.5b (committed: a lost out/eagle-own is remade from them by one
+# prefill, `train-data --features-from`); the prefill stages skip what out/eagle-own already holds. Train on both directories:
 # DATA=out/eagle-data,out/eagle-own benchmarks/eagle_train_recipe.sh.
 #
 # The code it runs is the committed tree (HEAD's draftwise/ and this step, exported to $SRC at each start), not the
@@ -59,7 +61,7 @@ if [ "${OWN:-0}" = 1 ]; then
     # PYTHONSAFEPATH: the exported tree, not the checkout in the working directory
     exec env PYTHONSAFEPATH=1 PYTHONPATH="$SRC" "$PY" -m draftwise train-data --target qwen2.5-coder-1.5b --features \
         --sources sharegpt,docs --num-sharegpt 6000 --num-docs 300 --batch-size 16 --max-new-tokens 384 \
-        --shard-size 32 --minutes "${MINUTES:-60}" --out "$OWN_OUT" "$@"
+        --shard-size 32 --minutes "${MINUTES:-60}" --out "$OWN_OUT" --keep-answers data/answers/qwen2.5-coder-1.5b "$@"
 fi
 echo "eagle data recipe: PID $$, code of $rev, output $OUT, budget $BUDGET answer tokens, $(date -Is)"
 exec "$PY" "$SRC/benchmarks/eagle_data.py" --out "$OUT" --budget "$BUDGET" "$@"

@@ -297,8 +297,15 @@ def test_answer_chunks_resume_and_their_features_equal_a_cache_free_forward(tmp_
     feats = features_from_answers(loaded, answers, tmp_path / "f", layers=LAYERS, shard_size=4, batch_tokens=40)
     assert feats["sequences"] == 6 and features_from_answers(loaded, answers, tmp_path / "f",
                                                                layers=LAYERS)["skipped"] == 6
-    generate_shards(loaded, prompts, tmp_path / "decoded", layers=LAYERS, shard_size=8, **kw)
+    generate_shards(loaded, prompts, tmp_path / "decoded", layers=LAYERS, shard_size=4, answers_dir=tmp_path / "kept",
+                    **kw)
     decoded = {s.uid: s for s in read_shards(tmp_path / "decoded", layers=LAYERS)}
+    # the shards' answers kept beside them (--keep-answers): one chunk a shard, the same tokens, finish reasons
+    kept = list(read_answers(tmp_path / "kept"))
+    assert len(chunk_paths(tmp_path / "kept")) == 2 and sorted(a.uid for a in kept) == sorted(decoded)
+    for a in kept:
+        assert a.prompt_ids + a.answer_ids == decoded[a.uid].tokens.tolist()
+        assert len(a.prompt_ids) == decoded[a.uid].answer_start and a.finish_reason in ("stop", "length", "eos")
     for s in read_shards(tmp_path / "f", layers=LAYERS):
         expected = _features(target, s.tokens.tolist())
         torch.testing.assert_close(s.features[:-1].float(), expected[:-1], atol=2e-2, rtol=1e-2)

@@ -146,6 +146,9 @@ def add_train_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--features-from", default=None, metavar="DIR",
                    help="feature shards (--out, a directory) for the answers in DIR (comma-separated for several), "
                    "computed in one prefill pass; no decoding")
+    p.add_argument("--keep-answers", default=None, metavar="DIR",
+                   help="--features: also keep each shard's answers as token ids in DIR (answer chunks, about 2 bytes "
+                   "a token: small enough to commit), so `--features-from DIR` remakes lost shards without decoding")
     p.add_argument("--tags", default=None, help="--features-from: only answers with these tags (comma-separated)")
     p.add_argument("--num-fortunes", type=int, default=3000)
     p.add_argument("--num-german", type=int, default=3000,
@@ -203,6 +206,8 @@ def run_train_data(args: argparse.Namespace) -> int:
         raise DraftwiseError(f"--out {out}: this is a directory of shards or chunks, and a file is there")
     if args.features + args.answers + bool(args.features_from) > 1:
         raise DraftwiseError("--features, --answers and --features-from are different runs: give one of them")
+    if args.keep_answers and not args.features:
+        raise DraftwiseError("--keep-answers keeps the answers of a --features run: give --features with it")
     if args.features_from:
         return _features_from(args, out, sources if args.sources is not None else None)
     if args.prompts:  # a mix written by --write-prompts (on another machine, say): its order, no synthesis
@@ -259,7 +264,8 @@ def run_train_data(args: argparse.Namespace) -> int:
             if args.answers:
                 report = generate_answers_chunks(target, prompts, out, chunk_size=args.shard_size, **common)
             else:
-                report = generate_shards(target, prompts, out, shard_size=args.shard_size, **common)
+                report = generate_shards(target, prompts, out, shard_size=args.shard_size,
+                                         answers_dir=Path(args.keep_answers) if args.keep_answers else None, **common)
         report.update(tag=tag, target=args.target, batch_size=args.batch_size, torch_threads=__import__("torch").get_num_threads())
         write_json(report, out / f"train-data-report-{tag}.json")
         print(f"{report['sequences']} sequences, {report['answer_tokens']} answer tokens in {report['seconds']:.0f} s "

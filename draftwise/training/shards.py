@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from draftwise.atomic import atomic_path
 from draftwise.heads.eagle3 import eagle3_layers
 from draftwise.drafters.base import NoRowsDrafter, RetiringRows
+from draftwise.answer_chunks import Answer, write_chunk
 from draftwise.errors import DraftwiseError
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -209,8 +210,13 @@ def generate_shards(
     tag: str, seed: int = 0, shard_size: int = 64, layers: Sequence[int] | None = None,
     progress: Callable[[int, int], None] | None = None, log: Callable[[dict], None] | None = None,
     encode: Callable[[str], list[int]] | None = None, deadline: float | None = None,
+    answers_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Answer `prompts` (objects with uid, source, category, text) with the batched engine, capturing features.
+
+    `answers_dir`: each shard's answers are also written there as an answer chunk (token ids only, about 2 bytes a
+    token against the shard's 12 KB: small enough to commit), so a lost shard directory is remade by one prefill
+    (`features_from_answers`) instead of decoding again.
 
     Returns counts and throughput of this run. Re-running skips what earlier runs wrote.
     `encode` turns a prompt's text into ids (default: the target's chat template, as a user turn).
@@ -243,17 +249,21 @@ def generate_shards(
                                     eos_token_ids=eos, seed=seed + stable_seed(p.uid)))] = p
     next_index = len(shard_paths(out))
     pending: list[Sequence_] = []
+    finished: list[str] = []  # the finish reasons of `pending`
     started = time.perf_counter()
     answer_tokens = 0
     written = 0
 
     def flush() -> None:
-        nonlocal next_index, pending
+        nonlocal next_index, pending, finished
         while (out / f"shard-{next_index:05d}.safetensors").exists():
             next_index += 1
+        if answers_dir is not None:  # first: a shard is only ever on disk with its answers kept
+            keep_answers(answers_dir, [Answer(s.uid, s.source, s.category, s.tag, list(s.prompt_ids), list(s.answer_ids), why)
+                                       for s, why in zip(pending, finished)], tag, meta)
         write_shard(out / f"shard-{next_index:05d}.safetensors", pending, meta)
         next_index += 1
-        pending = []
+        pending, finished = [], []
 
     try:
         while engine.has_work:
@@ -272,6 +282,7 @@ def generate_shards(
                 full = torch.zeros(total, feats.shape[1], dtype=torch.float16)
                 full[: feats.shape[0]] = feats[:total]
                 pending.append(Sequence_(p.uid, p.source, p.category, tag, prompt, answer, full))
+                finished.append(result.finish_reason or "")
                 answer_tokens += len(answer)
                 written += 1
                 if progress is not None:
@@ -291,6 +302,18 @@ def generate_shards(
     elapsed = time.perf_counter() - started
     return {"sequences": written, "answer_tokens": answer_tokens, "seconds": elapsed,
             "answer_tokens_per_hour": answer_tokens / max(elapsed, 1e-9) * 3600, "skipped": len(prompts) - len(todo)}
+
+
+def keep_answers(directory: Path, answers: Sequence[Answer], tag: str, meta: dict[str, Any]) -> Path:
+    """`answers` as the next free answer chunk `answers-<tag>-NNNNN.npz` of `directory` (written atomically)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    index = 0
+    while (directory / f"answers-{tag}-{index:05d}.npz").exists():
+        index += 1
+    path = directory / f"answers-{tag}-{index:05d}.npz"
+    write_chunk(path, answers, {k: v for k, v in meta.items() if k not in ("layers", "hidden")})
+    return path
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:
