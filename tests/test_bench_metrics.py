@@ -218,6 +218,10 @@ def test_a_prompt_mix_written_here_is_answered_elsewhere_in_its_order(tmp_path, 
     assert "bad.jsonl, line 2: not a prompt record" in err and "Traceback" not in err and len(err.splitlines()) == 1
     assert main(args[:-6] + ["--prompts", str(tmp_path / "missing.jsonl")]) != 0
     assert "missing.jsonl" in capsys.readouterr().err
+    assert main(args + ["--keep-answers", str(tmp_path / "kept")]) != 0  # kept answers are a --features run's
+    err = capsys.readouterr().err.strip()
+    assert "--keep-answers" in err and "--features" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "kept").exists()
 
 
 def test_interleaved_timing_runs_cases_round_by_round_after_untimed_warmup():
