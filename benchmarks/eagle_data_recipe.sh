@@ -18,12 +18,13 @@
 # Extra arguments go to benchmarks/eagle_data.py (--budget, --max-prompt, --max-len, --chunk-tokens, --count).
 #
 # OWN=1 runs the other half instead: the target's own answers, written by the target with its features captured as
-# it writes them (train-data --features: the batched engine at batch 16, about 50 answer tokens/s on a Zen 4, every
-# one of them the target's own), to ShareGPT's first user turns (the evaluation sets kept out) and to Python
-# docstrings asked as summaries (Spec-Bench's long-passage tasks), into $OWN_OUT (default out/eagle-own), resuming
-# by prompt; MINUTES (default 60) ends a run after its finished answers are written. Each shard's answers are also
-# kept as token ids in data/answers/qwen2.5-coder-1.5b (committed: a lost out/eagle-own is remade from them by one
-# prefill, `train-data --features-from`); the prefill stages skip what out/eagle-own already holds. Train on both directories:
+# it writes them (train-data --features: the batched engine at batch 16; on a 2-core Zen 4 about 25-29 answer
+# tokens/s including the prompts' prefill, against 33 for ShareGPT's fixed text, and every token the target's own),
+# to ShareGPT's first user turns (the evaluation sets kept out) and to Python docstrings asked as summaries
+# (Spec-Bench's long-passage tasks), into $OWN_OUT (default out/eagle-own), resuming by prompt (setup ~4.5 min);
+# MINUTES (default 60) ends a run after its finished answers are written. Each shard's answers are also kept as
+# token ids in data/answers/qwen2.5-coder-1.5b (committed: a lost out/eagle-own is remade from them by one prefill,
+# `train-data --features-from`); the prefill stages skip what out/eagle-own already holds. Train on both:
 # DATA=out/eagle-data,out/eagle-own benchmarks/eagle_train_recipe.sh.
 #
 # The code it runs is the committed tree (HEAD's draftwise/ and this step, exported to $SRC at each start), not the

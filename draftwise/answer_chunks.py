@@ -53,6 +53,18 @@ def write_chunk(path: Path, answers: Sequence[Answer], meta: dict[str, Any]) -> 
                                 meta=np.frombuffer(json.dumps(info).encode(), dtype=np.uint8))
 
 
+def write_next_chunk(directory: Path | str, answers: Sequence[Answer], tag: str, meta: dict[str, Any]) -> Path:
+    """`answers` as the first free `answers-<tag>-NNNNN.npz` of `directory` (created if missing), atomically."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    index = 0
+    while (directory / f"answers-{tag}-{index:05d}.npz").exists():
+        index += 1
+    path = directory / f"answers-{tag}-{index:05d}.npz"
+    write_chunk(path, answers, meta)
+    return path
+
+
 def chunk_paths(directory: Path | str) -> list[Path]:
     return sorted(Path(directory).glob(CHUNK_GLOB))
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from draftwise.answer_chunks import (CHUNK_GLOB, Answer, chunk_paths, done_keys, read_answers,  # noqa: F401
-                                     read_chunk, write_chunk)
+                                     read_chunk, write_chunk, write_next_chunk)
 
 
 def generate_answers_chunks(
@@ -59,17 +59,13 @@ def generate_answers_chunks(
         request = Request(prompt_ids=tuple(ids), sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                           seed=seed + stable_seed(p.uid))
         by_id[engine.submit(request)] = (p, ids)
-    next_index = len(chunk_paths(out))
     pending: list[Answer] = []
     started = time.perf_counter()
     answer_tokens = written = 0
 
     def flush() -> None:
-        nonlocal next_index, pending
-        while (out / f"answers-{tag}-{next_index:05d}.npz").exists():
-            next_index += 1
-        write_chunk(out / f"answers-{tag}-{next_index:05d}.npz", pending, meta)
-        next_index += 1
+        nonlocal pending
+        write_next_chunk(out, pending, tag, meta)
         pending = []
         if log is not None:
             elapsed = time.perf_counter() - started

@@ -110,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
     clean_temporaries(out)
     done, answer_done, tokens_done = shard_totals(out)
-    for other in (d for d in (getattr(args, "skip_shards", "") or "").split(",") if d.strip()):
-        if Path(other.strip()).is_dir():  # features made elsewhere (the own-answers run writes them as it decodes)
-            done |= shard_totals(Path(other.strip()))[0]
+    for other in filter(None, (d.strip() for d in args.skip_shards.split(","))):
+        if Path(other).is_dir():  # features made elsewhere (the own-answers run writes them as it decodes)
+            done |= shard_totals(Path(other))[0]
     log({"event": "start", **setup, "shards": len(shard_paths(out)), "answer_tokens": answer_done,
          "tokens": tokens_done, "budget": args.budget, "target": args.target, "dtype": args.dtype,
          "threads": torch.get_num_threads(), "code": str(Path(sharegpt.__file__).parents[1]),

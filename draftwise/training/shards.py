@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from draftwise.atomic import atomic_path
 from draftwise.heads.eagle3 import eagle3_layers
 from draftwise.drafters.base import NoRowsDrafter, RetiringRows
-from draftwise.answer_chunks import Answer, write_chunk
+from draftwise.answer_chunks import Answer, write_next_chunk
 from draftwise.errors import DraftwiseError
 
 SHARD_GLOB = "shard-*.safetensors"
@@ -259,8 +259,9 @@ def generate_shards(
         while (out / f"shard-{next_index:05d}.safetensors").exists():
             next_index += 1
         if answers_dir is not None:  # first: a shard is only ever on disk with its answers kept
-            keep_answers(answers_dir, [Answer(s.uid, s.source, s.category, s.tag, list(s.prompt_ids), list(s.answer_ids), why)
-                                       for s, why in zip(pending, finished)], tag, meta)
+            write_next_chunk(answers_dir, [Answer(s.uid, s.source, s.category, s.tag, s.prompt_ids, s.answer_ids, why)
+                                           for s, why in zip(pending, finished)], tag,
+                             {k: v for k, v in meta.items() if k not in ("layers", "hidden")})
         write_shard(out / f"shard-{next_index:05d}.safetensors", pending, meta)
         next_index += 1
         pending, finished = [], []
@@ -302,18 +303,6 @@ def generate_shards(
     elapsed = time.perf_counter() - started
     return {"sequences": written, "answer_tokens": answer_tokens, "seconds": elapsed,
             "answer_tokens_per_hour": answer_tokens / max(elapsed, 1e-9) * 3600, "skipped": len(prompts) - len(todo)}
-
-
-def keep_answers(directory: Path, answers: Sequence[Answer], tag: str, meta: dict[str, Any]) -> Path:
-    """`answers` as the next free answer chunk `answers-<tag>-NNNNN.npz` of `directory` (written atomically)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    index = 0
-    while (directory / f"answers-{tag}-{index:05d}.npz").exists():
-        index += 1
-    path = directory / f"answers-{tag}-{index:05d}.npz"
-    write_chunk(path, answers, {k: v for k, v in meta.items() if k not in ("layers", "hidden")})
-    return path
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:
