@@ -340,6 +340,7 @@ class BlockLinear(_Product):
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else bias.float()
         self._wide = None  # the weights in bf16 for prompt feeds (`prompt_bf16`), built at the first one
+        self._packed = None  # Q4_K rows packed 16 to a vector (`qkernel.pack_q4k`), built at the first product
 
     def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
         """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
@@ -362,7 +363,15 @@ class BlockLinear(_Product):
         return super().__call__(x)
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
-        return qkernel.load().qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
+        module = qkernel.load()
+        if self.kind == "q4_k" and self.out_features % 16 == 0 and module.q4k_packed():
+            # where AVX512-VNNI is: the rows regrouped 16 to a vector once, a block's scale applied once a group of
+            # 32 weights; the same bits as the portable loop (csrc/qblocks.cpp). The file's blocks stay for the
+            # other uses (prompt copies in bf16, row subsets).
+            if self._packed is None:
+                self._packed = module.pack_q4k(self.blocks, self.in_features)
+            return module.qmm_q4k_packed(flat, self._packed, self.in_features)
+        return module.qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
 
     def subset(self, index: torch.Tensor) -> "BlockLinear":
         """Output rows `index` only, their blocks byte for byte (a draft's restricted output vocabulary)."""

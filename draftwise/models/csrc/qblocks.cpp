@@ -561,3 +561,183 @@ torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock) {
   for (int64_t i = 0; i < x.numel(); ++i) o[i] = float(xq.q[i]) * xq.d[i / qblock];
   return out;
 }
+
+// ---- Q4_K rows packed sixteen to a vector (AVX512-VNNI) ---------------------------------------------------------
+// The file's Q4_K rows, regrouped once at load: 16 weight rows side by side, one int32 lane each, so that a block's
+// 6-bit scale multiplies the sum of a whole group of 32 weights (8 vpdpbusd) instead of every 4-byte lane of it, and
+// each activation's 4 codes are broadcast from memory inside vpdpbusd. Per group of 16 rows and block of 256
+// inputs, PACKED_Q4K bytes:
+//   [0, 2048)     codes: chunk c (inputs 8c .. 8c + 7) at 64 c; lane l's 4 bytes hold row l's inputs 8c + j in
+//                 their low nibbles and 8c + 4 + j in their high ones (j = 0 .. 3)
+//   [2048, 2176)  the 8 groups' scales, 16 rows each: scale of group s, row l at 16 s + l
+//   [2176, 2304)  the mins in pairs of groups: min of group 2p + t, row l at 32 p + 2 l + t
+//   [2304, 2336)  d of the 16 rows (fp16);  [2336, 2368) dmin
+// The result is the portable loop's (rows_scalar) bit for bit: the same exact integer sums a block, taken to float
+// by the same steps in the same order, for every activation row whatever its batch-mates.
+namespace {
+constexpr int PACK_ROWS = 16;
+constexpr int PACKED_Q4K = 2368;
+
+#ifdef QB_X86
+// A product streams its groups in order; each block's cache lines are asked for 4 blocks (9.5 KB) ahead, which
+// keeps a 17,920 x 1,536 product near the memory's rate at widths 1-4 here (Zen 4: 28 GB/s against 18 without it).
+constexpr int64_t PF_AHEAD = 4 * PACKED_Q4K;
+#define QP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), optimize("fp-contract=off")))
+
+template <int R>
+QP_TARGET void packed_q4k_tile(const uint8_t* group, int64_t blocks, const int8_t* const* x, const float* const* dx,
+                               const int32_t* const* pairs, float* const* y) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* P = group + b * PACKED_Q4K;
+    __m512i whole[R];
+    for (int r = 0; r < R; ++r) whole[r] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+      __m512i part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(P + PF_AHEAD + 64 * (4 * s + c)), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(P + 64 * (4 * s + c));
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        const int64_t at = b * 256 + 32 * s + 8 * c;
+        for (int r = 0; r < R; ++r) {
+          int32_t a0, a1;
+          std::memcpy(&a0, x[r] + at, 4);
+          std::memcpy(&a1, x[r] + at + 4, 4);
+          part[r] = _mm512_dpbusd_epi32(part[r], lo, _mm512_set1_epi32(a0));
+          part[r] = _mm512_dpbusd_epi32(part[r], hi, _mm512_set1_epi32(a1));
+        }
+      }
+      const __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + 2048 + 16 * s)));
+      for (int r = 0; r < R; ++r) whole[r] = _mm512_add_epi32(whole[r], _mm512_mullo_epi32(part[r], scale));
+    }
+    for (int i = 0; i < 5; ++i) _mm_prefetch(reinterpret_cast<const char*>(P + PF_AHEAD + 2048 + 64 * i), _MM_HINT_T0);
+    __m512i mins[R];
+    for (int r = 0; r < R; ++r) mins[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      const __m512i m16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 2176 + 32 * p)));
+      for (int r = 0; r < R; ++r) mins[r] = _mm512_dpwssd_epi32(mins[r], m16, _mm512_set1_epi32(pairs[r][4 * b + p]));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 2304)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 2336)));
+    for (int r = 0; r < R; ++r) {  // dx * (d * main - dmin * mins), each step rounded as the portable loop rounds it
+      const __m512 t = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(whole[r])),
+                                     _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mins[r])));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(dx[r][b]), t));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
+}
+
+template <int R>
+QP_TARGET void packed_q4k_rows(const uint8_t* packed, int64_t blocks, const Quantised& xq,
+                               const std::vector<int32_t>& pairs, float* out, int64_t N, int64_t m0, int64_t g) {
+  const int8_t* x[R];
+  const float* dx[R];
+  const int32_t* pr[R];
+  float* y[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = xq.q.data() + (m0 + r) * xq.K;
+    dx[r] = xq.d.data() + (m0 + r) * blocks;
+    pr[r] = pairs.data() + (m0 + r) * blocks * 4;
+    y[r] = out + (m0 + r) * N + g * PACK_ROWS;
+  }
+  packed_q4k_tile<R>(packed + g * blocks * PACKED_Q4K, blocks, x, dx, pr, y);
+}
+#endif
+
+bool packed_runs() {
+#ifdef QB_X86
+  static const bool yes = [] {
+    const char* off = std::getenv("DRAFTWISE_PACKED");
+    return !(off && std::string(off) == "0") && has_vnni();
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+// Whether Q4_K weights are packed sixteen rows to a vector here (AVX512-VNNI; off: DRAFTWISE_PACKED=0 or
+// DRAFTWISE_AVX512=0).
+bool q4k_packed() { return packed_runs(); }
+
+// The file's Q4_K rows [N, K / 256 * 144] regrouped for qmm_q4k_packed: [N / 16, K / 256, PACKED_Q4K] uint8.
+torch::Tensor pack_q4k(torch::Tensor w, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2, "blocks: [N, bytes] uint8");
+  TORCH_CHECK(K % 256 == 0 && w.size(1) == K / 256 * 144, "blocks do not match K");
+  TORCH_CHECK(w.size(0) % PACK_ROWS == 0, "packing takes rows in groups of ", PACK_ROWS, ", not ", w.size(0));
+  const int64_t N = w.size(0), blocks = K / 256, groups = N / PACK_ROWS;
+  auto out = torch::empty({groups, blocks, PACKED_Q4K}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    uint8_t codes[256], sc[8], mn[8];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* P = dst + (g * blocks + b) * PACKED_Q4K;
+        std::memset(P, 0, 2048);
+        for (int l = 0; l < PACK_ROWS; ++l) {
+          const uint8_t* blk = src + (g * PACK_ROWS + l) * w.size(1) + b * 144;
+          codes_of_block(Q4K, blk, codes);
+          q4k_scales(blk + 4, sc, mn);
+          for (int c = 0; c < 32; ++c)
+            for (int j = 0; j < 4; ++j) P[64 * c + 4 * l + j] = uint8_t(codes[8 * c + j] | (codes[8 * c + 4 + j] << 4));
+          for (int s = 0; s < 8; ++s) P[2048 + 16 * s + l] = sc[s];
+          for (int p = 0; p < 4; ++p)
+            for (int t = 0; t < 2; ++t) P[2176 + 32 * p + 2 * l + t] = mn[2 * p + t];
+          std::memcpy(P + 2304 + 2 * l, blk, 2);
+          std::memcpy(P + 2336 + 2 * l, blk + 2, 2);
+        }
+      }
+  });
+  return out;
+}
+
+// x [M, K] float32 times the packed Q4_K rows (pack_q4k): [M, N], each row the portable loop's bits.
+torch::Tensor qmm_q4k_packed(torch::Tensor x, torch::Tensor packed, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
+              packed.size(2) == PACKED_Q4K, "packed: [N / 16, K / 256, ", PACKED_Q4K, "] uint8");
+  TORCH_CHECK(K % 256 == 0 && packed.size(1) == K / 256, "packed blocks do not match K");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
+  TORCH_CHECK(packed_runs(), "packed Q4_K needs AVX512-VNNI (and DRAFTWISE_PACKED unset or 1)");
+  const int64_t M = x.size(0), groups = packed.size(0), N = groups * PACK_ROWS, blocks = K / 256;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+#ifdef QB_X86
+  Quantised xq;
+  quantise(x.data_ptr<float>(), M, K, 256, xq);
+  // each row's block b: its 8 group sums (pairs of sums of 16) as int16 pairs, two groups an int32
+  std::vector<int32_t> pairs(M * blocks * 4);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int p = 0; p < 4; ++p) {
+        const int16_t* s = xq.s16.data() + m * (K / 16) + b * 16 + 4 * p;
+        const int32_t lo = s[0] + s[1], hi = s[2] + s[3];
+        pairs[(m * blocks + b) * 4 + p] = int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16));
+      }
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(1, K * M * PACK_ROWS));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 8: packed_q4k_rows<8>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+          case 7: packed_q4k_rows<7>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+          case 6: packed_q4k_rows<6>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+          case 5: packed_q4k_rows<5>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+          case 4: packed_q4k_rows<4>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+          case 3: packed_q4k_rows<3>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+          case 2: packed_q4k_rows<2>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+          default: packed_q4k_rows<1>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        }
+      }
+  });
+#endif
+  return y;
+}
