@@ -577,11 +577,12 @@ torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock) {
 namespace {
 constexpr int PACK_ROWS = 16;
 constexpr int PACKED_Q4K = 2368;
+constexpr int PACKED_Q6K = 3616;
 
 #ifdef QB_X86
 // A product streams its groups in order; each block's cache lines are asked for 4 blocks (9.5 KB) ahead, which
 // keeps a 17,920 x 1,536 product near the memory's rate at widths 1-4 here (Zen 4: 28 GB/s against 18 without it).
-constexpr int64_t PF_AHEAD = 4 * PACKED_Q4K;
+constexpr int64_t PF_AHEAD = 4 * PACKED_Q4K, PF6_AHEAD = 4 * PACKED_Q6K;
 #define QP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), optimize("fp-contract=off")))
 
 template <int R>
@@ -631,9 +632,66 @@ QP_TARGET void packed_q4k_tile(const uint8_t* group, int64_t blocks, const int8_
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
 }
 
+// Q6_K, packed the same way (PACKED_Q6K bytes a group of 16 rows and block of 256 inputs):
+//   [0, 2048)     the codes' low 4 bits, laid out as Q4_K's codes are
+//   [2048, 3072)  their high 2 bits, a 64-byte vector for each pair of chunks (2q, 2q + 1), that is, for the 16
+//                 inputs of group q: lane l's byte j holds, from bit 0, the high bits of row l's inputs 16q + j,
+//                 16q + 4 + j, 16q + 8 + j, 16q + 12 + j
+//   [3072, 3328)  the 16 groups' signed scales, 16 rows each: scale of group g, row l at 16 g + l
+//   [3328, 3584)  the scales again in pairs of groups, for the offsets: group 2p + t, row l at 32 p + 2 l + t
+//   [3584, 3616)  d of the 16 rows (fp16)
 template <int R>
-QP_TARGET void packed_q4k_rows(const uint8_t* packed, int64_t blocks, const Quantised& xq,
-                               const std::vector<int32_t>& pairs, float* out, int64_t N, int64_t m0, int64_t g) {
+QP_TARGET void packed_q6k_tile(const uint8_t* group, int64_t blocks, const int8_t* const* x, const float* const* dx,
+                               const int32_t* const* pairs, float* const* y) {
+  const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* P = group + b * PACKED_Q6K;
+    __m512i whole[R];
+    for (int r = 0; r < R; ++r) whole[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 16; ++g) {
+      for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(P + PF6_AHEAD + 256 * g + 64 * i), _MM_HINT_T0);
+      const __m512i H = _mm512_loadu_si512(P + 2048 + 64 * g);
+      const __m512i v0 = _mm512_loadu_si512(P + 128 * g), v1 = _mm512_loadu_si512(P + 128 * g + 64);
+      const __m512i w[4] = {
+          _mm512_or_si512(_mm512_and_si512(v0, low4), _mm512_and_si512(_mm512_slli_epi16(H, 4), bits45)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low4),
+                          _mm512_and_si512(_mm512_slli_epi16(H, 2), bits45)),
+          _mm512_or_si512(_mm512_and_si512(v1, low4), _mm512_and_si512(H, bits45)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v1, 4), low4),
+                          _mm512_and_si512(_mm512_srli_epi16(H, 2), bits45))};
+      const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(P + 3072 + 16 * g)));
+      const int64_t at = b * 256 + 16 * g;
+      for (int r = 0; r < R; ++r) {
+        __m512i part = _mm512_setzero_si512();
+        for (int i = 0; i < 4; ++i) {
+          int32_t a;
+          std::memcpy(&a, x[r] + at + 4 * i, 4);
+          part = _mm512_dpbusd_epi32(part, w[i], _mm512_set1_epi32(a));
+        }
+        whole[r] = _mm512_add_epi32(whole[r], _mm512_mullo_epi32(part, scale));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + 3584)));
+    for (int r = 0; r < R; ++r) {
+      __m512i side = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p)
+        side = _mm512_dpwssd_epi32(side, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(P + 3328 + 32 * p))), _mm512_set1_epi32(pairs[r][8 * b + p]));
+      const __m512i total = _mm512_sub_epi32(whole[r], _mm512_slli_epi32(side, 5));
+      // (dx * d) * total, rounded as the portable loop rounds it
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dx[r][b]), d),
+                                                   _mm512_cvtepi32_ps(total)));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
+}
+
+template <int KIND, int R>
+QP_TARGET void packed_rows(const uint8_t* packed, int64_t blocks, const Quantised& xq, const std::vector<int32_t>& pairs,
+                           float* out, int64_t N, int64_t m0, int64_t g) {
+  constexpr int PAIRS = KIND == Q4K ? 4 : 8, BYTES = KIND == Q4K ? PACKED_Q4K : PACKED_Q6K;
   const int8_t* x[R];
   const float* dx[R];
   const int32_t* pr[R];
@@ -641,10 +699,29 @@ QP_TARGET void packed_q4k_rows(const uint8_t* packed, int64_t blocks, const Quan
   for (int r = 0; r < R; ++r) {
     x[r] = xq.q.data() + (m0 + r) * xq.K;
     dx[r] = xq.d.data() + (m0 + r) * blocks;
-    pr[r] = pairs.data() + (m0 + r) * blocks * 4;
+    pr[r] = pairs.data() + (m0 + r) * blocks * PAIRS;
     y[r] = out + (m0 + r) * N + g * PACK_ROWS;
   }
-  packed_q4k_tile<R>(packed + g * blocks * PACKED_Q4K, blocks, x, dx, pr, y);
+  if constexpr (KIND == Q4K) packed_q4k_tile<R>(packed + g * blocks * BYTES, blocks, x, dx, pr, y);
+  else packed_q6k_tile<R>(packed + g * blocks * BYTES, blocks, x, dx, pr, y);
+}
+
+template <int KIND>
+void packed_product(const uint8_t* wp, int64_t blocks, const Quantised& xq, const std::vector<int32_t>& pairs,
+                    float* yp, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m0 = 0; m0 < xq.M; m0 += 8) {
+      switch (std::min<int64_t>(8, xq.M - m0)) {
+        case 8: packed_rows<KIND, 8>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        case 7: packed_rows<KIND, 7>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        case 6: packed_rows<KIND, 6>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        case 5: packed_rows<KIND, 5>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        case 4: packed_rows<KIND, 4>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        case 3: packed_rows<KIND, 3>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        case 2: packed_rows<KIND, 2>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+        default: packed_rows<KIND, 1>(wp, blocks, xq, pairs, yp, N, m0, g); break;
+      }
+    }
 }
 #endif
 
@@ -659,84 +736,98 @@ bool packed_runs() {
   return false;
 #endif
 }
+
+int packed_bytes(int64_t kind) {
+  TORCH_CHECK(kind == Q4K || kind == Q6K, "packing takes Q4_K (0) and Q6_K (1) blocks, not kind ", kind);
+  return kind == Q4K ? PACKED_Q4K : PACKED_Q6K;
+}
 }  // namespace
 
-// Whether Q4_K weights are packed sixteen rows to a vector here (AVX512-VNNI; off: DRAFTWISE_PACKED=0 or
+// Whether Q4_K and Q6_K rows are packed sixteen to a vector here (AVX512-VNNI; off: DRAFTWISE_PACKED=0 or
 // DRAFTWISE_AVX512=0).
-bool q4k_packed() { return packed_runs(); }
+bool kquant_packed() { return packed_runs(); }
 
-// The file's Q4_K rows [N, K / 256 * 144] regrouped for qmm_q4k_packed: [N / 16, K / 256, PACKED_Q4K] uint8.
-torch::Tensor pack_q4k(torch::Tensor w, int64_t K) {
+// A file's Q4_K or Q6_K rows [N, K / 256 * bytes] regrouped for qmm_packed: [N / 16, K / 256, packed bytes] uint8.
+torch::Tensor pack_kquant(torch::Tensor w, int64_t kind, int64_t K) {
+  const int bytes = packed_bytes(kind);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2, "blocks: [N, bytes] uint8");
-  TORCH_CHECK(K % 256 == 0 && w.size(1) == K / 256 * 144, "blocks do not match K");
+  TORCH_CHECK(K % 256 == 0 && w.size(1) == K / 256 * KIND_BYTES[kind], "blocks do not match K");
   TORCH_CHECK(w.size(0) % PACK_ROWS == 0, "packing takes rows in groups of ", PACK_ROWS, ", not ", w.size(0));
-  const int64_t N = w.size(0), blocks = K / 256, groups = N / PACK_ROWS;
-  auto out = torch::empty({groups, blocks, PACKED_Q4K}, w.options());
+  const int64_t N = w.size(0), blocks = K / 256, groups = N / PACK_ROWS, row_bytes = w.size(1);
+  auto out = torch::zeros({groups, blocks, bytes}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     uint8_t codes[256], sc[8], mn[8];
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* P = dst + (g * blocks + b) * PACKED_Q4K;
-        std::memset(P, 0, 2048);
+        uint8_t* P = dst + (g * blocks + b) * bytes;
         for (int l = 0; l < PACK_ROWS; ++l) {
-          const uint8_t* blk = src + (g * PACK_ROWS + l) * w.size(1) + b * 144;
-          codes_of_block(Q4K, blk, codes);
-          q4k_scales(blk + 4, sc, mn);
-          for (int c = 0; c < 32; ++c)
-            for (int j = 0; j < 4; ++j) P[64 * c + 4 * l + j] = uint8_t(codes[8 * c + j] | (codes[8 * c + 4 + j] << 4));
-          for (int s = 0; s < 8; ++s) P[2048 + 16 * s + l] = sc[s];
-          for (int p = 0; p < 4; ++p)
-            for (int t = 0; t < 2; ++t) P[2176 + 32 * p + 2 * l + t] = mn[2 * p + t];
-          std::memcpy(P + 2304 + 2 * l, blk, 2);
-          std::memcpy(P + 2336 + 2 * l, blk + 2, 2);
+          const uint8_t* blk = src + (g * PACK_ROWS + l) * row_bytes + b * KIND_BYTES[kind];
+          codes_of_block(int(kind), blk, codes);
+          for (int c = 0; c < 32; ++c)  // low 4 bits, 8 inputs a chunk (both kinds)
+            for (int j = 0; j < 4; ++j)
+              P[64 * c + 4 * l + j] = uint8_t((codes[8 * c + j] & 15) | ((codes[8 * c + 4 + j] & 15) << 4));
+          if (kind == Q4K) {
+            q4k_scales(blk + 4, sc, mn);
+            for (int s = 0; s < 8; ++s) P[2048 + 16 * s + l] = sc[s];
+            for (int p = 0; p < 4; ++p)
+              for (int t = 0; t < 2; ++t) P[2176 + 32 * p + 2 * l + t] = mn[2 * p + t];
+            std::memcpy(P + 2304 + 2 * l, blk, 2);
+            std::memcpy(P + 2336 + 2 * l, blk + 2, 2);
+          } else {
+            for (int q = 0; q < 16; ++q)
+              for (int j = 0; j < 4; ++j) {
+                uint8_t h = 0;
+                for (int i = 0; i < 4; ++i) h |= uint8_t((codes[16 * q + 4 * i + j] >> 4) << (2 * i));
+                P[2048 + 64 * q + 4 * l + j] = h;
+              }
+            for (int gq = 0; gq < 16; ++gq) P[3072 + 16 * gq + l] = blk[192 + gq];
+            for (int p = 0; p < 8; ++p)
+              for (int t = 0; t < 2; ++t) P[3328 + 32 * p + 2 * l + t] = blk[192 + 2 * p + t];
+            std::memcpy(P + 3584 + 2 * l, blk + 208, 2);
+          }
         }
       }
   });
   return out;
 }
 
-// x [M, K] float32 times the packed Q4_K rows (pack_q4k): [M, N], each row the portable loop's bits.
-torch::Tensor qmm_q4k_packed(torch::Tensor x, torch::Tensor packed, int64_t K) {
+// x [M, K] float32 times packed rows (pack_kquant): [M, N], each row the portable loop's bits.
+torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t K) {
+  const int bytes = packed_bytes(kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
-              packed.size(2) == PACKED_Q4K, "packed: [N / 16, K / 256, ", PACKED_Q4K, "] uint8");
+              packed.size(2) == bytes, "packed: [N / 16, K / 256, ", bytes, "] uint8");
   TORCH_CHECK(K % 256 == 0 && packed.size(1) == K / 256, "packed blocks do not match K");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
-  TORCH_CHECK(packed_runs(), "packed Q4_K needs AVX512-VNNI (and DRAFTWISE_PACKED unset or 1)");
+  TORCH_CHECK(packed_runs(), "packed rows need AVX512-VNNI (and DRAFTWISE_PACKED unset or 1)");
   const int64_t M = x.size(0), groups = packed.size(0), N = groups * PACK_ROWS, blocks = K / 256;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 #ifdef QB_X86
   Quantised xq;
   quantise(x.data_ptr<float>(), M, K, 256, xq);
-  // each row's block b: its 8 group sums (pairs of sums of 16) as int16 pairs, two groups an int32
-  std::vector<int32_t> pairs(M * blocks * 4);
+  // each row's block b as int16 pairs for vpdpwssd: Q4_K the sums of its 8 groups of 32 codes, two an int32;
+  // Q6_K the sums of its 16 groups of 16
+  const int per = kind == Q4K ? 4 : 8;
+  std::vector<int32_t> pairs(M * blocks * per);
+  auto pair = [](int32_t lo, int32_t hi) {
+    return int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16));
+  };
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b)
-      for (int p = 0; p < 4; ++p) {
-        const int16_t* s = xq.s16.data() + m * (K / 16) + b * 16 + 4 * p;
-        const int32_t lo = s[0] + s[1], hi = s[2] + s[3];
-        pairs[(m * blocks + b) * 4 + p] = int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16));
+      for (int p = 0; p < per; ++p) {
+        const int16_t* s = xq.s16.data() + m * (K / 16) + b * 16;
+        pairs[(m * blocks + b) * per + p] = kind == Q4K ? pair(s[4 * p] + s[4 * p + 1], s[4 * p + 2] + s[4 * p + 3])
+                                                        : pair(s[2 * p], s[2 * p + 1]);
       }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(1, K * M * PACK_ROWS));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        switch (std::min<int64_t>(8, M - m0)) {
-          case 8: packed_q4k_rows<8>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-          case 7: packed_q4k_rows<7>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-          case 6: packed_q4k_rows<6>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-          case 5: packed_q4k_rows<5>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-          case 4: packed_q4k_rows<4>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-          case 3: packed_q4k_rows<3>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-          case 2: packed_q4k_rows<2>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-          default: packed_q4k_rows<1>(wp, blocks, xq, pairs, yp, N, m0, g); break;
-        }
-      }
+    if (kind == Q4K) packed_product<Q4K>(wp, blocks, xq, pairs, yp, N, g0, g1);
+    else packed_product<Q6K>(wp, blocks, xq, pairs, yp, N, g0, g1);
   });
 #endif
   return y;

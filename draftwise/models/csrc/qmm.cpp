@@ -205,9 +205,9 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
                          bool vnni);  // qblocks.cpp
 bool blocks_vnni();  // qblocks.cpp
 bool blocks_avxvnni();  // qblocks.cpp
-bool q4k_packed();  // qblocks.cpp
-torch::Tensor pack_q4k(torch::Tensor w, int64_t K);  // qblocks.cpp
-torch::Tensor qmm_q4k_packed(torch::Tensor x, torch::Tensor packed, int64_t K);  // qblocks.cpp
+bool kquant_packed();  // qblocks.cpp
+torch::Tensor pack_kquant(torch::Tensor w, int64_t kind, int64_t K);  // qblocks.cpp
+torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t K);  // qblocks.cpp
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
 torch::Tensor dequantised_blocks(torch::Tensor w, int64_t kind, int64_t K);  // qblocks.cpp
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
@@ -225,9 +225,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("K"), py::arg("portable"), py::arg("vnni") = true);
   m.def("blocks_vnni", &blocks_vnni, "whether qmm_blocks' AVX512-VNNI path runs here (off: DRAFTWISE_AVX512=0)");
   m.def("blocks_avxvnni", &blocks_avxvnni, "whether qmm_blocks' AVX-VNNI path runs here (off: DRAFTWISE_AVXVNNI=0)");
-  m.def("q4k_packed", &q4k_packed, "whether Q4_K rows are packed 16 to a vector here (off: DRAFTWISE_PACKED=0)");
-  m.def("pack_q4k", &pack_q4k, "a GGUF file's Q4_K rows regrouped 16 to a vector for qmm_q4k_packed");
-  m.def("qmm_q4k_packed", &qmm_q4k_packed, "activations x packed Q4_K rows: the portable block loop's bits");
+  m.def("kquant_packed", &kquant_packed, "whether Q4_K / Q6_K rows are packed 16 to a vector here (off: DRAFTWISE_PACKED=0)");
+  m.def("pack_kquant", &pack_kquant, "a GGUF file's Q4_K (kind 0) or Q6_K (1) rows regrouped 16 to a vector for qmm_packed");
+  m.def("qmm_packed", &qmm_packed, "activations x packed Q4_K / Q6_K rows: the portable block loop's bits");
   m.def("dequantised_blocks", &dequantised_blocks, "the weights a GGUF file's blocks hold, rounded to bf16");
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)",
