@@ -419,12 +419,13 @@ def test_a_gguf_the_codes_path_cannot_serve_falls_back_to_the_dequantising_loade
     assert _logits(loaded, ids).shape[-1] == _logits(smollm2_both[1], ids).shape[-1]
 
 
-@pytest.mark.parametrize("kind", ("q4_k", "q6_k"))
-def test_packed_kquant_rows_give_the_portable_loops_bits_for_every_width(kind):
-    """Where AVX512-VNNI is, Q4_K and Q6_K rows are regrouped 16 to a vector at the first product (`pack_kquant`):
-    each block's integer sums are the same exact integers and are taken to float by the portable loop's steps in its
-    order, so every row of every width (tiles of 8 and the rest), extreme and tiny rows too, is the portable loop's
-    bits. A BlockLinear whose rows are a multiple of 16 takes this path; 40 rows keep the file's blocks."""
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_packed_rows_give_the_portable_loops_bits_for_every_width(kind):
+    """Where AVX512-VNNI is, a file's rows are regrouped 16 to a vector at the first product (`pack_kquant`; Q5_0 and
+    Q8_0 codes made unsigned, their offset taken back with the activations' block sums): each block's integer sums are
+    the same exact integers and are taken to float by the portable loop's steps in its order, so every row of every
+    width (tiles of 8 and the rest), extreme and tiny rows too, is the portable loop's bits. A BlockLinear whose rows
+    are a multiple of 16 takes this path; 40 rows keep the file's blocks."""
     module = qkernel.load()
     if not module.kquant_packed():
         pytest.skip("no AVX512-VNNI here (or DRAFTWISE_PACKED=0 / DRAFTWISE_AVX512=0)")
@@ -433,7 +434,8 @@ def test_packed_kquant_rows_give_the_portable_loops_bits_for_every_width(kind):
     x[3] = torch.where(torch.arange(1024) % 3 == 0, -5.0, 5.0)  # every code +-127
     x[4] = 1e-30  # a tiny row
     packed = module.pack_kquant(linear.blocks, linear.kind_id, 1024)
-    assert packed.shape == (3, 4, 2368 if kind == "q4_k" else 3616)
+    per, size = {"q4_k": (256, 2368), "q6_k": (256, 3616), "q5_0": (32, 352), "q8_0": (32, 544)}[kind]
+    assert packed.shape == (3, 1024 // per, size)
     for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 29):
         rows = x[:width].contiguous()
         portable = module.qmm_blocks(rows, linear.blocks, linear.kind_id, 1024, True)
@@ -443,7 +445,8 @@ def test_packed_kquant_rows_give_the_portable_loops_bits_for_every_width(kind):
     reference = _reference(kind, x, weights)
     assert float((linear(x).double() - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
     # control: one scale byte changed in the packing is seen
-    packed[1, 2, (2048 if kind == "q4_k" else 3072) + 16 * 3 + 5] ^= 1
+    scale = {"q4_k": 2048 + 16 * 3 + 10, "q6_k": 3072 + 16 * 3 + 10, "q5_0": 320 + 11, "q8_0": 512 + 11}[kind]
+    packed[1, 2, scale] ^= 1  # Q4_K / Q6_K: a 6-bit / 8-bit scale; Q5_0 / Q8_0: d's low byte
     assert not torch.equal(module.qmm_packed(x, packed, linear.kind_id, 1024), linear(x))
     odd, _ = _blocks(kind, 40, 1024, seed=7)
     odd(x[:2])
@@ -455,8 +458,8 @@ def test_packed_rows_refuse_what_they_cannot_take():
     linear, _ = _blocks("q4_k", 40, 512)
     with pytest.raises(RuntimeError, match="groups of 16"):
         module.pack_kquant(linear.blocks, 0, 512)
-    with pytest.raises(RuntimeError, match="not kind 2"):
-        module.pack_kquant(linear.blocks[:32].contiguous(), 2, 512)
+    with pytest.raises(RuntimeError, match="not kind 4"):
+        module.pack_kquant(linear.blocks[:32].contiguous(), 4, 512)
     if module.kquant_packed():
         packed = module.pack_kquant(linear.blocks[:32].contiguous(), 0, 512)
         with pytest.raises(RuntimeError, match="x has 256 inputs"):

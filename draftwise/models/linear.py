@@ -340,7 +340,7 @@ class BlockLinear(_Product):
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else bias.float()
         self._wide = None  # the weights in bf16 for prompt feeds (`prompt_bf16`), built at the first one
-        self._packed = None  # Q4_K / Q6_K rows packed 16 to a vector (`pack_kquant`), built at the first product
+        self._packed = None  # the rows packed 16 to a vector (`pack_kquant`), built at the first product
 
     def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
         """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
@@ -364,10 +364,10 @@ class BlockLinear(_Product):
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         module = qkernel.load()
-        if self.kind in ("q4_k", "q6_k") and self.out_features % 16 == 0 and module.kquant_packed():
-            # where AVX512-VNNI is: the rows regrouped 16 to a vector once, a block's scale applied once a group of
-            # weights (32 for Q4_K, 16 for Q6_K); the same bits as the portable loop (csrc/qblocks.cpp). The file's
-            # blocks stay for the other uses (prompt copies in bf16, row subsets).
+        if self.out_features % 16 == 0 and module.kquant_packed():
+            # where AVX512-VNNI is: the rows regrouped 16 to a vector once (a row an int32 lane), a scale applied once
+            # a group of weights (Q4_K 32, Q6_K 16, Q5_0 / Q8_0 a block of 32); the same bits as the portable loop
+            # (csrc/qblocks.cpp). The file's blocks stay for the other uses (prompt copies in bf16, row subsets).
             if self._packed is None:
                 self._packed = module.pack_kquant(self.blocks, self.kind_id, self.in_features)
             return module.qmm_packed(flat, self._packed, self.kind_id, self.in_features)

@@ -578,6 +578,10 @@ namespace {
 constexpr int PACK_ROWS = 16;
 constexpr int PACKED_Q4K = 2368;
 constexpr int PACKED_Q6K = 3616;
+constexpr int PACKED_Q80 = 544;
+constexpr int PACKED_Q50 = 352;
+constexpr int PACKED_BYTES[4] = {PACKED_Q4K, PACKED_Q6K, PACKED_Q50, PACKED_Q80};
+constexpr int PACKED_PAIRS[4] = {4, 8, 1, 1};  // int32 activation terms a row and block
 
 #ifdef QB_X86
 // A product streams its groups in order; each block's cache lines are asked for 4 blocks (9.5 KB) ahead, which
@@ -688,10 +692,65 @@ QP_TARGET void packed_q6k_tile(const uint8_t* group, int64_t blocks, const int8_
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
 }
 
+// Q8_0 and Q5_0 (blocks of 32 inputs, signed codes), packed the same way, their codes made unsigned (Q8_0: + 128;
+// Q5_0: the file's 5-bit code, value + 16) and the offset taken back with the activations' block sums:
+//   Q8_0 (PACKED_Q80 bytes a group of 16 rows and block):  [0, 512) chunk c (inputs 4c .. 4c + 3) at 64 c, lane l's
+//        4 bytes row l's codes;  [512, 544) d of the 16 rows (fp16)
+//   Q5_0 (PACKED_Q50):  [0, 256) the codes' low 4 bits as Q4_K's are (chunk c: inputs 8c .. 8c + 7);  [256, 320)
+//        their fifth bits: lane l's byte j holds row l's input 8c + j at bit 2c and 8c + 4 + j at bit 2c + 1;
+//        [320, 352) d of the 16 rows (fp16)
+template <int SHIFT>
+QP_TARGET inline __m512i fifth_bit(__m512i h) {  // bit (4 - SHIFT) of every byte, moved to bit 4
+  const __m512i bit4 = _mm512_set1_epi8(0x10);
+  if constexpr (SHIFT > 0) return _mm512_and_si512(_mm512_slli_epi16(h, SHIFT), bit4);
+  else if constexpr (SHIFT < 0) return _mm512_and_si512(_mm512_srli_epi16(h, -SHIFT), bit4);
+  else return _mm512_and_si512(h, bit4);
+}
+
+template <int KIND, int R>
+QP_TARGET void packed_small_tile(const uint8_t* group, int64_t blocks, const int8_t* const* x, const float* const* dx,
+                                 const int32_t* const* offsets, float* const* y) {
+  constexpr int BYTES = KIND == Q80 ? PACKED_Q80 : PACKED_Q50, DPOS = KIND == Q80 ? 512 : 320;
+  constexpr int64_t AHEAD = KIND == Q80 ? 16 * PACKED_Q80 : 24 * PACKED_Q50;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* P = group + b * BYTES;
+    for (int i = 0; i < (BYTES + 63) / 64; ++i) _mm_prefetch(reinterpret_cast<const char*>(P + AHEAD + 64 * i), _MM_HINT_T0);
+    __m512i w[8];
+    if constexpr (KIND == Q80) {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(P + 64 * c);
+    } else {
+      const __m512i H = _mm512_loadu_si512(P + 256);
+      const __m512i h[8] = {fifth_bit<4>(H), fifth_bit<3>(H), fifth_bit<2>(H), fifth_bit<1>(H),
+                            fifth_bit<0>(H), fifth_bit<-1>(H), fifth_bit<-2>(H), fifth_bit<-3>(H)};
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(P + 64 * c);
+        w[2 * c] = _mm512_or_si512(_mm512_and_si512(v, low4), h[2 * c]);
+        w[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), h[2 * c + 1]);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + DPOS)));
+    for (int r = 0; r < R; ++r) {
+      __m512i dot = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {  // Q8_0: inputs 4c ..; Q5_0: w[2c'] inputs 8c' .., w[2c' + 1] inputs 8c' + 4 ..
+        int32_t a;
+        std::memcpy(&a, x[r] + b * 32 + 4 * c, 4);
+        dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(a));
+      }
+      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offsets[r][b]));
+      // (dx * d) * dot, rounded as the portable loop rounds it
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dx[r][b]), d), _mm512_cvtepi32_ps(dot)));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
+}
+
 template <int KIND, int R>
 QP_TARGET void packed_rows(const uint8_t* packed, int64_t blocks, const Quantised& xq, const std::vector<int32_t>& pairs,
                            float* out, int64_t N, int64_t m0, int64_t g) {
-  constexpr int PAIRS = KIND == Q4K ? 4 : 8, BYTES = KIND == Q4K ? PACKED_Q4K : PACKED_Q6K;
+  constexpr int PAIRS = PACKED_PAIRS[KIND], BYTES = PACKED_BYTES[KIND];
   const int8_t* x[R];
   const float* dx[R];
   const int32_t* pr[R];
@@ -703,7 +762,8 @@ QP_TARGET void packed_rows(const uint8_t* packed, int64_t blocks, const Quantise
     y[r] = out + (m0 + r) * N + g * PACK_ROWS;
   }
   if constexpr (KIND == Q4K) packed_q4k_tile<R>(packed + g * blocks * BYTES, blocks, x, dx, pr, y);
-  else packed_q6k_tile<R>(packed + g * blocks * BYTES, blocks, x, dx, pr, y);
+  else if constexpr (KIND == Q6K) packed_q6k_tile<R>(packed + g * blocks * BYTES, blocks, x, dx, pr, y);
+  else packed_small_tile<KIND, R>(packed + g * blocks * BYTES, blocks, x, dx, pr, y);
 }
 
 template <int KIND>
@@ -738,8 +798,8 @@ bool packed_runs() {
 }
 
 int packed_bytes(int64_t kind) {
-  TORCH_CHECK(kind == Q4K || kind == Q6K, "packing takes Q4_K (0) and Q6_K (1) blocks, not kind ", kind);
-  return kind == Q4K ? PACKED_Q4K : PACKED_Q6K;
+  TORCH_CHECK(kind >= 0 && kind < 4, "packing takes kinds 0 q4_k, 1 q6_k, 2 q5_0, 3 q8_0, not kind ", kind);
+  return PACKED_BYTES[kind];
 }
 }  // namespace
 
@@ -751,9 +811,10 @@ bool kquant_packed() { return packed_runs(); }
 torch::Tensor pack_kquant(torch::Tensor w, int64_t kind, int64_t K) {
   const int bytes = packed_bytes(kind);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2, "blocks: [N, bytes] uint8");
-  TORCH_CHECK(K % 256 == 0 && w.size(1) == K / 256 * KIND_BYTES[kind], "blocks do not match K");
+  const int per = KIND_WEIGHTS[kind];
+  TORCH_CHECK(K % per == 0 && w.size(1) == K / per * KIND_BYTES[kind], "blocks do not match K");
   TORCH_CHECK(w.size(0) % PACK_ROWS == 0, "packing takes rows in groups of ", PACK_ROWS, ", not ", w.size(0));
-  const int64_t N = w.size(0), blocks = K / 256, groups = N / PACK_ROWS, row_bytes = w.size(1);
+  const int64_t N = w.size(0), blocks = K / per, groups = N / PACK_ROWS, row_bytes = w.size(1);
   auto out = torch::zeros({groups, blocks, bytes}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -765,7 +826,22 @@ torch::Tensor pack_kquant(torch::Tensor w, int64_t kind, int64_t K) {
         for (int l = 0; l < PACK_ROWS; ++l) {
           const uint8_t* blk = src + (g * PACK_ROWS + l) * row_bytes + b * KIND_BYTES[kind];
           codes_of_block(int(kind), blk, codes);
-          for (int c = 0; c < 32; ++c)  // low 4 bits, 8 inputs a chunk (both kinds)
+          if (kind == Q80) {
+            for (int i = 0; i < 32; ++i) P[64 * (i / 4) + 4 * l + i % 4] = uint8_t(codes[i] ^ 0x80);
+            std::memcpy(P + 512 + 2 * l, blk, 2);
+            continue;
+          }
+          if (kind == Q50) {
+            for (int i = 0; i < 32; ++i) codes[i] = uint8_t(int(int8_t(codes[i])) + 16);  // the file's 5-bit code
+            for (int c = 0; c < 4; ++c)
+              for (int j = 0; j < 4; ++j) {
+                P[64 * c + 4 * l + j] = uint8_t((codes[8 * c + j] & 15) | ((codes[8 * c + 4 + j] & 15) << 4));
+                P[256 + 4 * l + j] |= uint8_t(((codes[8 * c + j] >> 4) << (2 * c)) | ((codes[8 * c + 4 + j] >> 4) << (2 * c + 1)));
+              }
+            std::memcpy(P + 320 + 2 * l, blk, 2);
+            continue;
+          }
+          for (int c = 0; c < 32; ++c)  // low 4 bits, 8 inputs a chunk (Q4_K and Q6_K)
             for (int j = 0; j < 4; ++j)
               P[64 * c + 4 * l + j] = uint8_t((codes[8 * c + j] & 15) | ((codes[8 * c + 4 + j] & 15) << 4));
           if (kind == Q4K) {
@@ -799,18 +875,20 @@ torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, in
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
               packed.size(2) == bytes, "packed: [N / 16, K / 256, ", bytes, "] uint8");
-  TORCH_CHECK(K % 256 == 0 && packed.size(1) == K / 256, "packed blocks do not match K");
+  const int qblock = KIND_WEIGHTS[kind];
+  TORCH_CHECK(K % qblock == 0 && packed.size(1) == K / qblock, "packed blocks do not match K");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " inputs, the weights ", K);
   TORCH_CHECK(packed_runs(), "packed rows need AVX512-VNNI (and DRAFTWISE_PACKED unset or 1)");
-  const int64_t M = x.size(0), groups = packed.size(0), N = groups * PACK_ROWS, blocks = K / 256;
+  const int64_t M = x.size(0), groups = packed.size(0), N = groups * PACK_ROWS, blocks = K / qblock;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 #ifdef QB_X86
   Quantised xq;
-  quantise(x.data_ptr<float>(), M, K, 256, xq);
+  quantise(x.data_ptr<float>(), M, K, qblock, xq);
   // each row's block b as int16 pairs for vpdpwssd: Q4_K the sums of its 8 groups of 32 codes, two an int32;
   // Q6_K the sums of its 16 groups of 16
-  const int per = kind == Q4K ? 4 : 8;
+  // (Q5_0, Q8_0: the unsigned codes' offset times the block's sum of codes, 16 or 128 times)
+  const int per = PACKED_PAIRS[kind];
   std::vector<int32_t> pairs(M * blocks * per);
   auto pair = [](int32_t lo, int32_t hi) {
     return int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16));
@@ -818,6 +896,11 @@ torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, in
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b)
       for (int p = 0; p < per; ++p) {
+        if (kind == Q50 || kind == Q80) {
+          const int16_t* s = xq.s16.data() + m * (K / 16) + b * 2;
+          pairs[m * blocks + b] = (kind == Q50 ? 16 : 128) * (s[0] + s[1]);
+          continue;
+        }
         const int16_t* s = xq.s16.data() + m * (K / 16) + b * 16;
         pairs[(m * blocks + b) * per + p] = kind == Q4K ? pair(s[4 * p] + s[4 * p + 1], s[4 * p + 2] + s[4 * p + 3])
                                                         : pair(s[2 * p], s[2 * p + 1]);
@@ -826,8 +909,12 @@ torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, in
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(1, K * M * PACK_ROWS));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    if (kind == Q4K) packed_product<Q4K>(wp, blocks, xq, pairs, yp, N, g0, g1);
-    else packed_product<Q6K>(wp, blocks, xq, pairs, yp, N, g0, g1);
+    switch (kind) {
+      case Q4K: packed_product<Q4K>(wp, blocks, xq, pairs, yp, N, g0, g1); break;
+      case Q6K: packed_product<Q6K>(wp, blocks, xq, pairs, yp, N, g0, g1); break;
+      case Q50: packed_product<Q50>(wp, blocks, xq, pairs, yp, N, g0, g1); break;
+      default: packed_product<Q80>(wp, blocks, xq, pairs, yp, N, g0, g1); break;
+    }
   });
 #endif
   return y;
