@@ -464,3 +464,15 @@ def test_packed_rows_refuse_what_they_cannot_take():
         packed = module.pack_kquant(linear.blocks[:32].contiguous(), 0, 512)
         with pytest.raises(RuntimeError, match="x has 256 inputs"):
             module.qmm_packed(torch.randn(2, 256), packed, 0, 512)
+
+
+def test_kernel_rates_time_the_path_a_model_takes_beside_the_file_blocks():
+    from draftwise.bench import kernel_rates as rates
+
+    module = qkernel.load()
+    lines = []
+    rows = rates.kernel_rates(module, ["q8_0"], [1, 3], 1, 100.0, progress=lines.append)
+    paths = {row["path"] for row in rows}
+    assert paths == ({"blocks", "packed"} if module.kquant_packed() else {"blocks"})
+    assert len(rows) == 2 * len(paths) and all(row["ms"] > 0 and row["gmacs"] > 0 for row in rows)
+    assert len(lines) == 1 and lines[0].startswith("q8_0")

@@ -137,21 +137,31 @@ def random_blocks(kind: str, rows: int, inputs: int) -> torch.Tensor:
 
 def kernel_rates(module: Any, formats: list[str], widths: list[int], repeats: int, ceiling: float,
                  progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """A row per (format, shape, width): the median ms of `qmm_blocks` over `repeats` calls after 2 warm-up calls,
-    G multiply-adds a second, its share of `ceiling` and the weights' GB/s; a line per shape to `progress`."""
+    """A row per (format, shape, width, path): the median ms over `repeats` calls after 2 warm-up calls of
+    `qmm_blocks` on the file's blocks ("blocks") and, where the CPU packs rows 16 to a vector, of `qmm_packed` (the
+    path a model takes there: "packed"), interleaved; G multiply-adds a second, its share of `ceiling` and the
+    weights' GB/s; a line per shape to `progress` (the path a model takes, the file blocks' rate beside it)."""
     rows = []
     for kind in formats:
         kid = BLOCK_KINDS[kind][0]
         for n, k, name in SHAPES[kind]:
             blocks = random_blocks(kind, n, k)
             line = []
+            packed = module.pack_kquant(blocks, kid, k) if module.kquant_packed() and n % 16 == 0 else None
             for m in widths:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                call = lambda x=x: module.qmm_blocks(x, blocks, kid, k, False, True)  # noqa: E731
-                t = medians(interleaved({"qmm": call}, rounds=repeats, warmup=2))["qmm"]
+                calls = {"blocks": lambda x=x: module.qmm_blocks(x, blocks, kid, k, False, True)}
+                if packed is not None:
+                    calls["packed"] = lambda x=x: module.qmm_packed(x, packed, kid, k)
+                times = medians(interleaved(calls, rounds=repeats, warmup=2))
+                for path, t in times.items():
+                    rate = m * n * k / t / 1e9
+                    rows.append({"format": kind, "shape": name, "rows": n, "inputs": k, "width": m, "path": path,
+                                 "ms": 1e3 * t, "gmacs": rate, "of_peak": rate / ceiling,
+                                 "weights_gb_s": blocks.numel() / t / 1e9})
+                t = times.get("packed", times["blocks"])
                 rate = m * n * k / t / 1e9
-                rows.append({"format": kind, "shape": name, "rows": n, "inputs": k, "width": m, "ms": 1e3 * t,
-                             "gmacs": rate, "of_peak": rate / ceiling, "weights_gb_s": blocks.numel() / t / 1e9})
-                line.append(f"{m}: {rate:5.1f} ({rate / ceiling:4.0%})")
+                line.append(f"{m}: {rate:5.1f} ({rate / ceiling:4.0%})"
+                            + (f" [file blocks {m * n * k / times['blocks'] / 1e9:.1f}]" if packed is not None else ""))
             progress(f"{kind} {name:22s} " + "  ".join(line))
     return rows
