@@ -476,3 +476,38 @@ def test_kernel_rates_time_the_path_a_model_takes_beside_the_file_blocks():
     assert paths == ({"blocks", "packed"} if module.kquant_packed() else {"blocks"})
     assert len(rows) == 2 * len(paths) and all(row["ms"] > 0 and row["gmacs"] > 0 for row in rows)
     assert len(lines) == 1 and lines[0].startswith("q8_0")
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_packed_rows_unpack_to_the_files_bytes_and_replace_them(kind):
+    """`unpack_kquant` is `pack_kquant`'s inverse, byte for byte, for any row subset. Once a BlockLinear has packed
+    its rows it keeps only them: row lookups (an embedding tied to the LM head), subsets (a draft vocabulary) and the
+    blocks themselves are rebuilt from them, the same as before; a fused projection's parts read the fused rows."""
+    module = qkernel.load()
+    linear, _ = _blocks(kind, 48, 512, seed=11)
+    raw = linear.blocks.clone()
+    packed = module.pack_kquant(raw, linear.kind_id, 512)
+    index = torch.tensor([47, 0, 16, 5, 5, 31])
+    assert torch.equal(module.unpack_kquant(packed, linear.kind_id, 512, torch.arange(48)), raw)
+    assert torch.equal(module.unpack_kquant(packed, linear.kind_id, 512, index), raw[index])
+    with pytest.raises(RuntimeError, match="row 48 is not one of 48"):
+        module.unpack_kquant(packed, linear.kind_id, 512, torch.tensor([48]))
+    before_rows, x = linear.rows(index), torch.randn(3, 512)
+    before = linear(x)
+    if not module.kquant_packed():
+        return
+    assert linear._blocks is None and linear._packed is not None  # the packed rows are the only copy now
+    assert torch.equal(linear.blocks, raw) and torch.equal(linear.rows(index), before_rows)
+    sub = linear.subset(index)
+    assert torch.equal(sub.blocks, raw[index])
+    # a fused projection: the parts hold no copy, and read the fused rows, packed or not
+    a, _ = _blocks(kind, 32, 512, seed=12)
+    b, _ = _blocks(kind, 16, 512, seed=13)
+    first, second = a.blocks.clone(), b.blocks.clone()
+    fused = linears.joined([a, b])
+    assert a._blocks is None and torch.equal(b.blocks, second)
+    fused(x)
+    assert fused._blocks is None
+    assert torch.equal(a.blocks, first) and torch.equal(b.blocks, second)
+    assert torch.equal(b.rows(torch.tensor([3])), linears.BlockLinear(kind, second, 512).rows(torch.tensor([3])))
+    assert torch.equal(linear(x), before)

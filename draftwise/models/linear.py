@@ -336,11 +336,41 @@ class BlockLinear(_Product):
         if in_features % per or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
                 or blocks.shape[1] != in_features // per * size:
             raise ValueError(f"{kind}: blocks of shape {tuple(blocks.shape)} do not hold {in_features} inputs")
-        self.kind, self.blocks, self.in_features = kind, blocks.contiguous(), int(in_features)
+        self.kind, self._blocks, self.in_features = kind, blocks.contiguous(), int(in_features)
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else bias.float()
         self._wide = None  # the weights in bf16 for prompt feeds (`prompt_bf16`), built at the first one
         self._packed = None  # the rows packed 16 to a vector (`pack_kquant`), built at the first product
+        self._source = None  # (fused owner, first row): a part of a fused projection reads its rows there
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The file's blocks [out, in / per * bytes], byte for byte. Once the rows are packed (the only copy then
+        kept), rebuilt from the packed rows at each call: for load-time and occasional uses, not per token."""
+        if self._source is not None:
+            owner, start = self._source
+            if owner._blocks is not None:
+                return owner._blocks[start: start + self.out_features]
+            return owner._unpacked(torch.arange(start, start + self.out_features))
+        if self._blocks is not None:
+            return self._blocks
+        return self._unpacked(torch.arange(self.out_features))
+
+    @blocks.setter
+    def blocks(self, value: torch.Tensor) -> None:
+        self._blocks, self._source, self._packed = value, None, None
+
+    def _unpacked(self, index: torch.Tensor) -> torch.Tensor:
+        return qkernel.load().unpack_kquant(self._packed, self.kind_id, self.in_features, index.to(torch.long))
+
+    def _block_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The file's blocks of rows `index` (1-D), from wherever they are kept."""
+        if self._source is not None:
+            owner, start = self._source
+            return owner._block_rows(index + start)
+        if self._blocks is not None:
+            return self._blocks[index]
+        return self._unpacked(index)
 
     def __call__(self, x: torch.Tensor, wide: bool | int = False, *, logits: bool = False) -> torch.Tensor:
         """wide: True for a prompt feed; an int n for a feed whose packed tokens from n on are prompt tokens (a
@@ -367,24 +397,27 @@ class BlockLinear(_Product):
         if self.out_features % 16 == 0 and module.kquant_packed():
             # where AVX512-VNNI is: the rows regrouped 16 to a vector once (a row an int32 lane), a scale applied once
             # a group of weights (Q4_K 32, Q6_K 16, Q5_0 / Q8_0 a block of 32); the same bits as the portable loop
-            # (csrc/qblocks.cpp). The file's blocks stay for the other uses (prompt copies in bf16, row subsets).
+            # (csrc/qblocks.cpp). The packed rows replace the file's blocks, which are rebuilt from them, byte for
+            # byte, where a row lookup, a subset or a prompt copy asks for them (`unpack_kquant`).
             if self._packed is None:
                 self._packed = module.pack_kquant(self.blocks, self.kind_id, self.in_features)
+                if self._source is None:
+                    self._blocks = None
             return module.qmm_packed(flat, self._packed, self.kind_id, self.in_features)
         return module.qmm_blocks(flat, self.blocks, self.kind_id, self.in_features, False)
 
     def subset(self, index: torch.Tensor) -> "BlockLinear":
         """Output rows `index` only, their blocks byte for byte (a draft's restricted output vocabulary)."""
         index = index.reshape(-1).to(torch.long)
-        return BlockLinear(self.kind, self.blocks[index], self.in_features,
+        return BlockLinear(self.kind, self._block_rows(index), self.in_features,
                            None if self.bias is None else self.bias[index])
 
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return self.out_features * (self.in_features // BLOCK_KINDS[self.kind][1]) * BLOCK_KINDS[self.kind][2]
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """The float32 weights of output rows `index`, as gguf's reference dequantises them."""
-        return _decode(self.kind, self.blocks[index.reshape(-1)].numpy()).dequantized()
+        return _decode(self.kind, self._block_rows(index.reshape(-1).to(torch.long)).numpy()).dequantized()
 
 
 def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -470,8 +503,8 @@ def _joined_blocks(parts: list[BlockLinear]) -> BlockLinear:
     bias = None if all(p.bias is None for p in parts) else torch.cat(biases)
     out = BlockLinear(parts[0].kind, torch.cat([p.blocks for p in parts]), parts[0].in_features, bias)
     start = 0
-    for p in parts:  # the parts become views of the fused blocks: one copy
-        p.blocks = out.blocks[start: start + p.out_features]
+    for p in parts:  # the parts read their rows in the fused projection: one copy, packed or not
+        p._blocks, p._source = None, (out, start)
         start += p.out_features
     return out
 

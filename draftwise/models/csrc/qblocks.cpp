@@ -919,3 +919,93 @@ torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, in
 #endif
   return y;
 }
+
+// The file's bytes of row l of a packed group's block (the inverse of pack_kquant, byte for byte): for row
+// lookups and subsets once the packed copy is the only one kept.
+namespace {
+void unpack_block(int kind, const uint8_t* P, int l, uint8_t* blk) {
+  uint8_t codes[256];
+  const int inputs = KIND_WEIGHTS[kind];
+  if (kind == Q80) {
+    for (int i = 0; i < 32; ++i) blk[2 + i] = uint8_t(P[64 * (i / 4) + 4 * l + i % 4] ^ 0x80);
+    std::memcpy(blk, P + 512 + 2 * l, 2);
+    return;
+  }
+  for (int i = 0; i < inputs; ++i) {  // the low 4 bits, 8 inputs a chunk
+    const int c = i / 8, j = i % 8;
+    const uint8_t byte = P[64 * c + 4 * l + j % 4];
+    codes[i] = j < 4 ? (byte & 15) : (byte >> 4);
+  }
+  if (kind == Q50) {
+    for (int i = 0; i < 32; ++i) {
+      const int c = i / 8, j = i % 8;
+      codes[i] |= uint8_t(((P[256 + 4 * l + j % 4] >> (2 * c + (j < 4 ? 0 : 1))) & 1) << 4);
+    }
+    uint32_t high = 0;
+    for (int i = 0; i < 16; ++i) {
+      blk[6 + i] = uint8_t((codes[i] & 15) | ((codes[i + 16] & 15) << 4));
+      high |= uint32_t(codes[i] >> 4) << i;
+      high |= uint32_t(codes[i + 16] >> 4) << (i + 16);
+    }
+    std::memcpy(blk + 2, &high, 4);
+    std::memcpy(blk, P + 320 + 2 * l, 2);
+    return;
+  }
+  if (kind == Q4K) {
+    uint8_t sc[8], mn[8];
+    for (int s = 0; s < 8; ++s) sc[s] = P[2048 + 16 * s + l];
+    for (int p = 0; p < 4; ++p)
+      for (int t = 0; t < 2; ++t) mn[2 * p + t] = P[2176 + 32 * p + 2 * l + t];
+    uint8_t* s = blk + 4;
+    for (int j = 0; j < 4; ++j) {
+      s[j] = uint8_t((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+      s[j + 4] = uint8_t((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+      s[j + 8] = uint8_t((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+    }
+    for (int p = 0; p < 4; ++p)
+      for (int i = 0; i < 32; ++i) blk[16 + 32 * p + i] = uint8_t(codes[64 * p + i] | (codes[64 * p + 32 + i] << 4));
+    std::memcpy(blk, P + 2304 + 2 * l, 2);
+    std::memcpy(blk + 2, P + 2336 + 2 * l, 2);
+    return;
+  }
+  // Q6_K: the high 2 bits of inputs 16q + 4i + j at bits 2i of byte j of group q's vector
+  for (int i = 0; i < 256; ++i) {
+    const int q = i / 16, r = i % 16;
+    codes[i] |= uint8_t(((P[2048 + 64 * q + 4 * l + r % 4] >> (2 * (r / 4))) & 3) << 4);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t* o = codes + 128 * h;
+      blk[64 * h + i] = uint8_t((o[i] & 15) | ((o[64 + i] & 15) << 4));
+      blk[64 * h + 32 + i] = uint8_t((o[32 + i] & 15) | ((o[96 + i] & 15) << 4));
+      blk[128 + 32 * h + i] = uint8_t((o[i] >> 4) | ((o[32 + i] >> 4) << 2) | ((o[64 + i] >> 4) << 4) | ((o[96 + i] >> 4) << 6));
+    }
+  for (int g = 0; g < 16; ++g) blk[192 + g] = P[3072 + 16 * g + l];
+  std::memcpy(blk + 208, P + 3584 + 2 * l, 2);
+}
+}  // namespace
+
+// Rows `index` of packed rows (pack_kquant) as the file's blocks: [len(index), K / per * bytes] uint8.
+torch::Tensor unpack_kquant(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor index) {
+  const int bytes = packed_bytes(kind);
+  const int per = KIND_WEIGHTS[kind];
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
+              packed.size(2) == bytes && K % per == 0 && packed.size(1) == K / per, "packed rows do not match K");
+  TORCH_CHECK(index.scalar_type() == torch::kLong && index.dim() == 1, "index: [n] int64");
+  auto idx = index.contiguous();
+  const int64_t n = idx.size(0), blocks = K / per, rows = packed.size(0) * PACK_ROWS, row_bytes = blocks * KIND_BYTES[kind];
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "row ", ip[i], " is not one of ", rows);
+  auto out = torch::empty({n, row_bytes}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = ip[i] / PACK_ROWS;
+      const int l = int(ip[i] % PACK_ROWS);
+      for (int64_t b = 0; b < blocks; ++b)
+        unpack_block(int(kind), src + (g * blocks + b) * bytes, l, dst + i * row_bytes + b * KIND_BYTES[kind]);
+    }
+  });
+  return out;
+}
