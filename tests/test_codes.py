@@ -421,19 +421,19 @@ def test_a_gguf_the_codes_path_cannot_serve_falls_back_to_the_dequantising_loade
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 def test_packed_rows_give_the_portable_loops_bits_for_every_width(kind):
-    """Where AVX512-VNNI is, a file's rows are regrouped 16 to a vector at the first product (`pack_kquant`; Q5_0 and
+    """Where AVX512-VNNI is, a file's rows are regrouped 16 to a vector at the first product (`pack_blocks`; Q5_0 and
     Q8_0 codes made unsigned, their offset taken back with the activations' block sums): each block's integer sums are
     the same exact integers and are taken to float by the portable loop's steps in its order, so every row of every
     width (tiles of 8 and the rest), extreme and tiny rows too, is the portable loop's bits. A BlockLinear whose rows
     are a multiple of 16 takes this path; 40 rows keep the file's blocks."""
     module = qkernel.load()
-    if not module.kquant_packed():
+    if not module.blocks_packed():
         pytest.skip("no AVX512-VNNI here (or DRAFTWISE_PACKED=0 / DRAFTWISE_AVX512=0)")
     linear, weights = _blocks(kind, 48, 1024, seed=7)
     x = torch.randn(29, 1024, generator=torch.Generator().manual_seed(2))
     x[3] = torch.where(torch.arange(1024) % 3 == 0, -5.0, 5.0)  # every code +-127
     x[4] = 1e-30  # a tiny row
-    packed = module.pack_kquant(linear.blocks, linear.kind_id, 1024)
+    packed = module.pack_blocks(linear.blocks, linear.kind_id, 1024)
     per, size = {"q4_k": (256, 2368), "q6_k": (256, 3616), "q5_0": (32, 352), "q8_0": (32, 544)}[kind]
     assert packed.shape == (3, 1024 // per, size)
     for width in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 29):
@@ -457,11 +457,11 @@ def test_packed_rows_refuse_what_they_cannot_take():
     module = qkernel.load()
     linear, _ = _blocks("q4_k", 40, 512)
     with pytest.raises(RuntimeError, match="groups of 16"):
-        module.pack_kquant(linear.blocks, 0, 512)
+        module.pack_blocks(linear.blocks, 0, 512)
     with pytest.raises(RuntimeError, match="not kind 4"):
-        module.pack_kquant(linear.blocks[:32].contiguous(), 4, 512)
-    if module.kquant_packed():
-        packed = module.pack_kquant(linear.blocks[:32].contiguous(), 0, 512)
+        module.pack_blocks(linear.blocks[:32].contiguous(), 4, 512)
+    if module.blocks_packed():
+        packed = module.pack_blocks(linear.blocks[:32].contiguous(), 0, 512)
         with pytest.raises(RuntimeError, match="x has 256 inputs"):
             module.qmm_packed(torch.randn(2, 256), packed, 0, 512)
 
@@ -473,28 +473,28 @@ def test_kernel_rates_time_the_path_a_model_takes_beside_the_file_blocks():
     lines = []
     rows = rates.kernel_rates(module, ["q8_0"], [1, 3], 1, 100.0, progress=lines.append)
     paths = {row["path"] for row in rows}
-    assert paths == ({"blocks", "packed"} if module.kquant_packed() else {"blocks"})
+    assert paths == ({"blocks", "packed"} if module.blocks_packed() else {"blocks"})
     assert len(rows) == 2 * len(paths) and all(row["ms"] > 0 and row["gmacs"] > 0 for row in rows)
     assert len(lines) == 1 and lines[0].startswith("q8_0")
 
 
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 def test_packed_rows_unpack_to_the_files_bytes_and_replace_them(kind):
-    """`unpack_kquant` is `pack_kquant`'s inverse, byte for byte, for any row subset. Once a BlockLinear has packed
+    """`unpack_blocks` is `pack_blocks`'s inverse, byte for byte, for any row subset. Once a BlockLinear has packed
     its rows it keeps only them: row lookups (an embedding tied to the LM head), subsets (a draft vocabulary) and the
     blocks themselves are rebuilt from them, the same as before; a fused projection's parts read the fused rows."""
     module = qkernel.load()
     linear, _ = _blocks(kind, 48, 512, seed=11)
     raw = linear.blocks.clone()
-    packed = module.pack_kquant(raw, linear.kind_id, 512)
+    packed = module.pack_blocks(raw, linear.kind_id, 512)
     index = torch.tensor([47, 0, 16, 5, 5, 31])
-    assert torch.equal(module.unpack_kquant(packed, linear.kind_id, 512, torch.arange(48)), raw)
-    assert torch.equal(module.unpack_kquant(packed, linear.kind_id, 512, index), raw[index])
+    assert torch.equal(module.unpack_blocks(packed, linear.kind_id, 512, torch.arange(48)), raw)
+    assert torch.equal(module.unpack_blocks(packed, linear.kind_id, 512, index), raw[index])
     with pytest.raises(RuntimeError, match="row 48 is not one of 48"):
-        module.unpack_kquant(packed, linear.kind_id, 512, torch.tensor([48]))
+        module.unpack_blocks(packed, linear.kind_id, 512, torch.tensor([48]))
     before_rows, x = linear.rows(index), torch.randn(3, 512)
     before = linear(x)
-    if not module.kquant_packed():
+    if not module.blocks_packed():
         return
     assert linear._blocks is None and linear._packed is not None  # the packed rows are the only copy now
     assert torch.equal(linear.blocks, raw) and torch.equal(linear.rows(index), before_rows)

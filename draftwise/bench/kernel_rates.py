@@ -147,7 +147,7 @@ def kernel_rates(module: Any, formats: list[str], widths: list[int], repeats: in
         for n, k, name in SHAPES[kind]:
             blocks = random_blocks(kind, n, k)
             line = []
-            packed = module.pack_kquant(blocks, kid, k) if module.kquant_packed() and n % 16 == 0 else None
+            packed = module.pack_blocks(blocks, kid, k) if module.blocks_packed() and n % 16 == 0 else None
             for m in widths:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 calls = {"blocks": lambda x=x: module.qmm_blocks(x, blocks, kid, k, False, True)}

@@ -340,7 +340,7 @@ class BlockLinear(_Product):
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else bias.float()
         self._wide = None  # the weights in bf16 for prompt feeds (`prompt_bf16`), built at the first one
-        self._packed = None  # the rows packed 16 to a vector (`pack_kquant`), built at the first product
+        self._packed = None  # the rows packed 16 to a vector (`pack_blocks`), built at the first product
         self._source = None  # (fused owner, first row): a part of a fused projection reads its rows there
 
     @property
@@ -361,7 +361,7 @@ class BlockLinear(_Product):
         self._blocks, self._source, self._packed = value, None, None
 
     def _unpacked(self, index: torch.Tensor) -> torch.Tensor:
-        return qkernel.load().unpack_kquant(self._packed, self.kind_id, self.in_features, index.to(torch.long))
+        return qkernel.load().unpack_blocks(self._packed, self.kind_id, self.in_features, index.to(torch.long))
 
     def _block_rows(self, index: torch.Tensor) -> torch.Tensor:
         """The file's blocks of rows `index` (1-D), from wherever they are kept."""
@@ -394,13 +394,13 @@ class BlockLinear(_Product):
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         module = qkernel.load()
-        if self.out_features % 16 == 0 and module.kquant_packed():
+        if self.out_features % 16 == 0 and module.blocks_packed():
             # where AVX512-VNNI is: the rows regrouped 16 to a vector once (a row an int32 lane), a scale applied once
             # a group of weights (Q4_K 32, Q6_K 16, Q5_0 / Q8_0 a block of 32); the same bits as the portable loop
             # (csrc/qblocks.cpp). The packed rows replace the file's blocks, which are rebuilt from them, byte for
-            # byte, where a row lookup, a subset or a prompt copy asks for them (`unpack_kquant`).
+            # byte, where a row lookup, a subset or a prompt copy asks for them (`unpack_blocks`).
             if self._packed is None:
-                self._packed = module.pack_kquant(self.blocks, self.kind_id, self.in_features)
+                self._packed = module.pack_blocks(self.blocks, self.kind_id, self.in_features)
                 if self._source is None:
                     self._blocks = None
             return module.qmm_packed(flat, self._packed, self.kind_id, self.in_features)

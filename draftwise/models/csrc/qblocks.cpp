@@ -803,12 +803,13 @@ int packed_bytes(int64_t kind) {
 }
 }  // namespace
 
-// Whether Q4_K and Q6_K rows are packed sixteen to a vector here (AVX512-VNNI; off: DRAFTWISE_PACKED=0 or
-// DRAFTWISE_AVX512=0).
-bool kquant_packed() { return packed_runs(); }
+// Whether block rows (Q4_K, Q6_K, Q5_0, Q8_0) are packed sixteen to a vector here (AVX512-VNNI; off:
+// DRAFTWISE_PACKED=0 or DRAFTWISE_AVX512=0).
+bool blocks_packed() { return packed_runs(); }
 
-// A file's Q4_K or Q6_K rows [N, K / 256 * bytes] regrouped for qmm_packed: [N / 16, K / 256, packed bytes] uint8.
-torch::Tensor pack_kquant(torch::Tensor w, int64_t kind, int64_t K) {
+// A file's rows of one block kind [N, K / per * bytes] regrouped for qmm_packed: [N / 16, K / per, packed bytes]
+// uint8 (per: 256 inputs a Q4_K / Q6_K block, 32 a Q5_0 / Q8_0 one).
+torch::Tensor pack_blocks(torch::Tensor w, int64_t kind, int64_t K) {
   const int bytes = packed_bytes(kind);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2, "blocks: [N, bytes] uint8");
   const int per = KIND_WEIGHTS[kind];
@@ -869,7 +870,7 @@ torch::Tensor pack_kquant(torch::Tensor w, int64_t kind, int64_t K) {
   return out;
 }
 
-// x [M, K] float32 times packed rows (pack_kquant): [M, N], each row the portable loop's bits.
+// x [M, K] float32 times packed rows (pack_blocks): [M, N], each row the portable loop's bits.
 torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t K) {
   const int bytes = packed_bytes(kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: [M, K] contiguous float32");
@@ -920,7 +921,7 @@ torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, in
   return y;
 }
 
-// The file's bytes of row l of a packed group's block (the inverse of pack_kquant, byte for byte): for row
+// The file's bytes of row l of a packed group's block (the inverse of pack_blocks, byte for byte): for row
 // lookups and subsets once the packed copy is the only one kept.
 namespace {
 void unpack_block(int kind, const uint8_t* P, int l, uint8_t* blk) {
@@ -985,8 +986,8 @@ void unpack_block(int kind, const uint8_t* P, int l, uint8_t* blk) {
 }
 }  // namespace
 
-// Rows `index` of packed rows (pack_kquant) as the file's blocks: [len(index), K / per * bytes] uint8.
-torch::Tensor unpack_kquant(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor index) {
+// Rows `index` of packed rows (pack_blocks) as the file's blocks: [len(index), K / per * bytes] uint8.
+torch::Tensor unpack_blocks(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor index) {
   const int bytes = packed_bytes(kind);
   const int per = KIND_WEIGHTS[kind];
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&

@@ -205,10 +205,10 @@ torch::Tensor qmm_blocks(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t
                          bool vnni);  // qblocks.cpp
 bool blocks_vnni();  // qblocks.cpp
 bool blocks_avxvnni();  // qblocks.cpp
-bool kquant_packed();  // qblocks.cpp
-torch::Tensor pack_kquant(torch::Tensor w, int64_t kind, int64_t K);  // qblocks.cpp
+bool blocks_packed();  // qblocks.cpp
+torch::Tensor pack_blocks(torch::Tensor w, int64_t kind, int64_t K);  // qblocks.cpp
 torch::Tensor qmm_packed(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t K);  // qblocks.cpp
-torch::Tensor unpack_kquant(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor index);  // qblocks.cpp
+torch::Tensor unpack_blocks(torch::Tensor packed, int64_t kind, int64_t K, torch::Tensor index);  // qblocks.cpp
 torch::Tensor quantised_activations(torch::Tensor x, int64_t qblock);
 torch::Tensor dequantised_blocks(torch::Tensor w, int64_t kind, int64_t K);  // qblocks.cpp
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> visible,
@@ -226,10 +226,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("kind"), py::arg("K"), py::arg("portable"), py::arg("vnni") = true);
   m.def("blocks_vnni", &blocks_vnni, "whether qmm_blocks' AVX512-VNNI path runs here (off: DRAFTWISE_AVX512=0)");
   m.def("blocks_avxvnni", &blocks_avxvnni, "whether qmm_blocks' AVX-VNNI path runs here (off: DRAFTWISE_AVXVNNI=0)");
-  m.def("kquant_packed", &kquant_packed, "whether Q4_K / Q6_K rows are packed 16 to a vector here (off: DRAFTWISE_PACKED=0)");
-  m.def("pack_kquant", &pack_kquant, "a GGUF file's Q4_K (kind 0) or Q6_K (1) rows regrouped 16 to a vector for qmm_packed");
-  m.def("qmm_packed", &qmm_packed, "activations x packed Q4_K / Q6_K rows: the portable block loop's bits");
-  m.def("unpack_kquant", &unpack_kquant, "rows of packed block rows as the file's blocks, byte for byte");
+  m.def("blocks_packed", &blocks_packed, "whether block rows are packed 16 to a vector here (AVX512-VNNI; off: DRAFTWISE_PACKED=0)");
+  m.def("pack_blocks", &pack_blocks, "a GGUF file's rows of one block kind (0 q4_k, 1 q6_k, 2 q5_0, 3 q8_0) regrouped 16 to a vector for qmm_packed");
+  m.def("qmm_packed", &qmm_packed, "activations x packed block rows: the portable block loop's bits");
+  m.def("unpack_blocks", &unpack_blocks, "rows of packed block rows as the file's blocks, byte for byte");
   m.def("dequantised_blocks", &dequantised_blocks, "the weights a GGUF file's blocks hold, rounded to bf16");
   m.def("quantised_activations", &quantised_activations, "the activations as qmm_blocks quantises them");
   m.def("attend", &attend, "each query over its visible keys in order, whatever the batch (attention.cpp)",
