@@ -323,8 +323,8 @@ _register_shipped(
     "EAGLE-3-style draft head for qwen2.5-coder-1.5b: 1 decoder layer on the inputs of target layers 2, 14 and 25, "
     "trained with the training-time test on the 1.5B's features over ShareGPT code conversations and its own "
     "answers (benchmarks/eagle_data_recipe.sh, eagle_train_recipe.sh); its weights in Q8_0 blocks, its LM head the "
-    "target's own rows of a 32k draft vocabulary; a drafted token costs 0.077 of a target token (Zen 4, "
-    "benchmarks/head_cost.py)",
+    "target's own rows of a 32k draft vocabulary; a drafted token costs 0.084 of a target token (Zen 4, packed "
+    "block kernel, benchmarks/head_cost.py)",
 )
 # Best first: the feature head drafts better than the independent model (see benchmarks/README.md).
 _DEFAULT_DRAFTS[SMOLLM2] = ("smollm2-135m-eagle", "smollm2-135m-draft")
