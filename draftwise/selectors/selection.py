@@ -91,7 +91,9 @@ class GoodputSelector:
         draft model runs for every row whenever one row drafts, so probes spread over the steps would run it in
         most of them; together, it runs once in `probe` steps and catches every row up in one wide forward.
         A quiet request does not probe at a batch size where even a draft the target accepted whole would not pay
-        (`could_pay`): there the draft model would only be kept up to date for nothing.
+        (`could_pay`): there the draft model would only be kept up to date for nothing. Nor does a new request
+        draft at such a batch size (its first `memory` steps would otherwise draft the full limit for nothing); it
+        starts drafting when the batch shrinks to one where drafting could pay.
         Reads only past selections, so exactness is untouched."""
         if self.lookahead is None:
             return limits
@@ -102,8 +104,8 @@ class GoodputSelector:
         out = []
         for row, limit in zip(rows, limits):
             history = self.selected.get(row.id)
-            if not history:
-                out.append(limit)
+            if not history:  # a new request drafts its full limit, unless at this batch no draft could pay
+                out.append(limit if not self.probe or self.could_pay(n, limit) else 0)
                 continue
             quiet = self.probe and len(history) == self.memory and not any(history)
             if quiet and ((self.steps % self.probe and n >= self.batch_at.get(row.id, n))
