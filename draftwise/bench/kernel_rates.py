@@ -154,14 +154,13 @@ def kernel_rates(module: Any, formats: list[str], widths: list[int], repeats: in
                 if packed is not None:
                     calls["packed"] = lambda x=x: module.qmm_packed(x, packed, kid, k)
                 times = medians(interleaved(calls, rounds=repeats, warmup=2))
+                rates = {path: m * n * k / t / 1e9 for path, t in times.items()}
                 for path, t in times.items():
-                    rate = m * n * k / t / 1e9
                     rows.append({"format": kind, "shape": name, "rows": n, "inputs": k, "width": m, "path": path,
-                                 "ms": 1e3 * t, "gmacs": rate, "of_peak": rate / ceiling,
+                                 "ms": 1e3 * t, "gmacs": rates[path], "of_peak": rates[path] / ceiling,
                                  "weights_gb_s": blocks.numel() / t / 1e9})
-                t = times.get("packed", times["blocks"])
-                rate = m * n * k / t / 1e9
+                rate = rates.get("packed", rates["blocks"])  # the path a model takes
                 line.append(f"{m}: {rate:5.1f} ({rate / ceiling:4.0%})"
-                            + (f" [file blocks {m * n * k / times['blocks'] / 1e9:.1f}]" if packed is not None else ""))
+                            + (f" [file blocks {rates['blocks']:.1f}]" if packed is not None else ""))
             progress(f"{kind} {name:22s} " + "  ".join(line))
     return rows
