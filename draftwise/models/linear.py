@@ -347,14 +347,12 @@ class BlockLinear(_Product):
     def blocks(self) -> torch.Tensor:
         """The file's blocks [out, in / per * bytes], byte for byte. Once the rows are packed (the only copy then
         kept), rebuilt from the packed rows at each call: for load-time and occasional uses, not per token."""
-        if self._source is not None:
-            owner, start = self._source
-            if owner._blocks is not None:
-                return owner._blocks[start: start + self.out_features]
-            return owner._unpacked(torch.arange(start, start + self.out_features))
         if self._blocks is not None:
             return self._blocks
-        return self._unpacked(torch.arange(self.out_features))
+        if self._source is not None and self._source[0]._blocks is not None:  # a view of the fused blocks
+            owner, start = self._source
+            return owner._blocks[start: start + self.out_features]
+        return self._block_rows(torch.arange(self.out_features))
 
     @blocks.setter
     def blocks(self, value: torch.Tensor) -> None:
