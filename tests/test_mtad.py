@@ -158,6 +158,32 @@ def test_sampled_beam_joint_probabilities_match_recomputation():
         assert out.joint[b].tolist() == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.parametrize("config", [SamplingConfig(0.7, top_k=5), SamplingConfig(1.0, top_k=12, top_p=0.8),
+                                    SamplingConfig(1.3, top_k=3, top_p=0.5), SamplingConfig(0.9, top_p=0.9)])
+def test_beam_scores_of_a_warped_row_are_the_full_warps(config: SamplingConfig):
+    """A top-k row is scored among its k tokens alone (beam_candidates): the same support and log-probabilities as
+    the full vocabulary's warp, also where the k-th logit ties the next one (then the full warp's answer), and a
+    temperature-0 row's candidates are its most likely tokens."""
+    from draftwise.drafters.mtad import beam_candidates
+    from draftwise.engine.sampler import warp_rows
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1)) * 3
+    logits[3, :] = torch.arange(300.0) % 7  # ties everywhere: the k-th logit ties the next
+    full = torch.log(warp_rows(logits, [config] * 5))
+    ours = beam_log_probs(logits, [config] * 5)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(full))
+    torch.testing.assert_close(ours[torch.isfinite(full)], full[torch.isfinite(full)], atol=1e-5, rtol=1e-5)
+    untied = [0, 1, 2, 4]
+    scores, ids = beam_candidates(logits[untied], [GREEDY, config, GREEDY, config], 4)
+    for b in (0, 2):
+        assert set(ids[b, :4].tolist()) == set(torch.topk(logits[untied[b]], 4).indices.tolist())
+    if config.top_k:
+        assert scores.shape[1] == max(4, config.top_k)  # the candidates, not the vocabulary
+    for b in (1, 3):
+        live = torch.isfinite(scores[b])
+        torch.testing.assert_close(scores[b][live], full[untied[b], ids[b][live]], atol=1e-5, rtol=1e-5)
+
+
 def test_fewer_candidates_than_beams_leaves_dead_beams_that_never_win():
     draft = tiny_llama(1, layers=1)
     drafter, rows = beam_rows(draft, [PROMPT], 8)

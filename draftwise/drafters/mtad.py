@@ -50,28 +50,101 @@ from draftwise.engine.sampler import warp_rows
 from draftwise.drafters.base import ModelRowsDrafter, WrappingDrafter
 from draftwise.engine.protocols import RowsDraft, empty_draft, pad_rows
 from draftwise.errors import DraftwiseError
-from draftwise.engine.sampling import SamplingConfig, unwarped
+from draftwise.engine.sampling import SamplingConfig, _dropped, unwarped
+
+
+def beam_candidates(logits: torch.Tensor, configs: Sequence[SamplingConfig], beams: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, vocab] logits -> (log-probabilities [rows, C], their tokens [rows, C]): the only next tokens a beam of
+    each row can take, scored as `beam_log_probs` scores them (-inf pads a row with fewer).
+
+    A temperature-0 row: its `beams` most likely tokens (the top `beams` joint scores over a beam's children are
+    among them). A row with top-k on: its k tokens, warped among themselves (`_top_k_log_probs`). Any other row:
+    the whole vocabulary. A beam step then selects among beams x C scores, not beams x vocabulary."""
+    rows, vocab = logits.shape
+    groups: dict[SamplingConfig, list[int]] = {}
+    for b, config in enumerate(configs):
+        groups.setdefault(config, []).append(b)
+    parts = []
+    for config, members in groups.items():
+        part = logits[torch.tensor(members, device=logits.device)]
+        if config.greedy:
+            values, tokens = torch.topk(unwarped(part), min(beams, vocab), dim=-1)
+            values = torch.log(values)
+        elif 0 < config.top_k < vocab:
+            values, tokens = _top_k_log_probs(part, config)
+        else:
+            values = torch.log(warp_rows(part, [config] * len(members)))
+            tokens = torch.arange(vocab, device=logits.device).expand(len(members), vocab)
+        parts.append((members, values, tokens))
+    # at least `beams` columns: a row with fewer candidates keeps its dead beams (-inf), as over the vocabulary
+    width = max([min(beams, vocab)] + [values.shape[1] for _, values, _ in parts])
+    scores = torch.full((rows, width), float("-inf"), device=logits.device)
+    ids = torch.zeros(rows, width, dtype=torch.long, device=logits.device)
+    for members, values, tokens in parts:
+        index = torch.tensor(members, device=logits.device)
+        scores[index, : values.shape[1]] = values
+        ids[index, : tokens.shape[1]] = tokens
+    return scores, ids
+
+
+def _top_k_log_probs(logits: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k (then top-p) warping over the k most likely tokens alone: (log-probabilities, tokens) [rows, k],
+    descending, -inf where top-p drops. A row whose k-th logit ties the next one (the full warp keeps every tied
+    token) takes the whole vocabulary instead; then [rows, vocab]."""
+    x = logits.float()
+    if config.temperature != 1.0:
+        x = x / config.temperature
+    k = config.top_k
+    values, tokens = torch.topk(x, k + 1, dim=-1)
+    if bool((values[:, k - 1] == values[:, k]).any()):  # a tie at the cut: the full warp's answer
+        probs = warp_rows(logits, [config] * logits.shape[0])
+        return torch.log(probs), torch.arange(x.shape[1], device=x.device).expand_as(probs)
+    probs = torch.softmax(values[:, :k], dim=-1)
+    if config.top_p < 1.0:
+        kept = probs.masked_fill(_dropped(probs, config.top_p), 0.0)
+        probs = kept / kept.sum(-1, keepdim=True)
+    return torch.log(probs), tokens[:, :k]
 
 
 def beam_log_probs(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:
     """[rows, vocab] logits -> the log-probabilities beams are scored with (-inf where warped away): the model's own
-    distribution for a temperature-0 row, the warped one otherwise."""
-    greedy = torch.tensor([c.greedy for c in configs], device=logits.device)
-    probs = torch.where(greedy[:, None], unwarped(logits), warp_rows(logits, configs))
-    return torch.log(probs)
+    distribution for a temperature-0 row, the warped one otherwise (a top-k row's among its k tokens, as
+    `beam_candidates` scores them)."""
+    out = torch.log(unwarped(logits))
+    warped = [b for b, c in enumerate(configs) if not c.greedy]
+    if warped:
+        scores, ids = beam_candidates(logits[warped], [configs[b] for b in warped], 1)
+        part = torch.full((len(warped), out.shape[1]), float("-inf"), device=out.device)
+        live = torch.isfinite(scores)  # padding columns hold token 0 at -inf: never written over a real score
+        part[live.nonzero()[:, 0], ids[live]] = scores[live]
+        out[warped] = part
+    return out
 
 
 def select_candidates(scores: torch.Tensor, n: int, configs: Sequence[SamplingConfig],
                       generators: Sequence[torch.Generator], drawing: Sequence[bool] | None = None) -> torch.Tensor:
     """[rows, C] joint log-scores -> [rows, n] indices: the top n (temperature 0) or n drawn without replacement
     (Gumbel-top-k, with each row's generator). -inf scores are chosen only when fewer than n are finite. A row not
-    `drawing` (its beams are done) takes no random number, so its generator does not depend on its batch-mates."""
-    keys = scores.double()
+    `drawing` (its beams are done) takes no random number, so its generator does not depend on its batch-mates.
+
+    A drawing row takes one uniform per finite score, in index order: a warped row (top-k, top-p) has few (the
+    Gumbel keys of a -inf score stay -inf, so drawing for them would change nothing but the cost)."""
+    k = min(n, scores.shape[1])
+    chosen = torch.topk(scores, k, dim=-1).indices  # the greedy rows' (and the non-drawing rows') answer
     for b, (config, generator) in enumerate(zip(configs, generators)):
-        if not config.greedy and (drawing is None or drawing[b]):
-            u = torch.rand(scores.shape[1], generator=generator, device=scores.device, dtype=torch.float64)
-            keys[b] -= torch.log(-torch.log(u.clamp_(min=1e-300)))  # -inf stays -inf
-    return torch.topk(keys, min(n, scores.shape[1]), dim=-1).indices
+        if config.greedy or (drawing is not None and not drawing[b]):
+            continue
+        live = torch.isfinite(scores[b]).nonzero().squeeze(1)  # ascending indices
+        u = torch.rand(live.shape[0], generator=generator, device=scores.device, dtype=torch.float64)
+        keys = scores[b, live].double() - torch.log(-torch.log(u.clamp_(min=1e-300)))
+        top = live[torch.topk(keys, min(k, live.shape[0])).indices]
+        if top.shape[0] < k:  # dead beams: any -inf candidates fill the rest
+            dead = torch.ones(scores.shape[1], dtype=torch.bool, device=scores.device)
+            dead[live] = False
+            top = torch.cat([top, dead.nonzero().squeeze(1)[: k - top.shape[0]]])
+        chosen[b] = top
+    return chosen
 
 
 class ModelBeams(ModelRowsDrafter):
@@ -117,12 +190,12 @@ class BeamRowsDrafter(WrappingDrafter):
         configs = [r.request.sampling for r in rows]
         generators = [r.generator for r in rows]
         cache = self.base.runner.cache
-        scores = beam_log_probs(logits[:, :vocab], configs)  # [rows, vocab] the first token's joint
-        chosen = select_candidates(scores, beams, configs, generators,  # [rows, W'] W' = min(W, vocab)
+        scores, ids = beam_candidates(logits[:, :vocab], configs, beams)  # [rows, C] the first token's joint
+        chosen = select_candidates(scores, beams, configs, generators,  # [rows, W'] W' = min(W, C)
                                    [limit > 0 for limit in limits])
         width_w = chosen.shape[1]
         parents = torch.zeros_like(chosen)
-        tokens = chosen
+        tokens = ids.gather(1, chosen)
         scores = scores.gather(1, chosen).float()  # [rows, W']
         history, joints = tokens[:, :, None], scores[:, :, None]  # [rows, W', t]
         done_tokens: list[torch.Tensor | None] = [None] * n
@@ -134,11 +207,12 @@ class BeamRowsDrafter(WrappingDrafter):
                 state = state.repeat_interleave(width_w, 0)
         for t in range(1, width):
             logits, state = self.base.beam_step(tokens.flatten(), state, n)  # [rows W', vocab]
-            step = beam_log_probs(logits[:, :vocab], [c for c in configs for _ in range(width_w)])
-            joint = (scores[:, :, None] + step.view(n, width_w, vocab)).flatten(1)  # [rows, W' vocab]
+            step, ids = beam_candidates(logits[:, :vocab], [c for c in configs for _ in range(width_w)], width_w)
+            size = step.shape[1]  # C: each beam's candidate children
+            joint = (scores[:, :, None] + step.view(n, width_w, size)).flatten(1)  # [rows, W' C]
             chosen = select_candidates(joint, width_w, configs, generators, [t < limit for limit in limits])
-            parents = torch.div(chosen, vocab, rounding_mode="floor")
-            tokens = chosen % vocab
+            parents = torch.div(chosen, size, rounding_mode="floor")
+            tokens = ids.view(n, width_w * size).gather(1, chosen)
             scores = joint.gather(1, chosen).float()
             history = torch.cat([history.gather(1, parents[:, :, None].expand(-1, -1, t)), tokens[:, :, None]], 2)
             joints = torch.cat([joints.gather(1, parents[:, :, None].expand(-1, -1, t)), scores[:, :, None]], 2)
