@@ -150,6 +150,40 @@ def test_the_tree_budget_is_an_argument_of_propose(target):
     assert tree.parents is not None and tree.counts == [5]
 
 
+def test_a_drafter_feeds_a_prompt_when_its_row_first_drafts_and_then_drafts_as_a_fresh_rollout():
+    """Admission feeds the draft model nothing; a row's first drafting step feeds its prompt (in prefill chunks when
+    it is longer than LAZY_PROMPT, in the step's own forward when shorter), beside a row that has drafted before and
+    a one-token prompt, and every row's greedy draft equals a cache-free rollout of its sequence."""
+    from draftwise.drafters.base import LAZY_PROMPT
+
+    model = tiny_llama(1, layers=2)
+    drafter = ModelRowsDrafter(ModelRunner(model, rows=0), 64)
+    sequences = [[(7 * i + 3) % 60 for i in range(LAZY_PROMPT + 25)], [4], [9, 8, 7, 6, 5]]
+    for b, seq in enumerate(sequences):
+        drafter.admit(b, seq)
+    assert drafter.runner.calls == 0 and drafter.runner.tokens_processed == 0
+    empty = drafter.propose(_rows(*sequences), [0, 0, 0])  # a step that drafts nothing feeds nothing
+    assert empty.counts == [0, 0, 0] and drafter.runner.calls == 0
+
+    def rollout(seq, n):
+        out = list(seq)
+        with torch.inference_mode():
+            for _ in range(n):
+                out.append(int(model(torch.tensor([out])).logits[0, -1, :64].argmax()))
+        return out[len(seq):]
+
+    draft = drafter.propose(_rows(*sequences), [3, 2, 0])
+    assert drafter.prefill_calls >= 1  # the long prompt went in as a prompt
+    for b, seq in enumerate(sequences):
+        assert draft.tokens[b, : draft.counts[b]].tolist() == rollout(seq, [3, 2, 0][b]), b
+    for b, seq in enumerate(sequences):  # each row keeps one drafted token and a new one; draft again
+        seq += [int(draft.tokens[b, 0]) if draft.counts[b] else 11, 12 + b]
+        drafter.rewind(b, min(drafter.runner.lengths[b], len(seq) - 2))
+    again = drafter.propose(_rows(*sequences), [2, 3, 4])
+    for b, seq in enumerate(sequences):
+        assert again.tokens[b, : again.counts[b]].tolist() == rollout(seq, [2, 3, 4][b]), b
+
+
 def test_a_wrapper_hands_every_hook_to_the_drafter_it_wraps():
     calls = []
 

@@ -19,6 +19,7 @@ from draftwise.engine.rows import Row, cut_at_eos
 
 
 CATCH_UP = 256  # prompt tokens a draft model is fed per step for a row admitted with a longer prompt
+LAZY_PROMPT = 16  # a row this many tokens behind its sequence (a prompt not yet fed) is fed them as a prompt first
 
 
 class Drafter:
@@ -185,9 +186,9 @@ class ModelRowsDrafter(Drafter):
         return self.runner.calls - self.prefill_calls
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        # the prompt is fed when the row first drafts (`pending_feed`): a row the engine never lets draft (a batch
+        # where no drafted token pays, SV / adaptive-verify) costs the draft model nothing
         self.runner.cache.reset_row(row)
-        if len(prompt_ids) - 1 <= CATCH_UP:  # a longer prompt is caught up in drafting steps (see `propose`)
-            self.prefill_calls += len(prefill_row(self.runner, row, prompt_ids[:-1]))
 
     def propose(self, rows: Sequence[Row], limits: Sequence[int], *, tree_nodes: int = 0,
                 tree_min_prob: float = 0.0) -> RowsDraft:
@@ -246,6 +247,10 @@ class ModelRowsDrafter(Drafter):
         go in at once, in prefill chunks (counted in `prefill_calls`), and they draft in this very step. (Fed
         CATCH_UP a step, a 7.6k-token prompt drafted nothing for its first 30 steps: a request for 16 tokens
         drafted nothing at all.)"""
+        lengths = self.runner.lengths
+        for b, r in enumerate(rows):  # a prompt not yet fed (admission feeds nothing), as a prompt: in chunks
+            if LAZY_PROMPT < len(r.sequence) - lengths[b] <= CATCH_UP + 1:
+                self.prefill_calls += len(prefill_row(self.runner, b, r.sequence[lengths[b]: len(r.sequence) - 1]))
         lengths = self.runner.lengths
         behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
         if behind and all(behind):
