@@ -90,9 +90,12 @@ def test_a_method_that_accepted_nothing_cannot_win_on_noise():
 def test_only_runs_the_default_could_repeat_are_candidates():
     # a label with options, a method given --option, or another gamma is not what the default would run
     assert advice.advise(_results({"ar": 1.0, "sd/gamma=3": 1.4, "suffix": 1.1}), COSTS, {})["method"] == "suffix"
+    # where nothing but ar is left there is no advice at all (and no record): ar would be "fastest" only by
+    # having no rival, and would replace what an earlier run found
     assert advice.advise(_results({"ar": 1.0, "suffix": 1.1}, options={"suffix": {"max_depth": 8}}), COSTS,
-                         {})["method"] == "ar"
-    assert advice.advise(_results({"ar": 1.0, "suffix": 1.1}, gamma=6), COSTS, {})["method"] == "ar"
+                         {}) is None
+    assert advice.advise(_results({"ar": 1.0, "suffix": 1.1}, gamma=6), COSTS, {}) is None
+    assert advice.advise(_results({"ar": 1.0, "sd": 1.29, "sprinter": 1.42}, gamma=3), COSTS, {}) is None
     assert advice.advise(_results({"sd": 1.1, "suffix": 1.2}), COSTS, {}) is None  # no ar, no ratio
 
 

@@ -53,8 +53,8 @@ def advise(results: dict[str, Any], costs: dict[str, Any] | None, machine: dict[
     if "ar" not in results.get("methods", {}):
         return None
     speeds = _candidates(results)
-    if not speeds:
-        return None
+    if set(speeds) <= {"ar"}:  # no method the default could run beside ar: no evidence either way (a run of
+        return None            # `sd/gamma=3` alone must not record ar as this machine's choice)
     # A method that committed no more than one token a target call did ar's work plus its drafting: faster than ar
     # only by noise, so it cannot win (its ratio is still shown). A tie goes to ar: nothing to pay.
     methods = results["methods"]
