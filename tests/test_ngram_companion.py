@@ -74,7 +74,7 @@ def test_distributions_match_the_reference_over_drafts_rewinds_and_moves():
     rows = [Row(p, s, seed) for seed, (p, s) in enumerate(zip([[1], [2, 3, 4, 2, 3], [5, 6]], settings))]
     for b, row in enumerate(rows):
         drafter.admit(b, row.sequence)
-    checked = 0
+    checked = tied = 0
     for step in range(10):
         limits = [0] * len(rows) if step in (3, 4) else [rng.randint(0, 4) for _ in rows]  # 2 steps draft nothing
         out = drafter.propose(rows, limits)
@@ -88,8 +88,12 @@ def test_distributions_match_the_reference_over_drafts_rewinds_and_moves():
                                         dtype=torch.float32)
                 assert torch.allclose(out.companion_raw[b, i], expected, atol=1e-6), (step, b, i)
                 assert float(out.companion_raw[b, i].min()) > 0
-                assert torch.allclose(out.companion_probs[b, i], warp(expected.log(), row.request.sampling),
-                                      atol=1e-5)
+                sampling = row.request.sampling
+                top = torch.sort(expected, descending=True).values
+                if 0 < sampling.top_k < vocab and bool(top[sampling.top_k - 1] == top[sampling.top_k]):
+                    tied += 1  # a tie at top-k's cut: which tied tokens stay depends on float rounding (the
+                    continue   # prompt counted in an earlier call or in this one), within the 1e-6 above
+                assert torch.allclose(out.companion_probs[b, i], warp(expected.log(), sampling), atol=1e-5)
                 checked += 1
         for b, row in enumerate(rows):  # keep a random prefix and a "recovered" token from a small alphabet
             keep = rng.randint(0, out.counts[b])
@@ -100,7 +104,7 @@ def test_distributions_match_the_reference_over_drafts_rewinds_and_moves():
             rows[1] = rows[2]
             del rows[2]
             drafter.release(2)
-    assert checked > 40
+    assert checked > 40 and tied < checked // 4  # the tie skip is the exception
 
 
 def test_a_position_does_not_read_the_tokens_fed_after_it():

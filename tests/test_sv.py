@@ -540,7 +540,7 @@ def test_schedule_extremes_and_no_starvation():
 def test_engine_never_starves_a_row_and_the_cost_decides_what_is_verified():
     """Every live row commits at least one token per step, whatever the cost; free verification verifies every
     drafted token, prohibitive verification none (and then nothing is drafted at all: no draft could pay, so the
-    draft model never runs, not even on the prompts: admission feeds it nothing)."""
+    draft model and the companion never run, not even on the prompts: admission feeds them nothing)."""
     target, draft, companion = trio()
     table = built_profile(V, 1.0)[0].table("adaptive")
     for cost, expect in ((1e9, "none"), (0.0, "all"), (VERIFY_COST, "some")):
@@ -559,6 +559,7 @@ def test_engine_never_starves_a_row_and_the_cost_decides_what_is_verified():
         if expect == "none":
             assert proposed == 0 and drafted == 0 and all(s["steps"] == s["new_tokens"] for s in stats)
             assert inner.runner.tokens_processed == 0 and inner.runner.calls == 0  # not even the prompts
+            assert drafter.companion.tokens_processed == 0  # nor the companion
         elif expect == "all":
             assert drafted == proposed > 0
         else:

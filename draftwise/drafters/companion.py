@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from draftwise.drafters.base import ModelRowsDrafter, WrappingDrafter, prefill_row
+from draftwise.drafters.base import LAZY_PROMPT, ModelRowsDrafter, WrappingDrafter, prefill_row
 from draftwise.engine.protocols import RowsDraft, pad_rows
 from draftwise.engine.rows import Row
 from draftwise.engine.keyed import STAGED, row_draws
@@ -32,14 +32,19 @@ class CompanionRowsDrafter(WrappingDrafter):
         return self.companion.calls - self.companion_prefill_calls
 
     def admit(self, row: int, prompt_ids: Sequence[int]) -> None:
+        # as the draft model, the companion is fed the prompt when the row first drafts (`propose`)
         self.inner.admit(row, prompt_ids)
         self.companion.cache.reset_row(row)
-        self.companion_prefill_calls += len(prefill_row(self.companion, row, prompt_ids[:-1]))
 
     def propose(self, rows: Sequence[Row], limits: Sequence[int]) -> RowsDraft:
         draft = self.inner.propose(rows, limits)
         if not draft.width:  # nothing to score: the companion catches up in the next step that drafts
             return draft
+        lengths = self.companion.lengths
+        for b, r in enumerate(rows):  # a prompt not yet fed goes in as a prompt, in chunks, all but its last token
+            if len(r.sequence) - lengths[b] > LAZY_PROMPT:
+                self.companion_prefill_calls += len(prefill_row(self.companion, b,
+                                                                r.sequence[lengths[b]: len(r.sequence) - 1]))
         lengths = self.companion.lengths
         drafted = draft.tokens.tolist()
         pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1-2 a row; more after undrafted steps
