@@ -247,15 +247,12 @@ class ModelRowsDrafter(Drafter):
         go in at once, in prefill chunks (counted in `prefill_calls`), and they draft in this very step. (Fed
         CATCH_UP a step, a 7.6k-token prompt drafted nothing for its first 30 steps: a request for 16 tokens
         drafted nothing at all.)"""
-        lengths = self.runner.lengths
-        for b, r in enumerate(rows):  # a prompt not yet fed (admission feeds nothing), as a prompt: in chunks
-            if LAZY_PROMPT < len(r.sequence) - lengths[b] <= CATCH_UP + 1:
-                self.prefill_calls += len(prefill_row(self.runner, b, r.sequence[lengths[b]: len(r.sequence) - 1]))
+        # a prompt not yet fed (admission feeds nothing) goes in as a prompt
+        self.prefill_calls += prefill_unfed(self.runner, rows, max_behind=CATCH_UP + 1)
         lengths = self.runner.lengths
         behind = [len(r.sequence) - lengths[b] > CATCH_UP for b, r in enumerate(rows)]
         if behind and all(behind):
-            for b, r in enumerate(rows):  # all but the last token: it is fed below and scores the first draft
-                self.prefill_calls += len(prefill_row(self.runner, b, r.sequence[lengths[b]: len(r.sequence) - 1]))
+            self.prefill_calls += prefill_unfed(self.runner, rows)
             lengths = self.runner.lengths
             behind = [False] * len(rows)
         feed, counts = pad_rows([r.sequence[lengths[b]: lengths[b] + CATCH_UP] for b, r in enumerate(rows)])
@@ -370,6 +367,18 @@ def _unstopped(active: list[bool], stop: torch.Tensor | None) -> list[bool]:
     if stop is None:
         return active
     return [a and not s for a, s in zip(active, stop.tolist())]
+
+
+def prefill_unfed(runner, rows: Sequence[Row], *, max_behind: int | None = None) -> int:
+    """Feed each row whose cache is more than LAZY_PROMPT tokens behind its sequence (at most `max_behind`) all its
+    unfed tokens but the last (which the step's own forward feeds) in prefill chunks; returns the forwards taken.
+    How a drafter's model, or SV's companion, catches up on a prompt it was not fed at admission."""
+    calls = 0
+    lengths = runner.lengths
+    for b, r in enumerate(rows):
+        if LAZY_PROMPT < len(r.sequence) - lengths[b] <= (max_behind or len(r.sequence)):
+            calls += len(prefill_row(runner, b, r.sequence[lengths[b]: len(r.sequence) - 1]))
+    return calls
 
 
 def prefill_row(runner: ModelRunner, row: int, tokens: Sequence[int], *, hidden: bool = False) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from draftwise.drafters.base import LAZY_PROMPT, ModelRowsDrafter, WrappingDrafter, prefill_row
+from draftwise.drafters.base import ModelRowsDrafter, WrappingDrafter, prefill_unfed
 from draftwise.engine.protocols import RowsDraft, pad_rows
 from draftwise.engine.rows import Row
 from draftwise.engine.keyed import STAGED, row_draws
@@ -40,11 +40,7 @@ class CompanionRowsDrafter(WrappingDrafter):
         draft = self.inner.propose(rows, limits)
         if not draft.width:  # nothing to score: the companion catches up in the next step that drafts
             return draft
-        lengths = self.companion.lengths
-        for b, r in enumerate(rows):  # a prompt not yet fed goes in as a prompt, in chunks, all but its last token
-            if len(r.sequence) - lengths[b] > LAZY_PROMPT:
-                self.companion_prefill_calls += len(prefill_row(self.companion, b,
-                                                                r.sequence[lengths[b]: len(r.sequence) - 1]))
+        self.companion_prefill_calls += prefill_unfed(self.companion, rows)  # a prompt not yet fed, as a prompt
         lengths = self.companion.lengths
         drafted = draft.tokens.tolist()
         pending = [len(r.sequence) - lengths[b] for b, r in enumerate(rows)]  # 1-2 a row; more after undrafted steps

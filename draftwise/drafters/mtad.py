@@ -131,9 +131,13 @@ def select_candidates(scores: torch.Tensor, n: int, configs: Sequence[SamplingCo
     A drawing row takes one uniform per finite score, in index order: a warped row (top-k, top-p) has few (the
     Gumbel keys of a -inf score stay -inf, so drawing for them would change nothing but the cost)."""
     k = min(n, scores.shape[1])
-    chosen = torch.topk(scores, k, dim=-1).indices  # the greedy rows' (and the non-drawing rows') answer
-    for b, (config, generator) in enumerate(zip(configs, generators)):
-        if config.greedy or (drawing is not None and not drawing[b]):
+    draws = [not c.greedy and (drawing is None or drawing[b]) for b, c in enumerate(configs)]
+    if not all(draws):  # the greedy rows and those not drawing: the top k
+        chosen = torch.topk(scores, k, dim=-1).indices
+    else:
+        chosen = torch.empty(scores.shape[0], k, dtype=torch.long, device=scores.device)
+    for b, generator in enumerate(generators):
+        if not draws[b]:
             continue
         live = torch.isfinite(scores[b]).nonzero().squeeze(1)  # ascending indices
         u = torch.rand(live.shape[0], generator=generator, device=scores.device, dtype=torch.float64)
