@@ -12,8 +12,8 @@
   alone and in a ragged batch on the server's schedule.
 - Load independence: 16 requests with one seed at concurrency 1, 8 and 16 (a closed loop on one engine, the
   server's schedule: requests join while others decode), at T=0 and T=1, for sd, prompt-lookup, suffix, hybrid,
-  trees, lossy and cascade: 48/48 answers equal to the concurrency-1 answer. Control: the previous stream draws
-  (one torch.Generator per request, numbers taken in order) fail it for sd at T=1 (the draft lengths follow load).
+  trees, lossy and cascade: 48/48 answers equal to the concurrency-1 answer. Control: draws from one stream for
+  the engine (a torch.Generator, numbers taken row by row in batch order) fail it for sd at T=1.
 - Acceptance of the two couplings on the tiny pair, reported (Gumbel accepts less than rejection sampling).
 """
 
@@ -282,29 +282,32 @@ def test_sixteen_seeded_requests_give_48_of_48_at_concurrency_1_8_16(method, tem
     assert same == 3 * REQUESTS
 
 
-def test_control_stream_draws_fail_the_load_check(pair, monkeypatch):
-    """The draws before keying (each request's torch.Generator, numbers taken in order) under rejection sampling:
-    at T=1 the sd answers change with load (rows joining beside decoding ones catch up drafting nothing, so the
-    numbers a row took so far follow the batch). The same check must catch it."""
+def test_control_batch_stream_draws_fail_the_load_check(pair, monkeypatch):
+    """The draws before keying with one stream for the engine (a torch.Generator seeded once, numbers taken row by
+    row as a step's batch lists them: the usual batched sampler) under rejection sampling: at T=1 a row's numbers
+    follow its batch-mates, so its answer changes with load. The same check must catch it. (Per-request streams
+    no longer fail it for sd: every row drafts from its first step, so a row takes the same numbers at any load.)"""
     import draftwise.engine.step as step_module
     import draftwise.engine.keyed as keyed_module
 
     target, draft = pair
-    streams: dict[int, torch.Generator] = {}
+    stream = torch.Generator()
 
-    def stream_draws(rows, device):  # each request's stream: a fresh seed a step, as the stream advances
-        for r in rows:
-            streams.setdefault(id(r), torch.Generator().manual_seed(r.seed))
-        seeds = [int(torch.randint(0, 2**62, (1,), generator=streams[id(r)])) for r in rows]
+    def stream_draws(rows, device):
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=stream)) for _ in rows]
         return keyed_module.Draws(seeds, [0] * len(rows), [r.gumbel for r in rows], device)
 
     monkeypatch.setattr(step_module, "row_draws", stream_draws)
     import draftwise.drafters.base as base
     monkeypatch.setattr(base, "row_draws", stream_draws)
     plan = _plan(target, draft, "sd", 1.0, coupling="rejection")
-    reference = _closed_loop(plan, 1)
-    same = sum(answer == reference[0] for c in (8, 16) for answer in _closed_loop(plan, c))
-    print(f"control, stream draws: {same}/32")
+    stream.manual_seed(plan.seed)
+    reference = _closed_loop(plan, 1)[0]
+    same = 0
+    for concurrency in (8, 16):
+        stream.manual_seed(plan.seed)
+        same += sum(answer == reference for answer in _closed_loop(plan, concurrency))
+    print(f"control, one stream for the batch: {same}/32")
     assert same < 2 * REQUESTS
 
 
