@@ -318,6 +318,23 @@ def test_answer_chunks_resume_and_their_features_equal_a_cache_free_forward(tmp_
         list(read_answers(out))
 
 
+def test_feature_noise_is_uniform_in_units_of_each_dimensions_scale():
+    from draftwise.training.eagle3_train import with_feature_noise
+
+    torch.manual_seed(0)
+    aux = torch.randn(2, 50, 6) * 4
+    scale = torch.tensor([0.5, 1.0, 2.0, 8.0, 0.1, 3.0])
+    noisy = with_feature_noise(aux, scale, 0.2)
+    relative = (noisy - aux) / scale
+    assert float(relative.abs().max()) <= 0.2 + 1e-6
+    assert float(relative.abs().max()) > 0.18  # it reaches the amplitude in every dimension's units...
+    assert abs(float(relative.mean())) < 0.02  # ...centred on zero
+    for d in range(6):  # the same spread in every dimension
+        assert 0.1 < float(relative[..., d].std()) < 0.13  # uniform on [-a, a]: a / sqrt(3) = 0.115
+    assert not torch.equal(with_feature_noise(aux, scale, 0.2), noisy)
+    assert torch.equal(with_feature_noise(aux, scale, 0.0), aux)
+
+
 def test_eagle3_training_lowers_the_loss_resumes_and_drafts_exactly(tmp_path):
     from draftwise.training.eagle3_train import Eagle3TrainConfig, train_eagle3
     from draftwise.training.shards import generate_shards
@@ -572,10 +589,10 @@ def test_train_eagle3_and_export_cli_on_a_tiny_target(tmp_path):
 
     run = cli("train-eagle3", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "d"), "--out",
               str(tmp_path / "o"), "--steps", "3", "--draft-vocab", "40", "--intermediate-size", "48", "--batch-size",
-              "2", "--warmup", "1", "--ttt-steps", "2", "--fp32")
+              "2", "--warmup", "1", "--ttt-steps", "2", "--fp32", "--feature-noise", "0.1")
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "o" / "distill-report.json").read_text())
-    assert report["steps"] == 3 and report["finished"]
+    assert report["steps"] == 3 and report["finished"] and report["config"]["feature_noise"] == 0.1
     run = cli("export-eagle", "--head", str(tmp_path / "o" / "head"), "--out", str(tmp_path / "x"), "--target",
               str(tmp_path / "target"))
     assert run.returncode == 0, run.stderr[-2000:]
@@ -583,7 +600,9 @@ def test_train_eagle3_and_export_cli_on_a_tiny_target(tmp_path):
     for argv, message in ((("train-eagle3", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "o2"),
                             "--target", str(tmp_path / "target")), "no feature shards"),
                           (("train-eagle3", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o3"), "--steps", "0"),
-                           "--steps must be >= 1")):
+                           "--steps must be >= 1"),
+                          (("train-eagle3", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o4"),
+                            "--feature-noise", "-0.5"), "--feature-noise must be a finite number >= 0")):
         run = cli(*argv)
         assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]
 

@@ -336,6 +336,9 @@ def add_train_eagle3(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     for name in ("lr", "weight_decay", "decay", "val_fraction"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
+    p.add_argument("--feature-noise", type=float, default=d.feature_noise,
+                   help="uniform noise of this amplitude (in units of each feature dimension's scale) on the target "
+                   "features of training batches, as EAGLE-1 trained (default: 0, none)")
     p.add_argument("--own-lm-head", dest="shared_lm_head", action="store_false",
                    help="train and store the head's own LM head (default: the target's rows, frozen, not stored)")
     precision = p.add_mutually_exclusive_group()
@@ -369,6 +372,8 @@ def run_train_eagle3(args: argparse.Namespace) -> int:
     for name in ("draft_vocab", "intermediate_size", "max_len", "batch_size", "steps", "ttt_steps", "checkpoint_every"):
         if getattr(args, name) < 1:
             raise DraftwiseError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.feature_noise < float("inf"):
+        raise DraftwiseError(f"--feature-noise must be a finite number >= 0, got {args.feature_noise}")
     if args.threads:
         torch.set_num_threads(args.threads)
     names = {f.name for f in dataclasses.fields(Eagle3TrainConfig)}

@@ -64,6 +64,8 @@ class Eagle3TrainConfig:
     # registry's draftwise/weights/vocab/*.json); empty: the most frequent tokens of the training data
     group_by_length: bool = True  # batches of similar lengths (less padding: every position costs the same)
     init_from: str = ""  # an EAGLE-3 head directory to start from (fine-tuning): its weights and draft vocabulary
+    feature_noise: float = 0.0  # training batches only: uniform noise of this amplitude, in units of each feature
+    # dimension's scale, on the target features the head reads (EAGLE-1's augmentation; 0: none)
 
 
 @dataclass
@@ -237,6 +239,15 @@ def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], steps: int) ->
     return out
 
 
+def with_feature_noise(aux: torch.Tensor, scale: torch.Tensor, amplitude: float) -> torch.Tensor:
+    """The fused target features [B, W, 3H] plus uniform noise in [-amplitude, amplitude] times each dimension's
+    scale (the head divides by that scale first, so the noise is the same size in every dimension it reads): the
+    head learns from features a little off the ones it was shown, as it meets at inference after its own steps.
+    The teacher's distributions come from the final states, which the noise does not touch."""
+    noise = (torch.rand_like(aux) * 2 - 1) * amplitude
+    return aux + noise * scale.to(aux.device, aux.dtype)
+
+
 def teacher_targets(final: torch.Tensor, valid: torch.Tensor, target_rows: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocabulary and its argmax at every scored grid position, computed
@@ -318,8 +329,10 @@ def train_eagle3(config: Eagle3TrainConfig, target, *, eos_ids: set[int], minute
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
     def step_fn(picked: list[int]):
-        return ttt_losses(head, target_rows, _batch([train[i] for i in picked], config.ttt_steps, hidden, device),
-                          config.ttt_steps, config.decay, bf16=config.bf16)
+        batch = _batch([train[i] for i in picked], config.ttt_steps, hidden, device)
+        if config.feature_noise:
+            batch["aux"] = with_feature_noise(batch["aux"], head.feature_scale, config.feature_noise)
+        return ttt_losses(head, target_rows, batch, config.ttt_steps, config.decay, bf16=config.bf16)
 
     started = time.perf_counter()
     deadline = time.monotonic() + minutes * 60 if minutes else None
