@@ -63,7 +63,7 @@ from draftwise.models.loading import LoadedModel
 from draftwise.models.runner import ModelRunner
 from draftwise.engine.sampling import SamplingConfig, make_generator, unwarped, warp
 from draftwise.drafters.companion import CompanionRowsDrafter, StagedRowsDrafter
-from draftwise.selectors.selection import GoodputSelector, indicator_pair
+from draftwise.selectors.selection import GoodputSelector, HistorySelector, indicator_pair
 from test_exactness import ALPHA, exact_joint, model as small_llama, pooled_chisquare
 
 V = 8  # vocabulary of the exactness models
@@ -368,12 +368,16 @@ def test_staged_batched_request_equals_the_request_alone_at_temperature_1():
         assert [g.token_ids for g in batched] == [g.token_ids for g in alone], seed
 
 
-def test_generate_runs_the_profiled_selector(profile_path):
+def test_generate_runs_the_profiled_selector(tmp_path):
     """generate(method="sv", profile=...) alone equals an engine of one row with GoodputSelector over the profile's
     adaptive table (bins="equal": the equal-width table), token for token at T=1; the two tables choose
-    differently, so the comparison tells them apart."""
+    differently, so the comparison tells them apart. (A verified token costs 0.4 of a step here, under the
+    profile's mean acceptance, so a new request drafts from its first step.)"""
     target, draft, companion = trio()
+    profile_path = tmp_path / "profile.json"
+    built_profile(V, 1.0, 0.4)[0].save(profile_path)
     profile = sv.SVProfile.load(profile_path)
+    assert GoodputSelector(profile.table("adaptive"), profile.latency).expected_pays(1, GAMMA)
     outputs = {}
     for bins in ("adaptive", "equal"):
         for seed in range(2):
@@ -874,6 +878,30 @@ def test_could_pay_follows_the_latency_model():
     assert selector.limits(rows[:1], [4]) == [1]  # one row: a probe pays again, and the batch shrank
 
 
+def test_a_new_request_starts_quiet_where_the_mean_acceptance_would_not_pay():
+    """A new request drafts its full limit where drafting at the selector's mean acceptance pays ((1 + a + ..) /
+    (1 + 0.5 k) > 1 at one row), and starts quiet (probing with the quiet ones) where only a whole accepted draft
+    would; SV's mean is the profile's (recovered from its shrunk cells), adaptive-verify's the pooled history."""
+    table = built_profile(V, 1.0)[0].table("adaptive")
+    rows = [Row([1], PLAIN, 0), Row([2], PLAIN, 1)]
+    rows[0].id, rows[1].id = 10, 11
+    for rate, starts in ((0.9, [GAMMA, GAMMA]), (0.1, [0, 0])):
+        flat = dataclasses.replace(table, mean=[[rate] * len(row) for row in table.mean])
+        selector = GoodputSelector(flat, linear_latency(0.5), lookahead=1, memory=2, probe=3)
+        assert selector.mean_rate() == pytest.approx(rate)
+        got = [selector.limits(rows, [GAMMA, GAMMA]) for _ in range(4)]
+        assert got[0] == starts
+        if not any(starts):  # quiet from the start: both probe in step 3 only
+            assert got == [[0, 0], [0, 0], [1, 1], [0, 0]], got
+    _, samples = built_profile(V, 1.0)
+    mean_x = float(torch.tensor(samples["x"], dtype=torch.float64).mean())  # the shrunk cells give back the mean
+    assert GoodputSelector(table, linear_latency(0.5)).mean_rate() == pytest.approx(mean_x)
+    history = HistorySelector(linear_latency(0.5), GAMMA, lookahead=1, probe=3)
+    assert history.mean_rate() == 0.5 and history.limits(rows, [GAMMA, GAMMA]) == [0, 0]  # 1.5 / 1.5: a tie
+    cheaper = HistorySelector(linear_latency(0.4), GAMMA, lookahead=1, probe=3)
+    assert cheaper.limits(rows, [GAMMA, GAMMA]) == [GAMMA, GAMMA]  # 1.5 / 1.4 > 1
+
+
 @pytest.mark.parametrize("probe", [0, 8])
 def test_prohibitive_verification_stops_drafting_and_the_companion(probe):
     """Where verifying never pays (not even a draft accepted whole: `could_pay`), a request drafts nothing from its
@@ -903,10 +931,10 @@ def test_prohibitive_verification_stops_drafting_and_the_companion(probe):
 @pytest.mark.parametrize("probe", [4, 5])
 def test_a_quiet_request_probes_in_the_engine_every_probe_steps(probe):
     """In the engine: where a draft accepted whole would pay (`could_pay`) but every estimate says verifying a
-    token does not (acceptance 0.1 against a token's verification at half a step), a request drafts while its
-    history fills (gamma, then 1 a step), then only a 1-token probe in the steps numbered a multiple of `probe`;
-    the companion runs exactly in the steps that drafted. Counted from the rule, so a probe schedule that drifts,
-    stops or runs every step fails."""
+    token does not (acceptance 0.1 against a token's verification at half a step), a request starts quiet (the
+    profile's mean acceptance would not pay either: `expected_pays`) and drafts only a 1-token probe in the steps
+    numbered a multiple of `probe`; the companion runs exactly in the steps that drafted. Counted from the rule, so
+    a probe schedule that drifts, stops or runs every step fails."""
     target, draft, companion = trio()
     table = built_profile(V, 1.0)[0].table("adaptive")
     table = dataclasses.replace(table, mean=[[0.1] * len(row) for row in table.mean])
@@ -914,14 +942,15 @@ def test_a_quiet_request_probes_in_the_engine_every_probe_steps(probe):
     drafter = CompanionRowsDrafter(inner, ModelRunner(companion.model, vocab_size=V, rows=0), V)
     selector = GoodputSelector(table, linear_latency(0.5), probe=probe)
     assert selector.could_pay(1, 1)  # (1 + 1) / (1 + 0.5) > 1: a probe can pay at one row
-    memory, new_tokens = selector.memory, 41
+    assert not selector.expected_pays(1, GAMMA)  # (1 + 0.1) / (1 + 0.5) < 1: the mean says start quiet
+    new_tokens = 41
     engine = Engine(ModelRunner(target.model, vocab_size=V, rows=0), drafter, ExactRule(), gamma=GAMMA,
                     max_batch_size=4, selector=selector)
     rid = engine.submit(Request((1, 2, 3), PLAIN, max_new_tokens=new_tokens, seed=3))
     engine.run()
     stats = engine.result(rid).stats
     assert stats["drafted"] == 0 and stats["steps"] == stats["new_tokens"] == new_tokens
-    # steps 1..memory: the history fills (gamma, then max(history) + 1 = 1 token); the last step drafts nothing
-    probes = [s for s in range(memory + 1, new_tokens) if s % probe == 0]
-    assert probes and stats["proposed"] == GAMMA + (memory - 1) + len(probes)
-    assert drafter.companion_calls == memory + len(probes)
+    # quiet from the first step: a probe in every probe-th step; the last step drafts nothing
+    probes = [s for s in range(1, new_tokens) if s % probe == 0]
+    assert probes and stats["proposed"] == len(probes)
+    assert drafter.companion_calls == len(probes)

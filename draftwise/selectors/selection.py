@@ -79,6 +79,7 @@ class GoodputSelector:
         self.batch_at: dict[int, int] = {}  # request -> the batch size when its last selection was made
         self.steps = 0  # steps seen: every quiet request probes in the same steps (see `limits`)
         self._could_pay: dict[tuple[int, int], bool] = {}  # (batch size, longest draft) -> see `could_pay`
+        self._mean_rate: float | None = None  # the profile's, once read (`mean_rate`)
 
     def limits(self, rows: Sequence[Row], limits: list[int]) -> list[int]:
         """Draft no more than the row verified lately, plus `lookahead`: tokens the scheduler keeps dropping
@@ -93,7 +94,10 @@ class GoodputSelector:
         A quiet request does not probe at a batch size where even a draft the target accepted whole would not pay
         (`could_pay`): there the draft model would only be kept up to date for nothing. Nor does a new request
         draft at such a batch size (its first `memory` steps would otherwise draft the full limit for nothing); it
-        starts drafting when the batch shrinks to one where drafting could pay.
+        starts drafting when the batch shrinks to one where drafting could pay. Where a whole draft could pay but
+        a draft accepted at the selector's mean rate (`mean_rate`: the profile's, or the pooled history's) would
+        not (`expected_pays`), a new request starts quiet: it probes with the quiet ones instead of drafting (and,
+        for SV, running the companion) through its first `memory` steps.
         Reads only past selections, so exactness is untouched."""
         if self.lookahead is None:
             return limits
@@ -105,8 +109,11 @@ class GoodputSelector:
         for row, limit in zip(rows, limits):
             history = self.selected.get(row.id)
             if not history:  # a new request drafts its full limit, unless at this batch no draft could pay
-                out.append(limit if not self.probe or self.could_pay(n, limit) else 0)
-                continue
+                if not self.probe or not self.could_pay(n, limit) or self.expected_pays(n, limit):
+                    out.append(limit if not self.probe or self.could_pay(n, limit) else 0)
+                    continue
+                history = self.selected[row.id] = deque([0] * self.memory, maxlen=self.memory)  # starts quiet
+                self.batch_at[row.id] = n
             quiet = self.probe and len(history) == self.memory and not any(history)
             if quiet and ((self.steps % self.probe and n >= self.batch_at.get(row.id, n))
                           or not self.could_pay(n, min(limit, self.lookahead))):
@@ -126,6 +133,32 @@ class GoodputSelector:
                 (1 + k) / (self._drafting_ms(n, k) + self.latency.verify_ms([1 + k] * n)) > alone
                 for k in range(1, longest + 1))
         return self._could_pay[key]
+
+    def mean_rate(self) -> float | None:
+        """The acceptance probability of a drafted token on average, before a request has a history: the profile's
+        mean over the tokens it was fitted on (None without a table: no start-quiet check). The mean, not the best
+        cell's: a new request pays its first `memory` steps of drafting (and companion) whatever its tokens turn out
+        to be; one whose draft does better than the mean is found by the probes."""
+        if self.table is None:
+            return None
+        if self._mean_rate is None:  # each cell's mean is (its sum + w x the global mean) / (its count + w), so
+            # the global mean is the cells' means weighted by count + w (AcceptanceTable.fit)
+            w = AcceptanceTable.PRIOR_WEIGHT
+            cells = [(m, c + w) for ms, cs in zip(self.table.mean, self.table.count) for m, c in zip(ms, cs)]
+            self._mean_rate = sum(m * c for m, c in cells) / sum(c for _, c in cells)
+        return self._mean_rate
+
+    def expected_pays(self, n: int, longest: int) -> bool:
+        """Whether, at a batch of `n` rows, drafting up to `longest` tokens a row that the target accepts token by
+        token at `mean_rate` (1 + a + ... + a^k tokens a row on average) commits tokens faster than target-only
+        decoding, by the profile's latency model. True without a mean rate."""
+        rate = self.mean_rate()
+        if rate is None:
+            return True
+        alone = 1.0 / self.latency.verify_ms([1] * n)
+        rate = min(max(rate, 0.0), 1.0)
+        return any(sum(rate ** i for i in range(k + 1)) / (self._drafting_ms(n, k) + self.latency.verify_ms([1 + k] * n))
+                   > alone for k in range(1, longest + 1))
 
     def _drafting_ms(self, n: int, width: int) -> float:
         """The modelled time a step at a batch of `n` rows spends before verification: `width` drafting forwards
@@ -206,6 +239,12 @@ class HistorySelector(GoodputSelector):
         self.reached: dict[int, list[int]] = {}
         self.accepted: dict[int, list[int]] = {}
         self.pooled = [[0, 0] for _ in range(gamma)]  # [accepted, reached] over every request
+
+    def mean_rate(self) -> float:
+        """The pooled rate at the first drafted position so far (with the prior), what a new request's first
+        token is estimated at."""
+        accepted, reached = self.pooled[0] if self.pooled else (0, 0)
+        return (accepted + self.prior) / (reached + 1.0)
 
     def _rate(self, request: int, i: int) -> float:
         pooled_acc, pooled_reach = self.pooled[i]
