@@ -109,8 +109,11 @@ class GoodputSelector:
         for row, limit in zip(rows, limits):
             history = self.selected.get(row.id)
             if not history:  # a new request drafts its full limit, unless at this batch no draft could pay
-                if not self.probe or not self.could_pay(n, limit) or self.expected_pays(n, limit):
-                    out.append(limit if not self.probe or self.could_pay(n, limit) else 0)
+                if not self.probe or self.could_pay(n, limit) and self.expected_pays(n, limit):
+                    out.append(limit)
+                    continue
+                if not self.could_pay(n, limit):  # it drafts once the batch shrinks to where a draft could pay
+                    out.append(0)
                     continue
                 history = self.selected[row.id] = deque([0] * self.memory, maxlen=self.memory)  # starts quiet
                 self.batch_at[row.id] = n
