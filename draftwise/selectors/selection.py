@@ -109,11 +109,11 @@ class GoodputSelector:
         for row, limit in zip(rows, limits):
             history = self.selected.get(row.id)
             if not history:  # a new request drafts its full limit, unless at this batch no draft could pay
-                if not self.probe or self.could_pay(n, limit) and self.expected_pays(n, limit):
-                    out.append(limit)
-                    continue
-                if not self.could_pay(n, limit):  # it drafts once the batch shrinks to where a draft could pay
+                if self.probe and not self.could_pay(n, limit):  # it drafts once the batch shrinks to where one could
                     out.append(0)
+                    continue
+                if not self.probe or self.expected_pays(n, limit):
+                    out.append(limit)
                     continue
                 history = self.selected[row.id] = deque([0] * self.memory, maxlen=self.memory)  # starts quiet
                 self.batch_at[row.id] = n
@@ -131,11 +131,21 @@ class GoodputSelector:
         forwards and the companion counted). False for longest 0."""
         key = (n, longest)
         if key not in self._could_pay:
-            alone = 1.0 / self.latency.verify_ms([1] * n)
-            self._could_pay[key] = any(
-                (1 + k) / (self._drafting_ms(n, k) + self.latency.verify_ms([1 + k] * n)) > alone
-                for k in range(1, longest + 1))
+            self._could_pay[key] = self._pays(n, longest, 1.0)
         return self._could_pay[key]
+
+    def expected_pays(self, n: int, longest: int) -> bool:
+        """`could_pay` for a draft the target accepts token by token at `mean_rate` (1 + a + ... + a^k tokens a row
+        on average) instead of whole. True without a mean rate."""
+        rate = self.mean_rate()
+        return rate is None or self._pays(n, longest, rate)
+
+    def _pays(self, n: int, longest: int, rate: float) -> bool:
+        """Whether some draft length k <= `longest`, each drafted token accepted at `rate` given the ones before it,
+        commits tokens faster at a batch of `n` rows than target-only decoding, by the latency model."""
+        alone = 1.0 / self.latency.verify_ms([1] * n)
+        step_ms = lambda k: self._drafting_ms(n, k) + self.latency.verify_ms([1 + k] * n)  # noqa: E731
+        return any(sum(rate ** i for i in range(k + 1)) / step_ms(k) > alone for k in range(1, longest + 1))
 
     def mean_rate(self) -> float | None:
         """The acceptance probability of a drafted token on average, before a request has a history: the profile's
@@ -144,24 +154,9 @@ class GoodputSelector:
         to be; one whose draft does better than the mean is found by the probes."""
         if self.table is None:
             return None
-        if self._mean_rate is None:  # each cell's mean is (its sum + w x the global mean) / (its count + w), so
-            # the global mean is the cells' means weighted by count + w (AcceptanceTable.fit)
-            w = AcceptanceTable.PRIOR_WEIGHT
-            cells = [(m, c + w) for ms, cs in zip(self.table.mean, self.table.count) for m, c in zip(ms, cs)]
-            self._mean_rate = sum(m * c for m, c in cells) / sum(c for _, c in cells)
+        if self._mean_rate is None:
+            self._mean_rate = self.table.overall_mean()
         return self._mean_rate
-
-    def expected_pays(self, n: int, longest: int) -> bool:
-        """Whether, at a batch of `n` rows, drafting up to `longest` tokens a row that the target accepts token by
-        token at `mean_rate` (1 + a + ... + a^k tokens a row on average) commits tokens faster than target-only
-        decoding, by the profile's latency model. True without a mean rate."""
-        rate = self.mean_rate()
-        if rate is None:
-            return True
-        alone = 1.0 / self.latency.verify_ms([1] * n)
-        rate = min(max(rate, 0.0), 1.0)
-        return any(sum(rate ** i for i in range(k + 1)) / (self._drafting_ms(n, k) + self.latency.verify_ms([1 + k] * n))
-                   > alone for k in range(1, longest + 1))
 
     def _drafting_ms(self, n: int, width: int) -> float:
         """The modelled time a step at a batch of `n` rows spends before verification: `width` drafting forwards

@@ -215,6 +215,14 @@ class AcceptanceTable:
         return cls(list(map(float, s_edges)), list(map(float, a_edges)),
                    mean.view(ns, na).tolist(), count.view(ns, na).long().tolist())
 
+    def overall_mean(self) -> float:
+        """The mean acceptance over every profiled token (the prior `fit` shrank the cells towards): each cell's
+        mean is (its sum + w x the overall mean) / (its count + w), so the overall mean is the cells' means
+        weighted by count + w."""
+        w = self.PRIOR_WEIGHT
+        cells = [(m, c + w) for ms, cs in zip(self.mean, self.count) for m, c in zip(ms, cs)]
+        return sum(m * c for m, c in cells) / sum(c for _, c in cells)
+
     def cells(self, s: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         return bucket(s.double(), self.s_edges) * (len(self.a_edges) - 1) + bucket(a.double(), self.a_edges)
 
