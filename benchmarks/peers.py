@@ -42,16 +42,31 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--pair", action="store_true",
                         help=f"the real pair ({PAIR_TARGET}, {PAIR_DRAFT} as draft) against llama.cpp's own tools")
-    parser.add_argument("--pair-methods", default="ar,sd,suffix,hybrid", help="--pair: draftwise's methods")
+    parser.add_argument("--pair-methods", default="ar,sd,suffix,hybrid",
+                        help="--pair: draftwise's methods (bench labels: sd/gamma=2, sd/tree_nodes=8)")
+    parser.add_argument("--pair-draft", default=PAIR_DRAFT,
+                        help="--pair: draftwise's draft (a registry name or a trained head's folder); llama.cpp's is "
+                             f"always {PAIR_DRAFT}")
     parser.add_argument("--llama-draft-max", default="3,8", help="--pair: llama.cpp's draft lengths")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.pair:
         if min(args.num_prompts, args.max_new_tokens, args.repeats, args.threads, args.gamma) < 1:
             parser.error("--num-prompts, --max-new-tokens, --repeats, --threads and --gamma must be >= 1")
+        from draftwise.bench.labels import parse_label
         from draftwise.bench.peers.pair import run_pair
+        from draftwise.errors import DraftwiseError
 
-        return run_pair(args)
+        try:
+            for label in (m for m in args.pair_methods.split(",") if m):
+                parse_label(label)
+        except DraftwiseError as error:
+            parser.error(f"--pair-methods: {error}")
+        try:
+            return run_pair(args)
+        except DraftwiseError as error:  # a --pair-draft that is neither a registry name nor a head's folder
+            print(f"peers.py: {error}", file=sys.stderr)
+            return 2
     unknown = set(args.spec_format.split(",")) - set(SPEC_FORMATS)
     if unknown:
         parser.error(f"--spec-format: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SPEC_FORMATS)}")

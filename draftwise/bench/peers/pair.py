@@ -42,7 +42,8 @@ def llama_speculative(target: Path, draft: Path, prompt_file: Path, draft_max: i
 def run_pair(args: argparse.Namespace) -> int:
     """draftwise and llama.cpp on the pair's own Q4_K_M files, the same prompts, interleaved prompt by prompt.
 
-    Configs: draftwise `--pair-methods` (default ar, sd, suffix, hybrid; the 0.5B as draft, gamma `--gamma`);
+    Configs: draftwise `--pair-methods` (default ar, sd, suffix, hybrid; bench labels such as `sd/gamma=2` or
+    `sd/tree_nodes=8`; draft `--pair-draft`, the 0.5B by default or a trained head, gamma `--gamma`);
     llama.cpp speculative with the 0.5B (llama-speculative-simple, draft-simple, --spec-draft-n-max for each of
     `--llama-draft-max`); llama.cpp plain: llama-bench's decode rate for `--max-new-tokens` tokens after the
     prompts' mean length of context, once a repeat. Greedy; every engine stops at EOS or at
@@ -53,6 +54,7 @@ def run_pair(args: argparse.Namespace) -> int:
     summed over the prompts, median over `--repeats`."""
     import draftwise
     from draftwise.api import generate
+    from draftwise.bench.labels import parse_label
     from draftwise.methods import get_method
     from draftwise.models import registry
     from draftwise.heads.loading import load_draft
@@ -75,8 +77,8 @@ def run_pair(args: argparse.Namespace) -> int:
         result["llama_bench"] = {"runs": runs, "table_markdown": llama_tools.bench_table(runs)}
     torch.set_num_threads(args.threads)
     target = draftwise.load_model(PAIR_TARGET)
-    draft = load_draft(PAIR_DRAFT, target)
-    result["draftwise_weights"] = {"target": weights_description(target.model), "draft": weights_description(draft.model)}
+    draft = load_draft(args.pair_draft, target)
+    result["draftwise_weights"] = {"target": weights_description(target.model), "draft": weights_description(getattr(draft, "model", draft))}
     prompts = [p for p in load_prompts("spec-bench", num_prompts=args.num_prompts)]
     coding = load_prompts("spec-bench", num_prompts=args.num_prompts, categories=["coding"])
     seen = {p.question_id for p in prompts}
@@ -91,6 +93,7 @@ def run_pair(args: argparse.Namespace) -> int:
     result["prompts"] = [{"question_id": p.question_id, "category": p.category, "tokens": len(ids)}
                          for p, ids in zip(prompts, encoded)]
     methods = [m for m in args.pair_methods.split(",") if m]
+    labels = {m: parse_label(m) for m in methods}
     configs = [("draftwise", m) for m in methods] + [("llama.cpp", int(n)) for n in args.llama_draft_max.split(",") if n]
     depth = round(statistics.mean(len(ids) for ids in encoded))
 
@@ -98,9 +101,12 @@ def run_pair(args: argparse.Namespace) -> int:
         engine, what = config
         if engine == "llama.cpp":
             return llama_speculative(target_file, draft_file, files[i], what, args.threads, args.max_new_tokens, log)
+        method, options = labels[what]
+        options = dict(options)
+        gamma = options.pop("gamma", args.gamma)
         start = time.perf_counter()
-        g = generate(target, list(encoded[i]), draft=draft if get_method(what).needs_draft else None, method=what,
-                     max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, gamma=args.gamma)
+        g = generate(target, list(encoded[i]), draft=draft if get_method(method).needs_draft else None, method=method,
+                     max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, gamma=gamma, **options)
         wall = time.perf_counter() - start
         s = g.stats
         ttft = s.get("time_to_first_token_s") or 0.0
