@@ -205,6 +205,7 @@ class VllmRunner:
                                           seed=0, disable_log_stats=False,  # per-request timestamps (decode time)
                                           enable_prefix_caching=False,  # repeats re-send the same prompts
                                           max_num_seqs=max(self.plan["batch_size"], 32))
+            kwargs.update(self.plan.get("llm_kwargs") or {})  # e.g. enforce_eager (benchmarks/vllm_pair_eagle.py)
             if cfg.get("speculative_config"):
                 kwargs["speculative_config"] = cfg["speculative_config"]
                 kwargs["per_request_spec_decode_metrics"] = "summary"
@@ -214,11 +215,28 @@ class VllmRunner:
     def _params(self, max_new_tokens: int) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+        # EOS ignored unless the plan says otherwise (`ignore_eos: false`, `stop_token_ids`: draftwise bench's stops)
+        return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=self.plan.get("ignore_eos", True),
+                              stop_token_ids=self.plan.get("stop_token_ids"))
+
+    def spec_counters(self) -> dict[str, Any]:
+        """vLLM's spec-decode counters so far (`LLM.get_metrics()`, summed over engines): counters as numbers,
+        vectors (num_accepted_tokens_per_pos) as lists."""
+        out: dict[str, Any] = {}
+        for metric in self.llm.get_metrics():
+            if not metric.name.startswith("vllm:spec_decode"):
+                continue
+            if hasattr(metric, "values"):
+                old = out.get(metric.name) or [0] * len(metric.values)
+                out[metric.name] = [a + b for a, b in zip(old, metric.values)]
+            elif hasattr(metric, "value"):
+                out[metric.name] = out.get(metric.name, 0) + metric.value
+        return out
 
     def run_one(self, cfg: dict[str, Any], ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         from vllm.inputs import TokensPrompt
 
+        before = self.spec_counters() if self.plan.get("spec_counters") else None
         start = time.perf_counter()
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], self._params(max_new_tokens),
                                 use_tqdm=False)
@@ -239,6 +257,11 @@ class VllmRunner:
                           target_calls=new - d["num_accepted_draft_tokens"], vllm_spec_steps=d["num_spec_steps"])
         elif cfg.get("speculative_config"):
             raise RuntimeError("vLLM returned no per-request speculative metrics")
+        if before is not None:  # this request's share of the engine's counters (the warm-up's left out)
+            after = self.spec_counters()
+            record["spec_counters"] = {
+                k: ([a - b for a, b in zip(v, before.get(k) or [0] * len(v))] if isinstance(v, list)
+                    else v - before.get(k, 0)) for k, v in after.items()}
         return record
 
     def run_batch(self, cfg: dict[str, Any], prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
