@@ -377,8 +377,8 @@ def trained_files_listing() -> list[str]:
 
 
 _TRAINED_FILES[(SMOLLM2, "smollm2-135m-draft")] = (0.0, 1.0)
-# the pair's, at T=0: 3,072 examples from 64 Spec-Bench training prompts (benchmarks/README.md)
-_TRAINED_FILES[(QWEN_TARGET, QWEN_DRAFT)] = (0.0,)
+# the pair's, at T=0 and T=1: 3,072 examples each from 64 Spec-Bench training prompts (benchmarks/README.md)
+_TRAINED_FILES[(QWEN_TARGET, QWEN_DRAFT)] = (0.0, 1.0)
 
 
 # --- n-gram companions of Speculative Verification (drafters/ngram_companion.py) ------------------------------
