@@ -143,7 +143,7 @@ def run_vllm(group: str, plan: dict[str, Any], cfg: dict[str, Any], env: dict[st
     return out
 
 
-def vllm_summary(runs: list[dict[str, Any]], gamma: int) -> dict[str, Any]:
+def vllm_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     counters: dict[str, Any] = {}
     for run in runs:
         for k, v in (run.get("spec_counters") or {}).items():
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = vllm(f"{tag}-eagle3", plan, cfg, "vllm_eagle3")
     result["vllm_eagle3"] = {k: v for k, v in spec.items() if k != "runs"}
     if spec.get("runs"):
-        result["vllm_eagle3"]["summary"] = vllm_summary(spec["runs"], args.gamma)
+        result["vllm_eagle3"]["summary"] = vllm_summary(spec["runs"])
         result["vllm_eagle3"]["per_prompt"] = [
             {"question_id": p.question_id, "new_tokens": r["new_tokens"], "drafted": r.get("drafted"),
              "accepted": r.get("accepted"), "spec_steps": r.get("vllm_spec_steps"),
