@@ -54,12 +54,14 @@ def run_pair(args: argparse.Namespace) -> int:
     summed over the prompts, median over `--repeats`."""
     import draftwise
     from draftwise.api import generate
-    from draftwise.bench.labels import parse_label
+    from draftwise.bench.labels import run_options
     from draftwise.methods import get_method
     from draftwise.models import registry
     from draftwise.heads.loading import load_draft
     from draftwise.models.loading import weights_description
 
+    methods = [m for m in args.pair_methods.split(",") if m]
+    labels = {m: run_options(m, {}, args.gamma) for m in methods}  # a bad label fails before anything loads
     logs = PEERS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / "pair-llama.log"
@@ -78,7 +80,8 @@ def run_pair(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     target = draftwise.load_model(PAIR_TARGET)
     draft = load_draft(args.pair_draft, target)
-    result["draftwise_weights"] = {"target": weights_description(target.model), "draft": weights_description(getattr(draft, "model", draft))}
+    result["draftwise_weights"] = {"target": weights_description(target.model),
+                                   "draft": weights_description(getattr(draft, "model", draft))}  # a head: its own
     prompts = [p for p in load_prompts("spec-bench", num_prompts=args.num_prompts)]
     coding = load_prompts("spec-bench", num_prompts=args.num_prompts, categories=["coding"])
     seen = {p.question_id for p in prompts}
@@ -92,8 +95,6 @@ def run_pair(args: argparse.Namespace) -> int:
         files.append(path)
     result["prompts"] = [{"question_id": p.question_id, "category": p.category, "tokens": len(ids)}
                          for p, ids in zip(prompts, encoded)]
-    methods = [m for m in args.pair_methods.split(",") if m]
-    labels = {m: parse_label(m) for m in methods}
     configs = [("draftwise", m) for m in methods] + [("llama.cpp", int(n)) for n in args.llama_draft_max.split(",") if n]
     depth = round(statistics.mean(len(ids) for ids in encoded))
 
@@ -102,11 +103,9 @@ def run_pair(args: argparse.Namespace) -> int:
         if engine == "llama.cpp":
             return llama_speculative(target_file, draft_file, files[i], what, args.threads, args.max_new_tokens, log)
         method, options = labels[what]
-        options = dict(options)
-        gamma = options.pop("gamma", args.gamma)
         start = time.perf_counter()
         g = generate(target, list(encoded[i]), draft=draft if get_method(method).needs_draft else None, method=method,
-                     max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, gamma=gamma, **options)
+                     max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0, **options)
         wall = time.perf_counter() - start
         s = g.stats
         ttft = s.get("time_to_first_token_s") or 0.0
